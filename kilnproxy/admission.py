@@ -1,0 +1,106 @@
+"""The request rules of SPEC section 4, steps 1 to 7, in order.
+
+Each check raises ``GatewayError`` with the status and code the SPEC fixes;
+the first that fails answers the request. ``admit_body`` returns the parsed
+body once every rule has passed; the in-flight slot (step 5) is taken by the
+caller between the model and the stream checks, as the order demands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .call import Call
+from .config import KeyConfig
+from .errors import GatewayError, bad_request, forbidden, model_not_found
+from .upstream import Route
+
+_TRUE = ("true",)
+_FALSE = ("false",)
+
+
+async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """Step 3: 413 for a body over ``max_bytes``, 400 for one that is not a JSON object with ``model``."""
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise too_large(max_bytes)
+    try:
+        raw = await request.content.readexactly(length) if length is not None else await _read_capped(
+            request, max_bytes)
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(max_bytes) from None
+    except Exception:  # asyncio.IncompleteReadError and friends: the client sent less than it said
+        raise bad_request("The request body ended before its Content-Length.") from None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
+    if "model" not in body:
+        raise bad_request("The request body has no `model`.", param="model")
+    if not isinstance(body["model"], str):
+        raise bad_request("`model` must be a string.", param="model")
+    return body
+
+
+async def _read_capped(request: web.Request, max_bytes: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(max_bytes)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def too_large(max_bytes: int) -> GatewayError:
+    return GatewayError(413, "request_too_large",
+                        f"The request body is larger than {max_bytes} bytes (server.max_request_bytes).")
+
+
+def check_model(body: dict, key: KeyConfig, routes: dict[str, Route]) -> Route:
+    """Step 4: 404 for a model not in the catalog, 403 for one outside the key's allow-list."""
+    route = routes.get(body["model"])
+    if route is None:
+        raise model_not_found(body["model"])
+    if key.models is not None and route.id not in key.models:
+        raise forbidden(f"This key may not use model `{route.id}`.")
+    return route
+
+
+def check_stream(body: dict, call: Call) -> None:
+    """Step 6: coerce ``stream`` to a boolean and check ``stream_options`` (sets ``call.stream``)."""
+    value = body.get("stream")
+    if value is True or value in _TRUE or (type(value) is int and value == 1):
+        stream = True
+    elif value is None or value is False or value in _FALSE or (type(value) is int and value == 0):
+        stream = False
+    else:
+        raise bad_request("`stream` must be true or false (\"true\", 1, \"false\", 0 and null are accepted).",
+                          param="stream")
+    if "stream" in body:
+        body["stream"] = stream
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad_request("`stream_options` can only be given together with `stream: true`.",
+                              param="stream_options")
+        if not isinstance(options, dict):
+            raise bad_request("`stream_options` must be an object.", param="stream_options")
+    call.stream = stream
+    call.include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+
+
+def check_chat_params(body: dict, call: Call, route: Route) -> None:
+    """Step 7: a parameter the model refuses on /chat/completions -> 400 unsupported_parameter."""
+    if call.endpoint != "chat/completions" or not route.reject_chat_params:
+        return
+    for name in route.reject_chat_params:
+        if name in body:
+            raise bad_request(f"`{name}` is not supported on /chat/completions for model `{route.id}`.",
+                              param=name, code="unsupported_parameter")

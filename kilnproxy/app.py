@@ -1,0 +1,70 @@
+"""``create_app(config)``: the aiohttp application of one gateway.
+
+The ``Gateway`` (upstream session, ledger, plugins) is opened and closed in
+``cleanup_ctx``. A ``GatewayError`` raised by any handler becomes its JSON
+error; an unexpected exception becomes a 500 JSON error (and a logged
+traceback), never an HTML page.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from . import handlers
+from .appkeys import GATEWAY
+from .completions import chat_completions, completions
+from .config import Config
+from .errors import GatewayError
+from .gateway import Gateway
+from .plugins import build_plugin_manager
+
+log = logging.getLogger("kilnproxy")
+
+
+def create_app(config: Config) -> web.Application:
+    """Build the app; plugins are loaded (and checked) here, the database opened on start-up."""
+    gateway = Gateway(config, build_plugin_manager(config))
+    app = web.Application(middlewares=[json_errors], client_max_size=config.server.max_request_bytes)
+    app[GATEWAY] = gateway
+    app.cleanup_ctx.append(_gateway_ctx)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", handlers.get_model)
+    app.router.add_get("/v1/credits", handlers.credits)
+    app.router.add_get("/v1/generations/{generation_id}", handlers.generation)
+    app.router.add_get("/healthz", handlers.healthz)
+    return app
+
+
+async def _gateway_ctx(app: web.Application):
+    gateway = app[GATEWAY]
+    await gateway.start()
+    yield
+    await gateway.stop()
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except GatewayError as err:
+        return err.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = "not_found" if exc.status == 404 else "method_not_allowed" if exc.status == 405 else "invalid_request"
+        return GatewayError(exc.status, code, exc.reason, headers=_allow(exc)).response()
+    except (ConnectionResetError, web.RequestPayloadError) as exc:
+        raise exc
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return GatewayError(500, "internal_error", "The gateway failed unexpectedly; see its log.",
+                            type="server_error").response()
+
+
+def _allow(exc: web.HTTPException) -> dict:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else {}

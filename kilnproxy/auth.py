@@ -1,0 +1,30 @@
+"""API keys: ``Authorization: Bearer <key>`` -> the key's config entry."""
+
+from __future__ import annotations
+
+import hashlib
+
+from .config import KeyConfig
+from .errors import GatewayError, forbidden, invalid_api_key
+
+
+class KeyRing:
+    """Keys are held by their sha256 only, so a config may list just the digests."""
+
+    def __init__(self, keys: tuple[KeyConfig, ...]):
+        self._by_digest = {k.key_sha256: k for k in keys}
+
+    def authenticate(self, header: str | None) -> KeyConfig:
+        """The key of a request, or 401 ``invalid_api_key``. A disabled key is returned:
+        the caller answers 403 after it knows whom to record the request against."""
+        if not header or header[:7].lower() != "bearer ":
+            raise invalid_api_key()
+        token = header[7:].strip()
+        key = self._by_digest.get(hashlib.sha256(token.encode()).hexdigest()) if token else None
+        if key is None:
+            raise invalid_api_key()
+        return key
+
+
+def key_disabled() -> GatewayError:
+    return forbidden("This API key is disabled.")

@@ -1,0 +1,151 @@
+"""``python -m kilnproxy``: the gateway and its sub-commands.
+
+A ``KilnError`` is printed as one line (``kilnproxy: error: ...``) with exit
+status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import Config, load_config
+from .errors import KilnError
+
+COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "serve")
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except KilnError as exc:
+        print(f"kilnproxy: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kilnproxy", description="A self-hostable LLM gateway.")
+    sub = p.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="serve the gateway (the default; the demo when no config is given)")
+    _config_arg(serve)
+    serve.add_argument("--host", help="override [server] host")
+    serve.add_argument("--port", type=int, help="override [server] port")
+    serve.set_defaults(func=cmd_serve)
+
+    mock = sub.add_parser("mock-upstream", help="run the fake vLLM-like model server")
+    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--port", type=int, default=8000)
+    mock.add_argument("--delay", type=float, default=0.0, help="seconds between streamed chunks")
+    mock.add_argument("--context-window", type=int, default=4096)
+    mock.add_argument("--flavor", choices=("vllm", "vllm_old", "llamacpp", "ollama"), default="vllm")
+    mock.add_argument("--enable-prompt-tokens-details", action="store_true",
+                      help="report usage.prompt_tokens_details.cached_tokens, as vLLM does with this flag")
+    mock.set_defaults(func=cmd_mock)
+
+    from .usage_report import add_usage_command
+    add_usage_command(sub, _config_arg)
+
+    plugins = sub.add_parser("plugins", help="list the loaded plugins and the hooks each implements")
+    _config_arg(plugins)
+    plugins.set_defaults(func=cmd_plugins)
+
+    check = sub.add_parser("check-config", help="validate a config and print what it would serve")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_check_config)
+    return p
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=os.environ.get("KILNPROXY_CONFIG"),
+                   help="TOML config file (default: $KILNPROXY_CONFIG; none: the demo)")
+
+
+def load_or_none(path: str | None) -> Config | None:
+    return load_config(path) if path else None
+
+
+def cmd_serve(args) -> int:
+    from . import server
+    config = load_or_none(args.config)
+    server.run(lambda: _serve(config, args.host, args.port))
+    return 0
+
+
+async def _serve(config: Config | None, host: str | None, port: int | None) -> None:
+    from . import server
+    from .demo import banner, demo_config
+    mock = None
+    if config is None:
+        mock = await server.start_mock()
+        config = demo_config(f"{mock.url}/v1", host or "127.0.0.1", 8080 if port is None else port)
+    try:
+        gateway = await server.start_gateway(config, host, port)
+    except BaseException as exc:
+        if mock is not None:
+            await mock.stop()
+        if isinstance(exc, OSError):
+            raise KilnError(f"cannot listen on {host or config.server.host}:{config.server.port if port is None else port}:"
+                            f" {exc.strerror or exc}") from None
+        raise
+    print(banner(gateway.url) if mock is not None else
+          f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})",
+          flush=True)
+    try:
+        await server.wait_for_signal()
+    finally:
+        await gateway.stop()
+        if mock is not None:
+            await mock.stop()
+
+
+def cmd_mock(args) -> int:
+    from . import server
+
+    async def main() -> None:
+        running = await server.start_mock(args.host, args.port, delay=args.delay,
+                                          context_window=args.context_window, flavor=args.flavor,
+                                          prompt_tokens_details=args.enable_prompt_tokens_details)
+        print(f"mock upstream ({args.flavor}) on {running.url}/v1", flush=True)
+        try:
+            await server.wait_for_signal()
+        finally:
+            await running.stop()
+
+    server.run(main)
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from .demo import demo_config
+    from .plugins import build_plugin_manager, loaded_plugins
+    config = load_or_none(args.config) or demo_config("http://127.0.0.1:1/v1", "127.0.0.1", 8080)
+    for plugin in loaded_plugins(build_plugin_manager(config)):
+        print(f"{plugin.name}  ({plugin.source})\n    hooks: {', '.join(plugin.hooks) or '-'}")
+    return 0
+
+
+def cmd_check_config(args) -> int:
+    from .plugins import build_plugin_manager
+    config = load_config(args.file)
+    build_plugin_manager(config)
+    print(f"{args.file}: OK")
+    print(f"  listen   {config.server.host}:{config.server.port}")
+    print(f"  storage  {config.db_path}")
+    for m in config.models:
+        print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
+    for o in config.orgs:
+        keys = sum(1 for k in config.keys if k.org == o.id)
+        print(f"  org      {o.id}: {o.credits} USD, {o.max_in_flight or config.limits.max_in_flight_per_org}"
+              f" in flight, {keys} key(s)")
+    return 0

@@ -1,0 +1,191 @@
+"""POST /v1/completions and /v1/chat/completions: the request's whole path.
+
+client -> auth & admission (``admission``) -> plugins check and rewrite ->
+upstream (``upstream.Route.open``) -> JSON answer here, or the line-by-line
+stream (``stream``) -> exactly one usage row (``Gateway.submit``), whatever way
+the request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from . import admission
+from .appkeys import GATEWAY
+from .auth import key_disabled
+from .call import Call
+from .errors import GatewayError, UpstreamFailure, plugin_failed
+from .gateway import Gateway
+from .plugins import call_impl, call_maybe_async
+from .record import RequestRecord
+from .stream import relay_stream
+from .upstream import Route
+from .usage import Usage
+
+GENERATION_HEADER = "X-Neocloud-Generation-Id"
+PASS_THROUGH_STATUSES = (400, 422)
+
+
+def new_generation_id() -> str:
+    return "gen-" + os.urandom(12).hex()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await handle(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await handle(request, "chat/completions")
+
+
+async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    key = gw.keys.authenticate(request.headers.get("Authorization"))  # 401: no org, no row
+    call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
+    record = RequestRecord(call)
+    headers = {GENERATION_HEADER: call.generation_id}
+    slot = False
+    try:
+        if key.disabled:
+            raise key_disabled()
+        if gw.credits.remaining(key.org) <= 0:
+            raise GatewayError(402, "insufficient_credits",
+                               f"Org `{key.org}` has no credits left. Ask the gateway's operator to raise "
+                               "its grant.", type="insufficient_credits")
+        maintenance = gw.config.maintenance
+        if maintenance.enabled:
+            raise GatewayError(503, "maintenance", "The gateway is in maintenance mode.",
+                               type="service_unavailable", headers={"Retry-After": maintenance.retry_after})
+        body = await admission.read_json_body(request, gw.config.server.max_request_bytes)
+        record.model = body["model"]
+        record.body = body
+        route = admission.check_model(body, key, gw.routes)
+        call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
+        if not gw.inflight.try_acquire(key.org, gw.limit_for(key.org)):
+            raise GatewayError(429, "rate_limit_exceeded",
+                               f"Org `{key.org}` already has {gw.limit_for(key.org)} requests in flight.",
+                               type="rate_limit_error")
+        slot = True
+        admission.check_stream(body, call)
+        admission.check_chat_params(body, call, route)
+        await run_request_hooks(gw, call, body)
+        for impl in gw.hooks.response_headers:
+            headers.update(_plugin_call(impl, {"call": call}) or {})
+        return await forward(request, gw, call, route, record, body, headers)
+    except GatewayError as err:
+        record.fail(err.status, err.code)
+        await gw.submit(record)
+        return err.response(headers)
+    except UpstreamFailure as err:
+        record.fail(502, err.code)
+        await gw.submit(record)
+        return err.response(headers)
+    except (asyncio.CancelledError, ConnectionResetError):
+        record.disconnected = True
+        raise
+    finally:
+        gw.submit(record)
+        if slot:
+            gw.inflight.release(key.org)
+
+
+async def run_request_hooks(gw: Gateway, call: Call, body: dict) -> None:
+    """``check_request`` (may refuse) then ``rewrite_request``, errors pinned on the plugin."""
+    for impl in gw.hooks.check_request:
+        try:
+            refusal = await call_maybe_async(impl, {"call": call, "body": body})
+        except Exception as exc:
+            raise plugin_failed(impl.plugin, impl.hook, exc) from exc
+        if refusal is not None:
+            raise refusal
+    for impl in gw.hooks.rewrite_request:
+        try:
+            await call_maybe_async(impl, {"call": call, "body": body})
+        except Exception as exc:
+            raise plugin_failed(impl.plugin, impl.hook, exc) from exc
+
+
+def _plugin_call(impl, kwargs):
+    try:
+        return call_impl(impl, kwargs)
+    except Exception as exc:
+        raise plugin_failed(impl.plugin, impl.hook, exc) from exc
+
+
+async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
+                  body: dict, headers: dict) -> web.StreamResponse:
+    upstream, resp = await route.open(gw.session, call.endpoint, orjson.dumps(body))
+    call.upstream = upstream.base_url
+    try:
+        if resp.status in PASS_THROUGH_STATUSES:
+            return await pass_through(gw, resp, record, headers)
+        if resp.status >= 300:
+            raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status}")
+        if call.stream:
+            return await relay_stream(request, gw, call, route, record, resp, headers)
+        return await json_answer(gw, call, record, resp, headers)
+    finally:
+        upstream.in_flight -= 1
+        if resp.content.is_eof():
+            resp.release()  # back to the pool for the next request
+        else:
+            resp.close()  # cut short: hang up so the model server stops generating
+
+
+async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: RequestRecord,
+                       headers: dict) -> web.Response:
+    """Upstream 400/422: the model server rejected the request; same status, same body."""
+    raw = await _read_upstream(resp)
+    record.first_byte()
+    record.fail(resp.status, _error_code(raw))
+    await gw.submit(record)  # the row is on disk before the response ends
+    return web.Response(status=resp.status, body=raw, headers={
+        **headers, "Content-Type": resp.headers.get("Content-Type", "application/json")})
+
+
+async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aiohttp.ClientResponse,
+                      headers: dict) -> web.Response:
+    raw = await _read_upstream(resp)
+    record.first_byte()
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamFailure("the upstream's answer is not JSON", code="upstream_bad_response") from None
+    if not isinstance(answer, dict):
+        raise UpstreamFailure("the upstream's answer is not a JSON object", code="upstream_bad_response")
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        record.usage = Usage.from_upstream(usage)
+    choices = answer.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[-1], dict):
+        record.finish_reason = choices[-1].get("finish_reason")
+    for impl in gw.hooks.transform_response:
+        _plugin_call(impl, {"call": call, "body": answer})
+    out = orjson.dumps(answer)
+    await gw.submit(record)
+    return web.Response(body=out, content_type="application/json", headers=headers)
+
+
+async def _read_upstream(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise UpstreamFailure(f"the upstream failed while sending its answer: {type(exc).__name__}",
+                              code="upstream_error") from None
+
+
+def _error_code(raw: bytes) -> str:
+    try:
+        error = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "upstream_rejected"
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code:
+        return code
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) and kind else "upstream_rejected"

@@ -1,0 +1,350 @@
+"""TOML config -> frozen dataclasses, validated once at start-up (SPEC section 2).
+
+``load_config(path)`` either returns a complete ``Config`` (every key filled
+with its default) or raises ``ConfigError`` with one line naming the file, the
+key and what is wrong. Nothing else in the gateway reads the TOML.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_request_bytes: int = 4 * 1024 * 1024
+    keepalive_seconds: float = 15.0
+    upstream_connect_timeout: float = 10.0
+    upstream_idle_timeout: float = 600.0
+    upstream_max_failures: int = 3
+    upstream_down_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    path: str = "kilnproxy.db"
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_in_flight_per_org: int = 8
+
+
+@dataclass(frozen=True)
+class MaintenanceConfig:
+    enabled: bool = False
+    retry_after: str = "Mon, 30 Nov 2026 06:00:00 GMT"
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """USD per million tokens."""
+
+    prompt: float = 0.0
+    completion: float = 0.0
+    cached_prompt: float | None = None
+
+    def cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> float:
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        cached_rate = self.prompt if self.cached_prompt is None else self.cached_prompt
+        micro = (prompt_tokens - cached) * self.prompt + cached * cached_rate
+        micro += completion_tokens * self.completion
+        return micro / 1_000_000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    id: str
+    upstreams: tuple[str, ...]
+    upstream_model: str
+    upstream_api_key_env: str | None = None
+    context_window: int | None = None
+    reject_chat_params: tuple[str, ...] = ()
+    pricing: Pricing = Pricing()
+
+
+@dataclass(frozen=True)
+class OrgConfig:
+    id: str
+    credits: float = 0.0
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    key_sha256: str
+    org: str
+    id: str
+    models: tuple[str, ...] | None = None
+    disabled: bool = False
+
+
+@dataclass(frozen=True)
+class PluginsConfig:
+    modules: tuple[str, ...] = ()
+    entry_points: bool = True
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = ServerConfig()
+    storage: StorageConfig = StorageConfig()
+    limits: LimitsConfig = LimitsConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
+    models: tuple[ModelConfig, ...] = ()
+    orgs: tuple[OrgConfig, ...] = ()
+    keys: tuple[KeyConfig, ...] = ()
+    plugins: PluginsConfig = PluginsConfig()
+    base_dir: Path = Path(".")
+    source: str = "<built-in>"
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        p = Path(relative)
+        return p if p.is_absolute() else self.base_dir / p
+
+    @property
+    def db_path(self) -> Path:
+        return self.resolve(self.storage.path)
+
+
+def sha256_hex(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+# -- validation ---------------------------------------------------------------
+
+_NUMBER = (int, float)
+
+
+class _Reader:
+    """Reads one TOML table, checking names and types; errors name file and key."""
+
+    def __init__(self, source: str, where: str, table: Any):
+        self.source = source
+        self.where = where
+        if not isinstance(table, dict):
+            self.fail(where, f"must be a table, got {type(table).__name__}")
+        self.table = table
+        self.seen: set[str] = set()
+
+    def fail(self, key: str, problem: str) -> None:
+        raise ConfigError(f"{self.source}: {key}: {problem}")
+
+    def key(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
+
+    def get(self, name: str, kind: type | tuple, default: Any = None, *, required: bool = False) -> Any:
+        self.seen.add(name)
+        if name not in self.table:
+            if required:
+                self.fail(self.key(name), "is required")
+            return default
+        value = self.table[name]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds:
+            self.fail(self.key(name), f"must be {_describe(kinds)}, got {value!r}")
+        if not isinstance(value, kinds):
+            self.fail(self.key(name), f"must be {_describe(kinds)}, got {type(value).__name__} {value!r}")
+        return value
+
+    def positive(self, name: str, default: float, *, integer: bool = False) -> Any:
+        value = self.get(name, int if integer else _NUMBER, default)
+        if value <= 0:
+            self.fail(self.key(name), f"must be greater than 0, got {value!r}")
+        return value
+
+    def strings(self, name: str, default: Any = None) -> tuple[str, ...] | None:
+        value = self.get(name, list, default)
+        if value is default:
+            return value
+        if not all(isinstance(v, str) for v in value):
+            self.fail(self.key(name), "must be a list of strings")
+        return tuple(value)
+
+    def done(self) -> None:
+        unknown = sorted(set(self.table) - self.seen)
+        if unknown:
+            self.fail(self.key(unknown[0]), "unknown key (check its spelling against config.example.toml)")
+
+
+def _describe(kinds: tuple) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "a table"}
+    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate the TOML file at ``path``."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_config(raw, source=str(path), base_dir=path.resolve().parent)
+
+
+def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: Path = Path(".")) -> Config:
+    """Validate an already-parsed TOML document."""
+    top = _Reader(source, "", dict(raw))
+    server = _server(_Reader(source, "server", top.get("server", dict, {})))
+    storage_r = _Reader(source, "storage", top.get("storage", dict, {}))
+    storage = StorageConfig(path=storage_r.get("path", str, StorageConfig.path))
+    storage_r.done()
+    limits_r = _Reader(source, "limits", top.get("limits", dict, {}))
+    limits = LimitsConfig(limits_r.positive("max_in_flight_per_org", 8, integer=True))
+    limits_r.done()
+    maint_r = _Reader(source, "maintenance", top.get("maintenance", dict, {}))
+    maintenance = MaintenanceConfig(
+        enabled=maint_r.get("enabled", bool, False),
+        retry_after=maint_r.get("retry_after", str, MaintenanceConfig.retry_after),
+    )
+    maint_r.done()
+    models = tuple(_model(source, i, t) for i, t in enumerate(top.get("models", list, [])))
+    orgs = tuple(_org(source, i, t) for i, t in enumerate(top.get("orgs", list, [])))
+    keys = tuple(_key(source, i, t) for i, t in enumerate(top.get("keys", list, [])))
+    plugins = _plugins(_Reader(source, "plugins", top.get("plugins", dict, {})))
+    top.done()
+    _check_references(source, models, orgs, keys)
+    return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
+                  base_dir=base_dir, source=source)
+
+
+def _server(r: _Reader) -> ServerConfig:
+    d = ServerConfig()
+    port = r.get("port", int, d.port)
+    if not 0 <= port <= 65535:
+        r.fail(r.key("port"), f"must be between 0 and 65535, got {port}")
+    server = ServerConfig(
+        host=r.get("host", str, d.host),
+        port=port,
+        max_request_bytes=r.positive("max_request_bytes", d.max_request_bytes, integer=True),
+        keepalive_seconds=float(r.positive("keepalive_seconds", d.keepalive_seconds)),
+        upstream_connect_timeout=float(r.positive("upstream_connect_timeout", d.upstream_connect_timeout)),
+        upstream_idle_timeout=float(r.positive("upstream_idle_timeout", d.upstream_idle_timeout)),
+        upstream_max_failures=r.positive("upstream_max_failures", d.upstream_max_failures, integer=True),
+        upstream_down_seconds=float(r.positive("upstream_down_seconds", d.upstream_down_seconds)),
+    )
+    r.done()
+    return server
+
+
+def _model(source: str, i: int, table: Any) -> ModelConfig:
+    r = _Reader(source, f"models[{i}]", table)
+    model_id = r.get("id", str, required=True)
+    r.where = f"models[{i}] ({model_id})"
+    upstreams = r.strings("upstreams", None)
+    if not upstreams:
+        r.fail(r.key("upstreams"), "a model needs at least one upstream base URL, e.g. \"http://127.0.0.1:8000/v1\"")
+    for url in upstreams:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            r.fail(r.key("upstreams"), f"{url!r} is not an http(s) base URL")
+    window = r.get("context_window", int, None)
+    if window is not None and window <= 0:
+        r.fail(r.key("context_window"), "must be greater than 0")
+    pricing_r = _Reader(source, r.key("pricing"), r.get("pricing", dict, {}))
+    rates = {}
+    for name in ("prompt", "completion", "cached_prompt"):
+        value = pricing_r.get(name, _NUMBER, None)
+        if value is not None and value < 0:
+            pricing_r.fail(pricing_r.key(name), "must not be negative")
+        rates[name] = None if value is None else float(value)
+    pricing_r.done()
+    model = ModelConfig(
+        id=model_id,
+        upstreams=tuple(u.rstrip("/") for u in upstreams),
+        upstream_model=r.get("upstream_model", str, model_id),
+        upstream_api_key_env=r.get("upstream_api_key_env", str, None),
+        context_window=window,
+        reject_chat_params=r.strings("reject_chat_params", ()),
+        pricing=Pricing(rates["prompt"] or 0.0, rates["completion"] or 0.0, rates["cached_prompt"]),
+    )
+    r.done()
+    return model
+
+
+def _org(source: str, i: int, table: Any) -> OrgConfig:
+    r = _Reader(source, f"orgs[{i}]", table)
+    org = OrgConfig(
+        id=r.get("id", str, required=True),
+        credits=float(r.get("credits", _NUMBER, 0.0)),
+        max_in_flight=r.get("max_in_flight", int, None),
+    )
+    if org.max_in_flight is not None and org.max_in_flight <= 0:
+        r.fail(r.key("max_in_flight"), "must be greater than 0")
+    r.done()
+    return org
+
+
+def _key(source: str, i: int, table: Any) -> KeyConfig:
+    r = _Reader(source, f"keys[{i}]", table)
+    secret = r.get("key", str, None)
+    digest = r.get("key_sha256", str, None)
+    if (secret is None) == (digest is None):
+        r.fail(r.key("key"), "give exactly one of key or key_sha256")
+    if digest is not None:
+        digest = digest.lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            r.fail(r.key("key_sha256"), "must be 64 hex digits (sha256 of the key)")
+    digest = digest or sha256_hex(secret)
+    key = KeyConfig(
+        key_sha256=digest,
+        org=r.get("org", str, required=True),
+        id=r.get("id", str, f"key-{digest[:12]}"),
+        models=r.strings("models", None),
+        disabled=r.get("disabled", bool, False),
+    )
+    r.done()
+    return key
+
+
+def _plugins(r: _Reader) -> PluginsConfig:
+    settings = r.get("settings", dict, {})
+    for name, table in settings.items():
+        if not isinstance(table, dict):
+            r.fail(r.key(f"settings.{name}"), "must be a table")
+    plugins = PluginsConfig(
+        modules=r.strings("modules", ()),
+        entry_points=r.get("entry_points", bool, True),
+        settings=settings,
+    )
+    r.done()
+    return plugins
+
+
+def _check_references(source: str, models, orgs, keys) -> None:
+    def fail(key: str, problem: str) -> None:
+        raise ConfigError(f"{source}: {key}: {problem}")
+
+    model_ids = [m.id for m in models]
+    for name, ids in (("models", model_ids), ("orgs", [o.id for o in orgs])):
+        dupes = {x for x in ids if ids.count(x) > 1}
+        if dupes:
+            fail(f"{name}.id", f"{sorted(dupes)[0]!r} is defined twice")
+    org_ids = {o.id for o in orgs}
+    seen_keys: set[str] = set()
+    for i, key in enumerate(keys):
+        if key.org not in org_ids:
+            fail(f"keys[{i}].org", f"org {key.org!r} does not exist; add an [[orgs]] entry with id = {key.org!r}")
+        for m in key.models or ():
+            if m not in model_ids:
+                fail(f"keys[{i}].models", f"model {m!r} is not in [[models]]")
+        if key.key_sha256 in seen_keys:
+            fail(f"keys[{i}]", "the same key is listed twice")
+        seen_keys.add(key.key_sha256)

@@ -1,0 +1,17 @@
+"""SPEC section 5 for non-streamed answers, as a ``transform_response`` plugin:
+``model`` becomes the catalog id and ``usage.cost`` is added.
+
+(Streamed chunks get the same treatment from the relay at byte level, so that
+events nobody changes are forwarded without being parsed.)
+"""
+
+from kilnproxy.hookspecs import hookimpl
+from kilnproxy.usage import Usage
+
+
+@hookimpl(tryfirst=True)
+def transform_response(call, body):
+    body["model"] = call.model
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        usage["cost"] = Usage.from_upstream(usage).cost(call.pricing)

@@ -1,0 +1,18 @@
+"""The body rules of SPEC section 4, steps 8 and 9, as a ``rewrite_request`` plugin.
+
+The upstream gets the model's ``upstream_model`` as ``model`` and, on a
+streamed request, ``stream_options.include_usage = true`` so that every
+stream is metered; the relay later removes the usage chunk when the client
+did not ask for it (``call.include_usage``).
+"""
+
+from kilnproxy.hookspecs import hookimpl
+
+
+@hookimpl(tryfirst=True)
+def rewrite_request(call, body):
+    body["model"] = call.upstream_model
+    if call.stream:
+        options = body.get("stream_options")
+        body["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {
+            "include_usage": True}

@@ -1,0 +1,37 @@
+"""The built-in demo: a gateway in front of the embedded mock model (SPEC section 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import Config, parse_config
+
+DEMO_KEY = "sk-kiln-demo"
+DEMO_MODEL = "kiln-demo"
+
+
+def demo_config(mock_url: str, host: str, port: int) -> Config:
+    return parse_config({
+        "server": {"host": host, "port": port},
+        "storage": {"path": "kilnproxy.db"},
+        "models": [{
+            "id": DEMO_MODEL,
+            "upstreams": [mock_url],
+            "upstream_model": "mock-vllm",
+            "context_window": 4096,
+            "pricing": {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05},
+        }],
+        "orgs": [{"id": "demo", "credits": 5.0}],
+        "keys": [{"key": DEMO_KEY, "org": "demo", "id": "demo-key"}],
+    }, source="<demo>", base_dir=Path.cwd())
+
+
+def banner(url: str) -> str:
+    return f"""kilnproxy demo on {url}  (no config given: an embedded mock model, usage in ./kilnproxy.db)
+
+  dev key: {DEMO_KEY}   model: {DEMO_MODEL}
+
+  curl -N {url}/v1/completions \\
+    -H "Authorization: Bearer {DEMO_KEY}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{DEMO_MODEL}", "prompt": "The capital of France is", "max_tokens": 12, "stream": true}}'
+"""

@@ -1,0 +1,119 @@
+"""``Gateway``: everything one running gateway holds, built once at start-up.
+
+It owns the upstream session, the ledger, the in-flight counts, credits,
+routes and hooks, and it is what ``startup``/``shutdown`` plugins receive.
+The request path reaches it as ``request.app[GATEWAY]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Mapping
+
+import aiohttp
+import pluggy
+
+from .auth import KeyRing
+from .call import Call
+from .config import Config
+from .errors import PluginError
+from .ledger import Ledger, SQLiteLedger
+from .limits import Credits, InFlight, LocalInFlight
+from .plugins import Hooks, call_maybe_async
+from .record import RequestRecord
+from .upstream import Route, client_session, routes_from
+
+log = logging.getLogger("kilnproxy")
+
+
+class Gateway:
+    def __init__(self, config: Config, pm: pluggy.PluginManager, ledger: Ledger | None = None,
+                 inflight: InFlight | None = None):
+        self.config = config
+        self.pm = pm
+        self.hooks = Hooks(pm)
+        self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
+        self.keys = KeyRing(config.keys)
+        self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
+        self.inflight: InFlight = inflight or LocalInFlight()
+        self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
+        self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
+        self.session: aiohttp.ClientSession | None = None
+        self.started_at = int(time.time())
+        self._usage_queue: asyncio.Queue | None = None
+        self._usage_task: asyncio.Task | None = None
+
+    # -- life cycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.ledger.open()
+        self.credits = Credits(self.credits.granted, await self.ledger.spent_by_org())
+        self.session = client_session(self.config.server)
+        if self.hooks.record_usage:
+            self._usage_queue = asyncio.Queue()
+            self._usage_task = asyncio.create_task(self._notify_usage(), name="kilnproxy-record-usage")
+        for impl in self.hooks.startup:
+            try:
+                await call_maybe_async(impl, {"gateway": self})
+            except Exception as exc:
+                await self.stop()
+                raise PluginError(impl.plugin, f"startup failed: {type(exc).__name__}: {exc}") from None
+
+    async def stop(self) -> None:
+        await self.ledger.close()
+        if self._usage_task is not None:
+            await self._usage_queue.put(None)
+            await self._usage_task
+            self._usage_task = None
+        for impl in self.hooks.shutdown:
+            try:
+                await call_maybe_async(impl, {"gateway": self})
+            except Exception:
+                log.exception("plugin %r failed in shutdown", impl.plugin)
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def plugin_settings(self, name: str) -> Mapping[str, Any]:
+        """The ``[plugins.settings.<name>]`` table (empty when absent)."""
+        return self.config.plugins.settings.get(name, {})
+
+    def limit_for(self, org: str) -> int:
+        return self.org_limits.get(org, self.config.limits.max_in_flight_per_org)
+
+    # -- usage ------------------------------------------------------------------
+
+    def submit(self, record: RequestRecord) -> asyncio.Future:
+        """Queue the request's row (once) and charge its org; safe to call while cancelled."""
+        if not record.submitted:
+            record.submitted = True
+            row = record.row()
+            self.credits.charge(row["org"], row["cost"])
+            record.committed = self.ledger.submit(row, record.call)
+        return record.committed
+
+    def _committed(self, rows: list[tuple[dict, Call]]) -> None:
+        if self._usage_queue is not None:
+            for row, call in rows:
+                self._usage_queue.put_nowait((call, row))
+
+    async def _notify_usage(self) -> None:
+        while (item := await self._usage_queue.get()) is not None:
+            call, row = item
+            kwargs = {"call": call, "usage": _ReadOnlyRow(row)}
+            for impl in self.hooks.record_usage:
+                try:
+                    await call_maybe_async(impl, kwargs)
+                except Exception:
+                    log.exception("plugin %r failed in record_usage for %s", impl.plugin, row["id"])
+
+
+class _ReadOnlyRow(dict):
+    """A usage row handed to plugins: reading works as for a dict, writing raises."""
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError("the usage row is read-only")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _readonly

@@ -1,0 +1,81 @@
+"""The small endpoints: catalog, credits, generations, liveness (SPEC section 3)."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from .appkeys import GATEWAY
+from .auth import key_disabled
+from .config import KeyConfig, ModelConfig
+from .errors import GatewayError, model_not_found
+
+
+def json_response(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def authorized_key(request: web.Request) -> KeyConfig:
+    key = request.app[GATEWAY].keys.authenticate(request.headers.get("Authorization"))
+    if key.disabled:
+        raise key_disabled()
+    return key
+
+
+def model_card(model: ModelConfig, created: int) -> dict:
+    pricing = model.pricing
+    return {
+        "id": model.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "kilnproxy",
+        "context_window": model.context_window,
+        "pricing": {
+            "prompt": pricing.prompt,
+            "completion": pricing.completion,
+            "cached_prompt": pricing.prompt if pricing.cached_prompt is None else pricing.cached_prompt,
+        },
+    }
+
+
+def visible_models(key: KeyConfig, models: tuple[ModelConfig, ...]) -> list[ModelConfig]:
+    return [m for m in models if key.models is None or m.id in key.models]
+
+
+async def list_models(request: web.Request) -> web.Response:
+    key = authorized_key(request)
+    gw = request.app[GATEWAY]
+    cards = [model_card(m, gw.started_at) for m in visible_models(key, gw.config.models)]
+    return json_response({"object": "list", "data": cards})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    key = authorized_key(request)
+    gw = request.app[GATEWAY]
+    model_id = request.match_info["model_id"]
+    for model in visible_models(key, gw.config.models):
+        if model.id == model_id:
+            return json_response(model_card(model, gw.started_at))
+    raise model_not_found(model_id)
+
+
+async def credits(request: web.Request) -> web.Response:
+    key = authorized_key(request)
+    c = request.app[GATEWAY].credits
+    granted = c.granted.get(key.org, 0.0)
+    spent = c.spent.get(key.org, 0.0)
+    return json_response({"org": key.org, "granted": granted, "spent": spent, "remaining": granted - spent})
+
+
+async def generation(request: web.Request) -> web.Response:
+    key = authorized_key(request)
+    generation_id = request.match_info["generation_id"]
+    row = await request.app[GATEWAY].ledger.get(generation_id)
+    if row is None or row["org"] != key.org:
+        raise GatewayError(404, "generation_not_found",
+                           f"No generation `{generation_id}` for this organization.", param="id")
+    return json_response(row)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})

@@ -1,0 +1,84 @@
+"""``RequestRecord``: what one request did, gathered on its way, turned into its usage row."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from .call import Call
+from .usage import Usage, estimate_prompt_tokens
+
+COLUMNS = (
+    "id", "created_at", "org", "key_id", "model", "endpoint", "stream", "status",
+    "error_code", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens",
+    "cost", "duration_ms", "ttft_ms", "finish_reason", "disconnected",
+)
+
+
+class RequestRecord:
+    """Filled in by the request path; ``row()`` gives the ``usage_events`` row.
+
+    ``usage`` is what the upstream reported (``None`` if it never did); then
+    the completion tokens are the content chunks streamed so far and the prompt
+    tokens an estimate from ``body``.
+    """
+
+    __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
+                 "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
+                 "submitted", "committed")
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.created_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        self.started = time.perf_counter()
+        self.model: str | None = None
+        self.status = 200
+        self.error_code: str | None = None
+        self.usage: Usage | None = None
+        self.streamed_chunks = 0
+        self.finish_reason: str | None = None
+        self.ttft_ms: float | None = None
+        self.disconnected = False
+        self.body: dict | None = None
+        self.submitted = False
+        self.committed = None  # the ledger's future for this row, once submitted
+
+    def fail(self, status: int, code: str | None) -> None:
+        self.status = status
+        self.error_code = code
+
+    def first_byte(self) -> None:
+        if self.ttft_ms is None:
+            self.ttft_ms = round((time.perf_counter() - self.started) * 1000, 3)
+
+    def final_usage(self) -> Usage:
+        if self.usage is not None:
+            return self.usage
+        if self.streamed_chunks == 0 and not self.disconnected:
+            return Usage()
+        return Usage(estimate_prompt_tokens(self.body), self.streamed_chunks)
+
+    def row(self) -> dict[str, Any]:
+        usage = self.final_usage()
+        call = self.call
+        return {
+            "id": call.generation_id,
+            "created_at": self.created_at,
+            "org": call.org,
+            "key_id": call.key_id,
+            "model": call.model or self.model,
+            "endpoint": call.endpoint,
+            "stream": int(call.stream),
+            "status": self.status,
+            "error_code": self.error_code,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "total_tokens": usage.total_tokens,
+            "cost": usage.cost(call.pricing),
+            "duration_ms": round((time.perf_counter() - self.started) * 1000, 3),
+            "ttft_ms": self.ttft_ms,
+            "finish_reason": self.finish_reason,
+            "disconnected": int(self.disconnected),
+        }

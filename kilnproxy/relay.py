@@ -1,0 +1,192 @@
+"""The streamed response: upstream SSE -> rules of SPEC section 5 -> plugins -> client.
+
+``EventRelay`` decides, event by event, what the client gets. Events that no
+rule and no plugin changes are forwarded as the upstream's own bytes without
+being parsed: the checks that decide this are substring tests on the bytes,
+prepared once per model. An event is parsed only when it carries usage, an
+error or a finish reason, names the model differently, or a
+``transform_event`` plugin is loaded.
+
+Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
+last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
+removed from the chunks as they pass and comes back as exactly one
+``choices: []`` chunk, priced, just before ``[DONE]``, when the client asked
+for it. The last counts reported win, except that zeros never replace counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from .call import DROP, STOP, Call
+from .errors import plugin_failed
+from .plugins import Impl, call_impl
+from .record import RequestRecord
+from .sse import COMMENT, DONE, DONE_FRAME, data_frame
+from .upstream import Route
+from .usage import Usage
+
+
+class EventRelay:
+    __slots__ = ("call", "route", "record", "impls", "parse_all", "rename", "ended", "error",
+                 "usage_raw", "usage_event", "last_event", "clean_end")
+
+    def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
+        self.call = call
+        self.route = route
+        self.record = record
+        self.impls = impls
+        self.parse_all = bool(impls)
+        self.rename = route.model_bytes != route.upstream_model_bytes
+        self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
+        self.error: bytes | None = None
+        self.usage_raw: dict | None = None
+        self.usage_event: dict | None = None
+        self.last_event: dict | None = None
+        self.clean_end = False  # the upstream sent [DONE]
+
+    # -- per event ----------------------------------------------------------
+
+    def feed(self, items: list[tuple[int, bytes]]) -> bytes:
+        """The bytes to send for these parsed SSE items (possibly none)."""
+        out = []
+        for kind, payload in items:
+            if kind == COMMENT:
+                out.append(payload + b"\n\n")
+                continue
+            if payload == DONE:
+                self.ended = self.clean_end = True
+                break
+            frame = self._event(payload)
+            if frame is not None:
+                out.append(frame)
+            if self.ended:
+                break
+        return b"".join(out)
+
+    def _event(self, payload: bytes) -> bytes | None:
+        if not self.parse_all and (
+            (b'"usage"' not in payload or b'"usage":null' in payload)
+            and b'"error"' not in payload
+            and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)
+        ):
+            if not self.rename or self.route.model_bytes in payload:
+                self.record.streamed_chunks += 1
+                return data_frame(payload)
+            if self.route.upstream_model_bytes in payload:
+                self.record.streamed_chunks += 1
+                return data_frame(payload.replace(self.route.upstream_model_bytes, self.route.model_bytes, 1))
+        return self._parsed_event(payload)
+
+    def _parsed_event(self, payload: bytes) -> bytes | None:
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return data_frame(payload)  # not ours to judge; the client sees what was sent
+        if not isinstance(event, dict):
+            return data_frame(payload)
+        if "error" in event or event.get("object") == "error":
+            return self._upstream_error(event)
+        choices = event.get("choices")
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self._take_usage(usage)
+            if not choices:
+                self.usage_event = event
+                return None
+            event["usage"] = None
+        if choices:
+            self.record.streamed_chunks += 1
+            for choice in choices:
+                reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+                if reason:
+                    self.record.finish_reason = reason
+        if "model" in event:
+            event["model"] = self.call.model
+        self.last_event = event
+        if self.parse_all:
+            verdict = self._transform(event)
+            if verdict is DROP:
+                return None
+            if verdict is STOP:
+                self.ended = True
+        return data_frame(orjson.dumps(event))
+
+    def _take_usage(self, usage: dict) -> None:
+        counts = Usage.from_upstream(usage)
+        if counts.is_zero() and self.usage_raw is not None:
+            return
+        self.usage_raw = usage
+        self.record.usage = counts
+
+    def _upstream_error(self, event: dict) -> bytes:
+        if "error" not in event:  # vLLM before 0.10.1: a flat error object
+            event = {"error": {k: v for k, v in event.items() if k != "object"}}
+        error = event["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+        self.record.error_code = code if isinstance(code, str) else "upstream_error"
+        self.error = data_frame(orjson.dumps(event))
+        self.ended = True
+        return self.error
+
+    def _transform(self, event: dict) -> Any:
+        kwargs = {"call": self.call, "event": event}
+        verdict = None
+        for impl in self.impls:
+            try:
+                result = call_impl(impl, kwargs)
+            except Exception as exc:
+                raise StreamPluginError(impl, exc) from exc
+            if result is STOP or result is DROP:
+                verdict = result if verdict is None else verdict
+        return verdict
+
+    # -- the end --------------------------------------------------------------
+
+    def tail(self) -> bytes:
+        """What follows the last event: the usage chunk if asked for, then ``[DONE]``."""
+        if self.error is not None or not self.call.include_usage:
+            return DONE_FRAME
+        event = self._usage_event()
+        if self.parse_all and self._transform(event) is DROP:
+            return DONE_FRAME
+        return data_frame(orjson.dumps(event)) + DONE_FRAME
+
+    def _usage_event(self) -> dict:
+        usage = self.record.final_usage()
+        event = self.usage_event
+        if event is None:
+            base = self.last_event or {}
+            event = {k: base[k] for k in ("id", "object", "created") if k in base}
+            if "object" not in event:
+                event["object"] = "chat.completion.chunk" if self.call.endpoint == "chat/completions" \
+                    else "text_completion"
+        event["model"] = self.call.model
+        event["choices"] = []
+        raw = dict(self.usage_raw) if self.usage_raw is not None else {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+        }
+        raw["cost"] = usage.cost(self.call.pricing)
+        event["usage"] = raw
+        return event
+
+
+class StreamPluginError(Exception):
+    """A ``transform_event`` plugin raised after the stream had started."""
+
+    def __init__(self, impl: Impl, exc: BaseException):
+        super().__init__(f"{impl.plugin}: {exc}")
+        self.error = plugin_failed(impl.plugin, impl.hook, exc)
+
+    def frame(self) -> bytes:
+        return data_frame(orjson.dumps(self.error.payload()))
+
+
+def error_frame(message: str, code: str) -> bytes:
+    """The ``error`` event the gateway sends when a stream cannot go on."""
+    return data_frame(orjson.dumps({"error": {"message": message, "type": "upstream_error",
+                                              "param": None, "code": code}}))

@@ -1,0 +1,86 @@
+"""Running servers: the gateway (and the demo's embedded mock) on real sockets.
+
+``start_gateway`` is what both the CLI and the tests use, so tests run the
+gateway exactly as users do: ``handler_cancellation`` on (a client that hangs
+up cancels its handler, which closes the upstream request at once), no
+aiohttp access log (the gateway writes its own usage rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .app import create_app
+from .config import Config
+from .mock_upstream import create_mock_app
+
+log = logging.getLogger("kilnproxy")
+
+SHUTDOWN_SECONDS = 30.0
+
+
+@dataclass
+class Running:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_app(app: web.Application, host: str, port: int) -> Running:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_SECONDS)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if port == 0 else port
+    return Running(runner, host, bound)
+
+
+async def start_gateway(config: Config, host: str | None = None, port: int | None = None) -> Running:
+    app = create_app(config)
+    return await start_app(app, host or config.server.host, config.server.port if port is None else port)
+
+
+async def start_mock(host: str = "127.0.0.1", port: int = 0, **options) -> Running:
+    return await start_app(create_mock_app(**options), host, port)
+
+
+async def wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+
+
+def run(main) -> None:
+    """Run a coroutine function on uvloop when it is installed."""
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())

@@ -1,0 +1,148 @@
+"""Writing a streamed answer: upstream chunks -> ``SSEParser`` -> ``EventRelay`` -> client.
+
+From ``prepare()`` on, the status is 200 and any failure can only be told as
+a ``data: {"error": ...}`` event followed by ``data: [DONE]``. The row is
+committed before ``[DONE]`` is written, so a client that saw the end of its
+stream always has its usage row. A client that leaves raises out of the
+``write`` (or, with ``handler_cancellation``, cancels the handler): the
+caller's ``finally`` closes the upstream request and records the row as
+disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from .call import Call
+from .gateway import Gateway
+from .record import RequestRecord
+from .relay import EventRelay, StreamPluginError, error_frame
+from .sse import DONE_FRAME, KEEPALIVE_FRAME, SSEParser
+from .upstream import Route
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "Connection": "keep-alive",
+    "X-Accel-Buffering": "no",
+}
+
+
+async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
+                       upstream: aiohttp.ClientResponse, headers: dict) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    await response.prepare(request)
+    relay = EventRelay(call, route, record, gw.hooks.transform_event)
+    keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
+    try:
+        tail = await _pump(upstream, response, relay, record, keepalive)
+        keepalive.cancel()
+        await gw.submit(record)
+        await response.write(tail)
+        await response.write_eof()
+        if relay.clean_end:
+            await _drain(upstream)
+    except ConnectionResetError:  # the client went away; the caller records it
+        record.disconnected = True
+    finally:
+        keepalive.cancel()
+    return response
+
+
+async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: EventRelay,
+                record: RequestRecord, keepalive: "KeepAlive") -> bytes:
+    """Relay until the upstream ends; return what must follow (usage chunk, ``[DONE]``)."""
+    parser = SSEParser()
+    content = upstream.content
+    while True:
+        try:
+            chunk = await content.readany()
+        except asyncio.TimeoutError:
+            return _failed(record, "upstream_timeout", "The upstream sent nothing for too long.")
+        except aiohttp.ClientError as exc:
+            return _failed(record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
+        if not chunk:
+            try:
+                out = relay.feed(parser.close())
+            except StreamPluginError as exc:
+                return _plugin_failed(record, exc)
+            if out:
+                await response.write(out)
+            if relay.ended or record.finish_reason is not None:
+                return relay.tail()
+            return _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
+        keepalive.touch()
+        if record.ttft_ms is None:
+            record.first_byte()
+        try:
+            out = relay.feed(parser.feed(chunk))
+        except StreamPluginError as exc:
+            return _plugin_failed(record, exc)
+        if out:
+            await response.write(out)
+        if relay.ended:
+            return relay.tail()
+
+
+async def _drain(upstream: aiohttp.ClientResponse) -> None:
+    """Read the few bytes after ``[DONE]`` so the connection can be reused."""
+    try:
+        async with asyncio.timeout(1.0):
+            while await upstream.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+
+
+def _failed(record: RequestRecord, code: str, message: str) -> bytes:
+    record.error_code = code
+    return error_frame(message, code) + DONE_FRAME
+
+
+def _plugin_failed(record: RequestRecord, exc: StreamPluginError) -> bytes:
+    record.error_code = exc.error.code
+    return exc.frame() + DONE_FRAME
+
+
+class KeepAlive:
+    """Sends ``: keepalive`` whenever the upstream has been silent for ``seconds``.
+
+    One timer per stream, re-armed lazily: ``touch()`` only stores a time, so
+    the per-chunk cost is one clock read.
+    """
+
+    __slots__ = ("response", "seconds", "last", "loop", "handle", "task")
+
+    def __init__(self, response: web.StreamResponse, seconds: float):
+        self.response = response
+        self.seconds = seconds
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()
+        self.task: asyncio.Task | None = None
+        self.handle = self.loop.call_at(self.last + seconds, self._due)
+
+    def touch(self) -> None:
+        self.last = self.loop.time()
+
+    def _due(self) -> None:
+        due = self.last + self.seconds
+        if self.loop.time() < due:
+            self.handle = self.loop.call_at(due, self._due)
+            return
+        self.last = self.loop.time()
+        self.task = asyncio.ensure_future(self._send())
+        self.handle = self.loop.call_at(self.last + self.seconds, self._due)
+
+    async def _send(self) -> None:
+        try:
+            await self.response.write(KEEPALIVE_FRAME)
+        except (ConnectionError, RuntimeError):
+            pass  # the client is gone; the relay finds out at its next write
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()

@@ -1,0 +1,78 @@
+"""Token counts, their price, and estimates for requests cut short."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .config import Pricing
+
+
+class Usage:
+    """Final token counts of one request, as the upstream reported them."""
+
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens")
+
+    def __init__(self, prompt_tokens: int = 0, completion_tokens: int = 0,
+                 cached_tokens: int = 0, total_tokens: int | None = None):
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.cached_tokens = cached_tokens
+        self.total_tokens = prompt_tokens + completion_tokens if total_tokens is None else total_tokens
+
+    @classmethod
+    def from_upstream(cls, usage: Mapping[str, Any]) -> "Usage":
+        """Read an OpenAI-style ``usage`` object; missing or odd fields count as 0."""
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        prompt = _count(usage.get("prompt_tokens"))
+        completion = _count(usage.get("completion_tokens"))
+        total = usage.get("total_tokens")
+        return cls(prompt, completion, _count(cached), _count(total) if total is not None else None)
+
+    def is_zero(self) -> bool:
+        return not (self.prompt_tokens or self.completion_tokens or self.total_tokens)
+
+    def cost(self, pricing: Pricing | None) -> float:
+        if pricing is None:
+            return 0.0
+        return pricing.cost(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Usage) and all(getattr(self, s) == getattr(other, s) for s in self.__slots__)
+
+    def __repr__(self) -> str:
+        return ("Usage(prompt={0.prompt_tokens}, completion={0.completion_tokens}, "
+                "cached={0.cached_tokens}, total={0.total_tokens})").format(self)
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and value > 0 else 0
+
+
+CHARS_PER_TOKEN = 4  # the usual rule of thumb for English text and BPE tokenizers
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
+    """A rough prompt size for a request the upstream never reported on.
+
+    Used only when the client left before the upstream sent its usage: about
+    four characters a token over the prompt or the messages' text, at least 1.
+    A token-id prompt (a list of ints) counts one token per id.
+    """
+    if not body:
+        return 0
+    chars = 0
+    ids = 0
+    source = body.get("prompt", body.get("messages"))
+    stack = [source]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            ids += 1
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(v for k, v in item.items() if k in ("content", "text"))
+    return max(1, ids + -(-chars // CHARS_PER_TOKEN))

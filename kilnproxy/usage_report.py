@@ -1,0 +1,87 @@
+"""``python -m kilnproxy usage``: totals by org and model, read from the ledger.
+
+Reads the SQLite file read-only, so it works while the gateway runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .config import load_config
+from .errors import KilnError
+from .ledger import read_rows
+
+FIELDS = ("org", "model", "requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens",
+          "total_tokens", "cost")
+
+
+def add_usage_command(sub, config_arg) -> None:
+    p = sub.add_parser("usage", help="print usage totals by org and model")
+    config_arg(p)
+    p.add_argument("--db", help="the SQLite file (default: [storage] path of the config, or ./kilnproxy.db)")
+    p.add_argument("--since", help="only requests at or after this date/time (ISO-8601, UTC)")
+    p.add_argument("--org", help="only this org")
+    p.add_argument("--model", help="only this model")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_usage)
+
+
+def _since(value: str) -> str:
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise KilnError(f"--since {value!r}: not a date; use e.g. 2026-11-01 or 2026-11-01T12:00") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def totals(db: Path, since: str | None = None, org: str | None = None, model: str | None = None) -> list[dict]:
+    where, params = [], []
+    if since:
+        where.append("created_at >= ?")
+        params.append(_since(since))
+    if org:
+        where.append("org = ?")
+        params.append(org)
+    if model:
+        where.append("model = ?")
+        params.append(model)
+    sql = ("SELECT org, COALESCE(model, '') AS model, COUNT(*) AS requests,"
+           " SUM(status >= 400 OR error_code IS NOT NULL) AS errors,"
+           " SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens,"
+           " SUM(cached_tokens) AS cached_tokens, SUM(total_tokens) AS total_tokens, SUM(cost) AS cost"
+           " FROM usage_events" + (" WHERE " + " AND ".join(where) if where else "") +
+           " GROUP BY org, model ORDER BY org, model")
+    return [dict(r) for r in read_rows(db, sql, params)]
+
+
+def cmd_usage(args) -> int:
+    if args.db:
+        db = Path(args.db)
+    elif args.config:
+        db = load_config(args.config).db_path
+    else:
+        db = Path("kilnproxy.db")
+    rows = totals(db, args.since, args.org, args.model)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(render_table(rows))
+    return 0
+
+
+def render_table(rows: list[dict]) -> str:
+    header = ("org", "model", "requests", "errors", "prompt", "completion", "cached", "total", "cost (USD)")
+    body = [(r["org"], r["model"], str(r["requests"]), str(r["errors"]), str(r["prompt_tokens"]),
+             str(r["completion_tokens"]), str(r["cached_tokens"]), str(r["total_tokens"]), f"{r['cost']:.6f}")
+            for r in rows]
+    if not body:
+        return "no usage recorded"
+    widths = [max(len(c) for c in col) for col in zip(header, *body)]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in (header, *body)]
+    return "\n".join(lines)
