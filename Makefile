@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test clean
+.PHONY: install run test clean browser
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,12 @@ install: $(STAMP)
 run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--config my.toml"`
 	$(PY) -m kilnproxy $(ARGS)
 
-test: $(STAMP)  ## the whole test suite
+test: $(STAMP) browser  ## the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+browser:  ## Debian's chromium, for the inspector's browser test (Playwright drives it; it downloads no browser)
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+		{ apt-get update && apt-get install -y chromium chromium-driver; }
 
 clean:
 	rm -rf $(VENV) *.egg-info

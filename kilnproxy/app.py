@@ -18,6 +18,7 @@ from .completions import chat_completions, completions
 from .config import Config
 from .errors import GatewayError
 from .gateway import Gateway
+from .inspector import setup_inspector
 from .plugins import build_plugin_manager
 
 log = logging.getLogger("kilnproxy")
@@ -36,6 +37,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/v1/credits", handlers.credits)
     app.router.add_get("/v1/generations/{generation_id}", handlers.generation)
     app.router.add_get("/healthz", handlers.healthz)
+    setup_inspector(app, gateway)
     return app
 
 

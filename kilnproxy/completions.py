@@ -64,6 +64,8 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         body = await admission.read_json_body(request, gw.config.server.max_request_bytes)
         record.model = body["model"]
         record.body = body
+        if gw.capture is not None:
+            record.tap = gw.capture.tap(record, body)
         route = admission.check_model(body, key, gw.routes)
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         if not gw.inflight.try_acquire(key.org, gw.limit_for(key.org)):
@@ -119,7 +121,10 @@ def _plugin_call(impl, kwargs):
 
 async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
                   body: dict, headers: dict) -> web.StreamResponse:
-    upstream, resp = await route.open(gw.session, call.endpoint, orjson.dumps(body))
+    payload = orjson.dumps(body)
+    if record.tap is not None:
+        record.tap.sent_upstream(payload)
+    upstream, resp = await route.open(gw.session, call.endpoint, payload)
     call.upstream = upstream.base_url
     try:
         if resp.status in PASS_THROUGH_STATUSES:
@@ -143,6 +148,8 @@ async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: Reques
     raw = await _read_upstream(resp)
     record.first_byte()
     record.fail(resp.status, _error_code(raw))
+    if record.tap is not None:
+        record.tap.answer(raw, raw)
     await gw.submit(record)  # the row is on disk before the response ends
     return web.Response(status=resp.status, body=raw, headers={
         **headers, "Content-Type": resp.headers.get("Content-Type", "application/json")})
@@ -167,6 +174,8 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
     for impl in gw.hooks.transform_response:
         _plugin_call(impl, {"call": call, "body": answer})
     out = orjson.dumps(answer)
+    if record.tap is not None:
+        record.tap.answer(raw, out)
     await gw.submit(record)
     return web.Response(body=out, content_type="application/json", headers=headers)
 

@@ -97,6 +97,17 @@ class PluginsConfig:
 
 
 @dataclass(frozen=True)
+class InspectorConfig:
+    """The web inspector at /ui (kilnproxy.inspector)."""
+
+    enabled: bool = True
+    capture: bool = False  # keep bodies and streams of the last requests in memory
+    capture_requests: int = 100
+    capture_bytes: int = 1024 * 1024  # per request; beyond it the capture is marked truncated
+    token: str | None = None  # None: loopback clients only
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     storage: StorageConfig = StorageConfig()
@@ -106,6 +117,7 @@ class Config:
     orgs: tuple[OrgConfig, ...] = ()
     keys: tuple[KeyConfig, ...] = ()
     plugins: PluginsConfig = PluginsConfig()
+    inspector: InspectorConfig = InspectorConfig()
     base_dir: Path = Path(".")
     source: str = "<built-in>"
 
@@ -219,10 +231,11 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     orgs = tuple(_org(source, i, t) for i, t in enumerate(top.get("orgs", list, [])))
     keys = tuple(_key(source, i, t) for i, t in enumerate(top.get("keys", list, [])))
     plugins = _plugins(_Reader(source, "plugins", top.get("plugins", dict, {})))
+    inspector = _inspector(_Reader(source, "inspector", top.get("inspector", dict, {})))
     top.done()
     _check_references(source, models, orgs, keys)
     return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
-                  base_dir=base_dir, source=source)
+                  inspector=inspector, base_dir=base_dir, source=source)
 
 
 def _server(r: _Reader) -> ServerConfig:
@@ -326,6 +339,22 @@ def _plugins(r: _Reader) -> PluginsConfig:
     )
     r.done()
     return plugins
+
+
+def _inspector(r: _Reader) -> InspectorConfig:
+    d = InspectorConfig()
+    token = r.get("token", str, None)
+    if token is not None and not token.strip():
+        r.fail(r.key("token"), "must not be empty (leave it out to allow loopback clients only)")
+    inspector = InspectorConfig(
+        enabled=r.get("enabled", bool, d.enabled),
+        capture=r.get("capture", bool, d.capture),
+        capture_requests=r.positive("capture_requests", d.capture_requests, integer=True),
+        capture_bytes=r.positive("capture_bytes", d.capture_bytes, integer=True),
+        token=token,
+    )
+    r.done()
+    return inspector
 
 
 def _check_references(source: str, models, orgs, keys) -> None:

@@ -23,13 +23,14 @@ def demo_config(mock_url: str, host: str, port: int) -> Config:
         }],
         "orgs": [{"id": "demo", "credits": 5.0}],
         "keys": [{"key": DEMO_KEY, "org": "demo", "id": "demo-key"}],
+        "inspector": {"capture": True},  # the demo's requests are yours: show their bodies and streams at /ui/
     }, source="<demo>", base_dir=Path.cwd())
 
 
 def banner(url: str) -> str:
     return f"""kilnproxy demo on {url}  (no config given: an embedded mock model, usage in ./kilnproxy.db)
 
-  dev key: {DEMO_KEY}   model: {DEMO_MODEL}
+  dev key: {DEMO_KEY}   model: {DEMO_MODEL}   inspector: {url}/ui/
 
   curl -N {url}/v1/completions \\
     -H "Authorization: Bearer {DEMO_KEY}" -H "Content-Type: application/json" \\

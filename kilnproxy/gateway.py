@@ -42,6 +42,8 @@ class Gateway:
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         self.session: aiohttp.ClientSession | None = None
         self.started_at = int(time.time())
+        self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
+        self.commit_listeners: list = []  # called with each committed batch; must not block or raise
         self._usage_queue: asyncio.Queue | None = None
         self._usage_task: asyncio.Task | None = None
 
@@ -95,6 +97,8 @@ class Gateway:
         return record.committed
 
     def _committed(self, rows: list[tuple[dict, Call]]) -> None:
+        for listener in self.commit_listeners:
+            listener(rows)
         if self._usage_queue is not None:
             for row, call in rows:
                 self._usage_queue.put_nowait((call, row))

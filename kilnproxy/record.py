@@ -26,7 +26,7 @@ class RequestRecord:
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed")
+                 "submitted", "committed", "tap")
 
     def __init__(self, call: Call):
         self.call = call
@@ -43,6 +43,7 @@ class RequestRecord:
         self.body: dict | None = None
         self.submitted = False
         self.committed = None  # the ledger's future for this row, once submitted
+        self.tap = None  # the inspector's capture of this request, when capture is on
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status

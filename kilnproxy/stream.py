@@ -33,9 +33,12 @@ SSE_HEADERS = {
 
 async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
                        upstream: aiohttp.ClientResponse, headers: dict) -> web.StreamResponse:
-    response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    if record.tap is None:
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+        relay = EventRelay(call, route, record, gw.hooks.transform_event)
+    else:  # the inspector's capture: the same relay and response, recording what passes
+        response, relay = record.tap.stream({**SSE_HEADERS, **headers}, route, gw.hooks.transform_event)
     await response.prepare(request)
-    relay = EventRelay(call, route, record, gw.hooks.transform_event)
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive)

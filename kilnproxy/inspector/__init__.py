@@ -1,0 +1,49 @@
+"""The inspector: a live view of the gateway in the browser, at ``/ui``.
+
+* ``store``: reads of the usage ledger (pages of requests, usage buckets) and
+  the indexes that keep them fast;
+* ``hub``: committed rows fanned out to the page's live feed (SSE);
+* ``capture``: the opt-in ring of request bodies and both streams;
+* ``api``: access rule, the page's files and the JSON API (docs/inspector.md);
+* ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored.
+
+``setup_inspector(app, gateway)`` adds all of it to the gateway's app, or
+nothing when ``[inspector] enabled = false``.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..gateway import Gateway
+from .api import InspectorAPI
+from .capture import CaptureRing
+from .hub import LiveHub
+from .store import InspectorStore
+
+__all__ = ["setup_inspector"]
+
+
+def setup_inspector(app: web.Application, gateway: Gateway) -> None:
+    config = gateway.config.inspector
+    if not config.enabled:
+        return
+    if config.capture:
+        gateway.capture = CaptureRing(config.capture_requests, config.capture_bytes)
+    hub = LiveHub(gateway.capture)
+    store = InspectorStore(gateway.config.db_path)
+    api = InspectorAPI(gateway, store, hub)
+    app.router.add_routes(api.routes())
+
+    async def lifetime(app: web.Application):
+        await store.open()  # after the gateway's own start: the ledger has made the table
+        gateway.commit_listeners.append(hub.publish)
+        yield
+        gateway.commit_listeners.remove(hub.publish)
+        await store.close()
+
+    async def on_shutdown(app: web.Application) -> None:
+        hub.close()  # end the live feeds now, so shutdown does not wait for them
+
+    app.cleanup_ctx.append(lifetime)
+    app.on_shutdown.append(on_shutdown)

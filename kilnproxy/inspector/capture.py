@@ -1,0 +1,183 @@
+"""Capture of bodies and streams for the inspector: opt-in, bounded, off the path when off.
+
+With ``[inspector] capture = false`` (the default) ``Gateway.capture`` is
+``None`` and the request path checks that once per request; nothing else runs.
+With capture on, ``CaptureRing.tap()`` gives each request a ``Tap`` that keeps:
+
+* the client's body (as parsed, before any rule or plugin touched it);
+* the body sent upstream (after the stream rules and ``rewrite_request``);
+* streamed: each upstream SSE item as the relay received it, and each write
+  to the client (relayed events, keep-alives, the usage chunk, ``[DONE]``),
+  both with their time since the request started;
+* not streamed: the upstream's answer and the client's answer.
+
+A tap stops recording once it holds ``capture_bytes`` and says ``truncated``.
+The ring keeps the last ``capture_requests`` taps (oldest dropped first), so the
+memory held is at most about their product.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..record import RequestRecord
+from ..relay import EventRelay
+from ..sse import COMMENT
+from ..upstream import Route
+
+
+class CaptureRing:
+    """The taps of the last ``size`` requests, by generation id."""
+
+    def __init__(self, size: int, max_bytes: int):
+        self.size = size
+        self.max_bytes = max_bytes
+        self.taps: OrderedDict[str, Tap] = OrderedDict()
+
+    def tap(self, record: RequestRecord, body: dict) -> "Tap":
+        tap = Tap(record, self.max_bytes)
+        tap.client_body = tap.keep(orjson.dumps(body))
+        self.taps[record.call.generation_id] = tap
+        while len(self.taps) > self.size:
+            self.taps.popitem(last=False)
+        return tap
+
+    def get(self, generation_id: str) -> "Tap | None":
+        return self.taps.get(generation_id)
+
+    def __contains__(self, generation_id: str) -> bool:
+        return generation_id in self.taps
+
+
+class Tap:
+    """What one request carried; filled by the request path, read by the API."""
+
+    __slots__ = ("record", "max_bytes", "used", "truncated", "client_body", "upstream_body",
+                 "upstream_answer", "client_answer", "upstream_events", "client_writes")
+
+    def __init__(self, record: RequestRecord, max_bytes: int):
+        self.record = record
+        self.max_bytes = max_bytes
+        self.used = 0
+        self.truncated = False
+        self.client_body: bytes | None = None
+        self.upstream_body: bytes | None = None
+        self.upstream_answer: bytes | None = None
+        self.client_answer: bytes | None = None
+        self.upstream_events: list[tuple[float, int, bytes]] = []  # (ms, kind, payload)
+        self.client_writes: list[tuple[float, bytes]] = []  # (ms, bytes written)
+
+    def keep(self, data: bytes) -> bytes | None:
+        """``data`` if it fits in what is left, else as much as fits (and truncated is set)."""
+        if self.truncated:
+            return None
+        room = self.max_bytes - self.used
+        if len(data) > room:
+            self.truncated = True
+            data = data[:room]
+        self.used += len(data)
+        return data
+
+    def ms(self) -> float:
+        return round((time.perf_counter() - self.record.started) * 1000, 3)
+
+    # -- called by the request path ---------------------------------------------
+
+    def sent_upstream(self, payload: bytes) -> None:
+        self.upstream_body = self.keep(payload)
+
+    def answer(self, upstream: bytes, client: bytes) -> None:
+        self.upstream_answer = self.keep(upstream)
+        self.client_answer = self.keep(client)
+
+    def stream(self, headers: dict, route: Route, impls: tuple) -> tuple[web.StreamResponse, EventRelay]:
+        """The response and relay of a streamed answer, recording what passes through them."""
+        return TappedResponse(self, status=200, headers=headers), TappedRelay(self, route, impls)
+
+    def upstream_items(self, items: list[tuple[int, bytes]]) -> None:
+        if self.truncated or not items:
+            return
+        at = self.ms()
+        for kind, payload in items:
+            kept = self.keep(payload)
+            if kept is None:
+                return
+            self.upstream_events.append((at, kind, kept))
+
+    def client_write(self, data: bytes) -> None:
+        kept = self.keep(bytes(data))
+        if kept:
+            self.client_writes.append((self.ms(), kept))
+
+
+class TappedRelay(EventRelay):
+    """``EventRelay`` that shows each batch of upstream items to its tap first."""
+
+    __slots__ = ("tap",)
+
+    def __init__(self, tap: Tap, route: Route, impls: tuple):
+        super().__init__(tap.record.call, route, tap.record, impls)
+        self.tap = tap
+
+    def feed(self, items: list[tuple[int, bytes]]) -> bytes:
+        self.tap.upstream_items(items)
+        return super().feed(items)
+
+
+class TappedResponse(web.StreamResponse):
+    """``StreamResponse`` that shows its tap every write (events, keep-alives, ``[DONE]``)."""
+
+    def __init__(self, tap: Tap, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._tap = tap
+
+    async def write(self, data: bytes) -> None:
+        self._tap.client_write(data)
+        await super().write(data)
+
+
+# -- what the API shows -----------------------------------------------------------
+
+
+def describe(tap: Tap, row: dict | None) -> dict[str, Any]:
+    """The JSON form of a capture: bodies as text, both streams as timed events."""
+    upstream = [{"ms": ms, "kind": "comment" if kind == COMMENT else "data", "data": _text(payload)}
+                for ms, kind, payload in tap.upstream_events]
+    client = []
+    for ms, chunk in tap.client_writes:
+        for frame in chunk.split(b"\n\n"):
+            if frame:
+                client.append({"ms": ms, "kind": "comment" if frame[:1] == b":" else "data",
+                               "data": _text(frame[6:] if frame[:6] == b"data: " else frame)})
+    return {
+        "truncated": tap.truncated,
+        "bytes": tap.used,
+        "client_body": _text(tap.client_body),
+        "upstream_body": _text(tap.upstream_body),
+        "upstream_answer": _text(tap.upstream_answer),
+        "client_answer": _text(tap.client_answer),
+        "upstream_events": upstream,
+        "client_events": client,
+        "timing": _timing(upstream, row),
+    }
+
+
+def _timing(upstream: list[dict], row: dict | None) -> dict[str, Any]:
+    """TTFT and tokens per second, from the first and last upstream ``data`` event."""
+    data = [e["ms"] for e in upstream if e["kind"] == "data" and e["data"] != "[DONE]"]
+    first, last = (data[0], data[-1]) if data else (None, None)
+    tokens = row["completion_tokens"] if row else None
+    rate = None
+    if tokens and tokens > 1 and first is not None and last > first:
+        rate = round((tokens - 1) / ((last - first) / 1000), 2)  # n tokens, n - 1 gaps
+    return {"first_event_ms": first, "last_event_ms": last,
+            "ttft_ms": row["ttft_ms"] if row else first, "tokens_per_second": rate}
+
+
+def _text(data: bytes | None) -> str | None:
+    return None if data is None else data.decode("utf-8", errors="replace")

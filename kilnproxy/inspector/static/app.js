@@ -1,0 +1,233 @@
+// The kilnproxy inspector page: plain JavaScript on the JSON API of docs/inspector.md.
+"use strict";
+
+const PAGE = 50;
+const state = { filters: {}, next: null, seen: new Set(), meta: null, charts: {}, usageTimer: null };
+
+// -- talking to the gateway --------------------------------------------------------
+
+const token = (() => {
+  const given = new URLSearchParams(location.search).get("token");
+  if (given) sessionStorage.setItem("kilnproxy-inspector-token", given);
+  return given || sessionStorage.getItem("kilnproxy-inspector-token");
+})();
+
+async function api(path, params = {}) {
+  const url = new URL(path, location.origin);
+  for (const [k, v] of Object.entries(params)) if (v) url.searchParams.set(k, v);
+  const resp = await fetch(url, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+  const body = await resp.json();
+  if (!resp.ok) throw new Error(body.error ? body.error.message : `HTTP ${resp.status}`);
+  return body;
+}
+
+function live() {
+  const url = new URL("/ui/api/events", location.origin);
+  if (token) url.searchParams.set("token", token);
+  const source = new EventSource(url);
+  const badge = document.getElementById("live");
+  source.onopen = () => { badge.className = "live on"; badge.textContent = "live"; };
+  source.onerror = () => { badge.className = "live off"; badge.textContent = "reconnecting"; };
+  source.onmessage = (msg) => {
+    const event = JSON.parse(msg.data);
+    if (event.type === "request") { addLiveRow(event.row); scheduleUsage(); }
+    else if (event.type === "reset") loadRequests();
+  };
+}
+
+// -- small helpers -----------------------------------------------------------------
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v; else if (k === "text") node.textContent = v; else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c);
+  return node;
+}
+const $ = (id) => document.getElementById(id);
+const ms = (v) => (v === null || v === undefined ? "–" : v >= 1000 ? `${(v / 1000).toFixed(2)} s` : `${Math.round(v)} ms`);
+const usd = (v) => (v ? `$${v.toFixed(v < 0.01 ? 6 : 4)}` : "$0");
+const localTime = (iso) => new Date(iso).toLocaleTimeString([], { hour12: false });
+function statusClass(s) { return s >= 500 ? "s-err" : s >= 400 ? (s === 429 ? "s-warn" : "s-err") : "s-ok"; }
+function pretty(text) {
+  if (text === null || text === undefined) return "(not captured)";
+  try { return JSON.stringify(JSON.parse(text), null, 2); } catch { return text; }
+}
+
+// -- the requests list -------------------------------------------------------------
+
+function rowElement(row, fresh) {
+  const tr = el("tr", { "data-id": row.id, class: fresh ? "new" : "" },
+    el("td", { text: localTime(row.created_at), title: row.created_at }),
+    el("td", { text: row.org }),
+    el("td", { text: row.model || "–" }),
+    el("td", { text: row.endpoint + (row.stream ? " (stream)" : "") }),
+    el("td", { class: statusClass(row.status), text: row.status + (row.error_code ? ` ${row.error_code}` : "")
+                + (row.disconnected ? " (left)" : "") }),
+    el("td", { class: "num", text: `${row.prompt_tokens} / ${row.completion_tokens}` }),
+    el("td", { class: "num", text: usd(row.cost) }),
+    el("td", { class: "num", text: ms(row.duration_ms) }),
+    el("td", { class: "num", text: ms(row.ttft_ms) }),
+    el("td", { text: row.captured ? "●" : "", title: row.captured ? "captured" : "" }));
+  tr.addEventListener("click", () => { location.hash = `#/requests/${encodeURIComponent(row.id)}`; });
+  return tr;
+}
+
+function matches(row) {
+  const f = state.filters;
+  if (f.org && row.org !== f.org) return false;
+  if (f.model && row.model !== f.model) return false;
+  if (f.status === "ok") return row.status < 400;
+  if (f.status === "error") return row.status >= 400;
+  if (f.status) return String(row.status) === f.status;
+  return true;
+}
+
+function addLiveRow(row) {
+  if (!matches(row) || state.seen.has(row.id)) return;
+  state.seen.add(row.id);
+  $("requests").tBodies[0].prepend(rowElement(row, true));
+  $("empty").hidden = true;
+}
+
+async function loadRequests(append = false) {
+  const body = $("requests").tBodies[0];
+  const page = await api("/ui/api/requests", { ...state.filters, limit: PAGE, before: append ? state.next : "" });
+  if (!append) { body.replaceChildren(); state.seen.clear(); }
+  for (const row of page.data) {
+    if (state.seen.has(row.id)) continue;
+    state.seen.add(row.id);
+    body.append(rowElement(row, false));
+  }
+  state.next = page.next;
+  $("more").hidden = !page.next;
+  $("empty").hidden = body.rows.length > 0;
+}
+
+function readFilters() {
+  const form = new FormData($("filters"));
+  state.filters = Object.fromEntries([...form.entries()].filter(([, v]) => v).map(([k, v]) => [k, v.trim()]));
+}
+
+// -- one request -------------------------------------------------------------------
+
+function fact(name, value) { return el("div", {}, el("dt", { text: name }), el("dd", { text: value })); }
+
+function eventList(list, events) {
+  list.replaceChildren(...events.map((e) => el("li", { class: e.data === "[DONE]" ? "done" : e.kind },
+    el("span", { class: "t", text: `+${e.ms.toFixed(1)}` }), el("span", { class: "d", text: e.data }))));
+  if (!events.length) list.append(el("li", {}, el("span", { class: "t" }), el("span", { class: "d", text: "(none)" })));
+}
+
+async function showDetail(id) {
+  const detail = await api(`/ui/api/requests/${encodeURIComponent(id)}`);
+  const row = detail.row, cap = detail.capture, timing = cap ? cap.timing : {};
+  $("detail-title").textContent = id;
+  const facts = [];
+  if (row) {
+    facts.push(fact("time", new Date(row.created_at).toLocaleString()), fact("org", row.org),
+      fact("model", row.model || "–"), fact("endpoint", row.endpoint + (row.stream ? " (stream)" : "")),
+      fact("status", `${row.status}${row.error_code ? " " + row.error_code : ""}`),
+      fact("tokens in / out", `${row.prompt_tokens} / ${row.completion_tokens}`),
+      fact("cached tokens", String(row.cached_tokens)), fact("cost", usd(row.cost)),
+      fact("duration", ms(row.duration_ms)), fact("TTFT", ms(row.ttft_ms)),
+      fact("finish", row.finish_reason || "–"), fact("client left", row.disconnected ? "yes" : "no"));
+  } else facts.push(fact("state", "in flight"));
+  if (cap) facts.push(fact("tokens / s", timing.tokens_per_second ? timing.tokens_per_second.toFixed(1) : "–"),
+    fact("captured", `${(cap.bytes / 1024).toFixed(1)} KiB${cap.truncated ? " (truncated)" : ""}`));
+  $("detail-facts").replaceChildren(...facts);
+
+  const note = $("detail-note");
+  note.textContent = !cap ? (state.meta && state.meta.capture
+    ? "This request is no longer in the capture ring (or was refused before its body was read)."
+    : "Bodies and streams are not captured: set [inspector] capture = true in the config.")
+    : cap.truncated ? "The capture reached [inspector] capture_bytes and stops there." : "";
+  $("detail-bodies").hidden = !cap;
+  $("detail-streams").hidden = !cap;
+  if (cap) {
+    $("client-body").textContent = pretty(cap.client_body);
+    $("upstream-body").textContent = pretty(cap.upstream_body);
+    const streamed = row ? row.stream : cap.upstream_events.length > 0;
+    if (streamed || cap.upstream_answer === null) {
+      eventList($("upstream-events"), cap.upstream_events);
+      eventList($("client-events"), cap.client_events);
+    } else {
+      eventList($("upstream-events"), [{ ms: timing.ttft_ms || 0, kind: "data", data: pretty(cap.upstream_answer) }]);
+      eventList($("client-events"), [{ ms: row.duration_ms || 0, kind: "data", data: pretty(cap.client_answer) }]);
+    }
+  }
+}
+
+// -- usage charts ------------------------------------------------------------------
+
+const PALETTE = ["#c2410c", "#0369a1", "#15803d", "#7c3aed", "#a16207", "#be185d", "#0f766e", "#4b5563"];
+
+function scheduleUsage() {
+  if ($("view-usage").hidden || state.usageTimer) return;
+  state.usageTimer = setTimeout(() => { state.usageTimer = null; loadUsage(); }, 1000);
+}
+
+async function loadUsage() {
+  const form = new FormData($("usage-controls"));
+  const by = form.get("by");
+  const usage = await api("/ui/api/usage", { bucket: form.get("bucket") });
+  const keys = [...new Set(usage.series.map((s) => s[by] || "–"))].sort();
+  const index = new Map(usage.buckets.map((b, i) => [b, i]));
+  const labels = usage.buckets.map((b) => (b.length > 10 ? localTime(b.length === 13 ? b + ":00Z" : b + "Z").slice(0, 5)
+                                                           : b));
+  for (const [name, field] of [["requests", "requests"], ["tokens", "total_tokens"], ["cost", "cost"]]) {
+    const datasets = keys.map((key, i) => {
+      const data = new Array(labels.length).fill(0);
+      for (const s of usage.series) if ((s[by] || "–") === key && index.has(s.t)) data[index.get(s.t)] += s[field];
+      return { label: key, data, backgroundColor: PALETTE[i % PALETTE.length], stack: "all" };
+    });
+    drawChart(name, labels, datasets);
+  }
+}
+
+function drawChart(name, labels, datasets) {
+  const chart = state.charts[name];
+  if (chart) { chart.data.labels = labels; chart.data.datasets = datasets; chart.update("none"); return; }
+  state.charts[name] = new Chart($(`chart-${name}`), {
+    type: "bar", data: { labels, datasets },
+    options: { animation: false, maintainAspectRatio: false, responsive: true,
+      scales: { x: { stacked: true, ticks: { maxTicksLimit: 16 } }, y: { stacked: true, beginAtZero: true } },
+      plugins: { legend: { position: "right" } } },
+  });
+}
+
+// -- navigation --------------------------------------------------------------------
+
+async function route() {
+  const hash = location.hash || "#/requests";
+  const detail = hash.match(/^#\/requests\/(.+)$/);
+  const view = detail ? "detail" : hash.startsWith("#/usage") ? "usage" : "requests";
+  for (const v of ["requests", "detail", "usage"]) $(`view-${v}`).hidden = v !== view;
+  $("tab-requests").classList.toggle("active", view !== "usage");
+  $("tab-usage").classList.toggle("active", view === "usage");
+  try {
+    if (detail) await showDetail(decodeURIComponent(detail[1]));
+    else if (view === "usage") await loadUsage();
+  } catch (err) {
+    $("detail-title").textContent = String(err.message || err);
+  }
+}
+
+async function main() {
+  state.meta = await api("/ui/api/meta");
+  $("orgs").replaceChildren(...state.meta.orgs.map((o) => el("option", { value: o })));
+  $("models").replaceChildren(...state.meta.models.map((m) => el("option", { value: m })));
+  $("capture-state").textContent = state.meta.capture ? `capture on (last ${state.meta.capture_requests})`
+                                                      : "capture off";
+  $("filters").addEventListener("change", () => { readFilters(); loadRequests(); });
+  $("filters").addEventListener("reset", () => setTimeout(() => { readFilters(); loadRequests(); }));
+  $("more").addEventListener("click", () => loadRequests(true));
+  $("usage-controls").addEventListener("change", loadUsage);
+  window.addEventListener("hashchange", route);
+  await loadRequests();
+  live();
+  await route();
+}
+
+main().catch((err) => { document.querySelector("main").prepend(el("p", { class: "s-err", text: String(err.message || err) })); });

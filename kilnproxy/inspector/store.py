@@ -1,0 +1,185 @@
+"""The inspector's reads of the usage ledger: pages of requests, one request, usage buckets.
+
+It has its own SQLite connection (WAL: readers never hold up the ledger's
+group commits) and creates, once, the indexes its filters need, so that a page
+is a short index range scan however many rows the table holds:
+
+* no filter: ``usage_events_created`` (the ledger's, on ``created_at``);
+* org: ``usage_events_org_created`` (the ledger's);
+* model: ``usage_events_model_created``; an exact status: ``usage_events_status_created``;
+* ``status=error`` (any status >= 400): the partial index ``usage_events_errors_created``.
+
+Pages are newest first, ordered by ``(created_at, rowid)``; the cursor of a
+page's last row (``"<created_at>~<rowid>"``) asks for the rows before it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+INDEXES = """
+CREATE INDEX IF NOT EXISTS usage_events_model_created ON usage_events (model, created_at);
+CREATE INDEX IF NOT EXISTS usage_events_status_created ON usage_events (status, created_at);
+CREATE INDEX IF NOT EXISTS usage_events_errors_created ON usage_events (created_at) WHERE status >= 400;
+"""
+
+BUCKETS = {"minute": (16, timedelta(minutes=1)), "hour": (13, timedelta(hours=1)), "day": (10, timedelta(days=1))}
+DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``since`` is not given
+MAX_BUCKETS = 10_000
+MAX_LIMIT = 500
+
+
+class QueryError(ValueError):
+    """A parameter the API cannot use; the message names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def page_query(org: str | None = None, model: str | None = None, status: str | None = None,
+               before: str | None = None, limit: int = 50) -> tuple[str, list[Any]]:
+    """The SQL of one page of requests, newest first (``limit + 1`` rows: the extra tells
+    whether there is a next page)."""
+    where, params = [], []
+    if org:
+        where.append("org = ?")
+        params.append(org)
+    if model:
+        where.append("model = ?")
+        params.append(model)
+    if status:
+        if status == "error":
+            where.append("status >= 400")
+        elif status == "ok":
+            where.append("+status < 400")  # unary +: scan by time, the index would find nearly every row
+        else:
+            where.append("status = ?")
+            params.append(parse_status(status))
+    if before:
+        created_at, rowid = parse_cursor(before)
+        where.append("created_at <= ? AND (created_at < ? OR rowid < ?)")
+        params += [created_at, created_at, rowid]
+    sql = "SELECT rowid AS _rowid, * FROM usage_events"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+    params.append(limit + 1)
+    return sql, params
+
+
+def parse_status(status: str) -> int:
+    if not status.isdigit() or not 100 <= int(status) <= 599:
+        raise QueryError("status", "status must be an HTTP status (e.g. 429), `ok` (below 400) or `error` "
+                                   "(400 and above)")
+    return int(status)
+
+
+def parse_cursor(cursor: str) -> tuple[str, int]:
+    created_at, sep, rowid = cursor.rpartition("~")
+    if not sep or not created_at or not rowid.isdigit():
+        raise QueryError("before", "before must be the `next` cursor of a previous page")
+    return created_at, int(rowid)
+
+
+def cursor_of(row: dict) -> str:
+    return f"{row['created_at']}~{row['_rowid']}"
+
+
+def parse_time(value: str, param: str) -> str:
+    """An ISO-8601 time (naive means UTC) in the ledger's own format, for text comparison."""
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise QueryError(param, f"{param} must be an ISO-8601 time, e.g. 2026-11-29T20:00:00Z") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+
+
+class InspectorStore:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.db: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        self.db = await aiosqlite.connect(self.path, timeout=10.0)
+        await self.db.executescript(INDEXES)
+        await self.db.commit()
+        await self.db.execute("PRAGMA query_only = 1")
+        self.db.row_factory = sqlite3.Row
+
+    async def close(self) -> None:
+        if self.db is not None:
+            await self.db.close()
+            self.db = None
+
+    async def page(self, limit: int = 50, **filters: str | None) -> tuple[list[dict], str | None]:
+        """One page of rows, newest first, and the cursor of the next page (None: the last)."""
+        sql, params = page_query(limit=limit, **filters)
+        async with self.db.execute(sql, params) as cur:
+            rows = [dict(r) for r in await cur.fetchall()]
+        more = len(rows) > limit
+        rows = rows[:limit]
+        cursor = cursor_of(rows[-1]) if more else None
+        for row in rows:
+            del row["_rowid"]
+        return rows, cursor
+
+    async def get(self, generation_id: str) -> dict | None:
+        async with self.db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
+            row = await cur.fetchone()
+        return dict(row) if row is not None else None
+
+    async def usage(self, bucket: str, since: str | None, until: str | None,
+                    org: str | None = None, model: str | None = None) -> dict[str, Any]:
+        """Requests, tokens, cost and errors per time bucket, org and model."""
+        if bucket not in BUCKETS:
+            raise QueryError("bucket", f"bucket must be one of {', '.join(BUCKETS)}")
+        width, step = BUCKETS[bucket]
+        end = datetime.fromisoformat(parse_time(until, "until")) if until else datetime.now(timezone.utc)
+        start = datetime.fromisoformat(parse_time(since, "since")) if since else end - DEFAULT_SPAN[bucket] * step
+        if start >= end:
+            raise QueryError("since", "since must be before until")
+        if (end - start) / step > MAX_BUCKETS:
+            raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
+        where, params = ["created_at >= ?", "created_at < ?"], [_iso(start), _iso(end)]
+        for column, value in (("org", org), ("model", model)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        sql = (f"SELECT substr(created_at, 1, {width}) AS t, org, model, COUNT(*) AS requests,"
+               " SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens,"
+               " SUM(total_tokens) AS total_tokens, SUM(cost) AS cost,"
+               " SUM(status >= 400) AS errors FROM usage_events"
+               f" WHERE {' AND '.join(where)} GROUP BY t, org, model ORDER BY t, org, model")
+        async with self.db.execute(sql, params) as cur:
+            series = [dict(r) for r in await cur.fetchall()]
+        return {"bucket": bucket, "since": _iso(start), "until": _iso(end),
+                "buckets": _bucket_labels(start, end, step, width), "series": series}
+
+
+def _iso(when: datetime) -> str:
+    return when.isoformat(timespec="milliseconds")
+
+
+def _bucket_labels(start: datetime, end: datetime, step: timedelta, width: int) -> list[str]:
+    """Every bucket of the span, empty ones included, so charts keep a true time axis."""
+    labels, t = [], _floor(start, step)
+    while t < end:
+        labels.append(t.isoformat()[:width])
+        t += step
+    return labels
+
+
+def _floor(when: datetime, step: timedelta) -> datetime:
+    if step >= timedelta(days=1):
+        return when.replace(hour=0, minute=0, second=0, microsecond=0)
+    if step >= timedelta(hours=1):
+        return when.replace(minute=0, second=0, microsecond=0)
+    return when.replace(second=0, microsecond=0)
