@@ -168,8 +168,8 @@ def describe(tap: Tap, row: dict | None) -> dict[str, Any]:
 
 
 def _timing(upstream: list[dict], row: dict | None) -> dict[str, Any]:
-    """TTFT and tokens per second, from the first and last upstream ``data`` event."""
-    data = [e["ms"] for e in upstream if e["kind"] == "data" and e["data"] != "[DONE]"]
+    """TTFT, and tokens per second between the first and the last upstream event with choices."""
+    data = [e["ms"] for e in upstream if e["kind"] == "data" and _has_choices(e["data"])]
     first, last = (data[0], data[-1]) if data else (None, None)
     tokens = row["completion_tokens"] if row else None
     rate = None
@@ -177,6 +177,14 @@ def _timing(upstream: list[dict], row: dict | None) -> dict[str, Any]:
         rate = round((tokens - 1) / ((last - first) / 1000), 2)  # n tokens, n - 1 gaps
     return {"first_event_ms": first, "last_event_ms": last,
             "ttft_ms": row["ttft_ms"] if row else first, "tokens_per_second": rate}
+
+
+def _has_choices(data: str) -> bool:
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(event, dict) and bool(event.get("choices"))
 
 
 def _text(data: bytes | None) -> str | None:

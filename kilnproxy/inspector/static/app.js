@@ -47,7 +47,7 @@ function el(tag, attrs = {}, ...children) {
 }
 const $ = (id) => document.getElementById(id);
 const ms = (v) => (v === null || v === undefined ? "–" : v >= 1000 ? `${(v / 1000).toFixed(2)} s` : `${Math.round(v)} ms`);
-const usd = (v) => (v ? `$${v.toFixed(v < 0.01 ? 6 : 4)}` : "$0");
+const usd = (v) => (v ? `$${v < 0.01 ? Number(v.toPrecision(3)) : v.toFixed(4)}` : "$0");
 const localTime = (iso) => new Date(iso).toLocaleTimeString([], { hour12: false });
 function statusClass(s) { return s >= 500 ? "s-err" : s >= 400 ? (s === 429 ? "s-warn" : "s-err") : "s-ok"; }
 function pretty(text) {
@@ -116,7 +116,7 @@ function fact(name, value) { return el("div", {}, el("dt", { text: name }), el("
 
 function eventList(list, events) {
   list.replaceChildren(...events.map((e) => el("li", { class: e.data === "[DONE]" ? "done" : e.kind },
-    el("span", { class: "t", text: `+${e.ms.toFixed(1)}` }), el("span", { class: "d", text: e.data }))));
+    el("span", { class: "t", text: `+${e.ms.toFixed(1)} ms` }), el("span", { class: "d", text: e.data }))));
   if (!events.length) list.append(el("li", {}, el("span", { class: "t" }), el("span", { class: "d", text: "(none)" })));
 }
 
@@ -192,7 +192,8 @@ function drawChart(name, labels, datasets) {
   state.charts[name] = new Chart($(`chart-${name}`), {
     type: "bar", data: { labels, datasets },
     options: { animation: false, maintainAspectRatio: false, responsive: true,
-      scales: { x: { stacked: true, ticks: { maxTicksLimit: 16 } }, y: { stacked: true, beginAtZero: true } },
+      scales: { x: { stacked: true, ticks: { maxTicksLimit: 16 } },
+                y: { stacked: true, beginAtZero: true, ticks: name === "cost" ? { callback: (v) => usd(v) } : { precision: 0 } } },
       plugins: { legend: { position: "right" } } },
   });
 }
