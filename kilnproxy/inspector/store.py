@@ -10,11 +10,12 @@ is a short index range scan however many rows the table holds:
 * ``status=error`` (any status >= 400): the partial index ``usage_events_errors_created``.
 
 Pages are newest first, ordered by ``(created_at, rowid)``; the cursor of a
-page's last row (``"<created_at>~<rowid>"``) asks for the rows before it.
+page's last row (``<created_at>~<rowid>`` in base64url) asks for the rows before it.
 """
 
 from __future__ import annotations
 
+import base64
 import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -81,14 +82,18 @@ def parse_status(status: str) -> int:
 
 
 def parse_cursor(cursor: str) -> tuple[str, int]:
-    created_at, sep, rowid = cursor.rpartition("~")
+    try:
+        created_at, sep, rowid = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().rpartition("~")
+    except (ValueError, UnicodeDecodeError):
+        sep = ""
     if not sep or not created_at or not rowid.isdigit():
         raise QueryError("before", "before must be the `next` cursor of a previous page")
     return created_at, int(rowid)
 
 
 def cursor_of(row: dict) -> str:
-    return f"{row['created_at']}~{row['_rowid']}"
+    """URL-safe (base64url of ``<created_at>~<rowid>``), so scripts can paste it into a query as is."""
+    return base64.urlsafe_b64encode(f"{row['created_at']}~{row['_rowid']}".encode()).decode().rstrip("=")
 
 
 def parse_time(value: str, param: str) -> str:
