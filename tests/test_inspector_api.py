@@ -56,8 +56,10 @@ async def test_page_and_its_files_are_served(gw):
     status, headers, body = await get(gw, "/ui/")
     assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
     assert b'<script src="/ui/static/app.js" defer></script>' in body
-    status, _, body = await get(gw, "/ui/static/vendor/chart.umd.min.js")
+    status, headers, body = await get(gw, "/ui/static/vendor/chart.umd.min.js")
     assert status == 200 and body.startswith(b"/*!\n * Chart.js v4.6.1")
+    status, _, body = await get(gw, "/ui/static/vendor/chart.umd.min.js", headers={"If-None-Match": headers["ETag"]})
+    assert (status, body) == (304, b"")
     status, _, body = await get(gw, "/ui/static/../../config.py")
     assert status == 404 and orjson.loads(body)["error"]["code"] == "not_found"
 
@@ -291,3 +293,15 @@ async def test_usage_buckets_add_up_to_the_rows(gw):
 async def test_bad_usage_parameters_get_400(gw, query, param):
     body = await get_json(gw, f"/ui/api/usage?{query}", 400)
     assert body["error"]["param"] == param
+
+
+async def test_detail_of_a_streamed_request_the_upstream_rejected(harness):
+    """An upstream 400 is passed through as one answer, streamed or not, and captured as such."""
+    async with harness(overrides=CAPTURE) as h:
+        gen = await complete(h, stream=True, temperature=9)
+        detail = await get_json(h, f"/ui/api/requests/{gen}")
+    cap = detail["capture"]
+    assert detail["row"]["status"] == 400
+    assert cap["upstream_answer"] == cap["client_answer"]
+    assert json.loads(cap["client_answer"])["error"]["message"] == "temperature must be in [0, 2], got 9."
+    assert cap["upstream_events"] == cap["client_events"] == []

@@ -15,6 +15,7 @@ See docs/inspector.md for the API.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import mimetypes
@@ -88,8 +89,11 @@ class InspectorAPI:
         found = self.files.get(name)
         if found is None:
             raise GatewayError(404, "not_found", f"No inspector file {name!r}.")
-        body, content_type = found
-        return web.Response(body=body, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        body, content_type, etag = found
+        headers = {"Content-Type": content_type, "Cache-Control": "no-cache", "ETag": etag}
+        if request.headers.get("If-None-Match") == etag:
+            return web.Response(status=304, headers=headers)
+        return web.Response(body=body, headers=headers)
 
     # -- the JSON API ---------------------------------------------------------------
 
@@ -162,7 +166,7 @@ class InspectorAPI:
             self.hub.unsubscribe(sub)
 
 
-def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
+def load_static(folder: Path) -> dict[str, tuple[bytes, str, str]]:
     """Every file of the page, read once at start-up: requests never touch the file system."""
     files = {}
     for path in sorted(folder.rglob("*")):
@@ -170,7 +174,9 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
             content_type = mimetypes.guess_type(path.name)[0] or "text/plain"
             if content_type.startswith("text/") or content_type.endswith("javascript"):
                 content_type += "; charset=utf-8"
-            files[path.relative_to(folder).as_posix()] = (path.read_bytes(), content_type)
+            body = path.read_bytes()
+            etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
+            files[path.relative_to(folder).as_posix()] = (body, content_type, etag)
     return files
 
 

@@ -26,7 +26,12 @@ function live() {
   if (token) url.searchParams.set("token", token);
   const source = new EventSource(url);
   const badge = document.getElementById("live");
-  source.onopen = () => { badge.className = "live on"; badge.textContent = "live"; };
+  let opened = false;
+  source.onopen = () => {
+    badge.className = "live on"; badge.textContent = "live";
+    if (opened) loadRequests();  // back after a break: rows may have been committed meanwhile
+    opened = true;
+  };
   source.onerror = () => { badge.className = "live off"; badge.textContent = "reconnecting"; };
   source.onmessage = (msg) => {
     const event = JSON.parse(msg.data);
@@ -148,13 +153,13 @@ async function showDetail(id) {
   if (cap) {
     $("client-body").textContent = pretty(cap.client_body);
     $("upstream-body").textContent = pretty(cap.upstream_body);
-    const streamed = row ? row.stream : cap.upstream_events.length > 0;
-    if (streamed || cap.upstream_answer === null) {
+    if (cap.upstream_body === null && !cap.truncated) $("upstream-body").textContent = "(nothing was sent upstream)";
+    if (cap.upstream_answer === null && cap.client_answer === null) {  // streamed
       eventList($("upstream-events"), cap.upstream_events);
       eventList($("client-events"), cap.client_events);
-    } else {
+    } else {  // one JSON answer each way (or an upstream 400/422 passed through)
       eventList($("upstream-events"), [{ ms: timing.ttft_ms || 0, kind: "data", data: pretty(cap.upstream_answer) }]);
-      eventList($("client-events"), [{ ms: row.duration_ms || 0, kind: "data", data: pretty(cap.client_answer) }]);
+      eventList($("client-events"), [{ ms: row ? row.duration_ms : 0, kind: "data", data: pretty(cap.client_answer) }]);
     }
   }
 }
