@@ -27,6 +27,7 @@ FROM n
 """
 
 SHAPES = [{}, {"org": "acme"}, {"model": "model-1"}, {"status": "429"}, {"status": "error"}, {"status": "ok"},
+          {"status": "200"}, {"status": "502", "org": "umbrella"},
           {"org": "globex", "model": "model-2"}]
 
 
@@ -89,5 +90,9 @@ async def test_paging_through_the_api_over_a_million_rows(harness, tmp_path, big
 
         errors = await page("limit=4&status=error&org=umbrella")
         assert [r["id"] for r in errors["data"]] == [expected(i) for i in (999999, 999899, 999799, 999699)]
+        too_many = await page("limit=3&status=429")
+        assert [r["id"] for r in too_many["data"]] == [expected(i) for i in (999998, 999898, 999798)]
+        ok = await page("limit=3&status=200&org=acme")
+        assert [r["id"] for r in ok["data"]] == [expected(i) for i in (999996, 999992, 999988)]
         by_model = await page("limit=3&model=model-1")
         assert [r["id"] for r in by_model["data"]] == [expected(i) for i in (999997, 999994, 999991)]
