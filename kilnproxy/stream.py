@@ -37,7 +37,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
         relay = EventRelay(call, route, record, gw.hooks.transform_event)
     else:  # the inspector's capture: the same relay and response, recording what passes
-        response, relay = record.tap.stream({**SSE_HEADERS, **headers}, route, gw.hooks.transform_event)
+        response, relay = record.tap.stream(record, route, gw.hooks.transform_event, {**SSE_HEADERS, **headers})
     await response.prepare(request)
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:

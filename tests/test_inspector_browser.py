@@ -114,6 +114,8 @@ async def test_filters_reload_the_list_from_the_api(harness):
         await page.goto(f"{h.url}/ui/")
         await page.wait_for_selector(f'tr[data-id="{missing}"]')
         assert await page.locator("#requests tbody tr").count() == 2
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        await page.screenshot(path=str(ARTIFACTS / "inspector-list.png"))
         await page.select_option("select[name=status]", "error")
         await page.wait_for_selector(f'tr[data-id="{first}"]', state="detached")
         assert await page.locator("#requests tbody tr").get_attribute("data-id") == missing

@@ -57,11 +57,11 @@ class CaptureRing:
 class Tap:
     """What one request carried; filled by the request path, read by the API."""
 
-    __slots__ = ("record", "max_bytes", "used", "truncated", "client_body", "upstream_body",
+    __slots__ = ("started", "max_bytes", "used", "truncated", "client_body", "upstream_body",
                  "upstream_answer", "client_answer", "upstream_events", "client_writes")
 
     def __init__(self, record: RequestRecord, max_bytes: int):
-        self.record = record
+        self.started = record.started  # not the record: the ring must hold no more than the bytes it counts
         self.max_bytes = max_bytes
         self.used = 0
         self.truncated = False
@@ -84,7 +84,7 @@ class Tap:
         return data
 
     def ms(self) -> float:
-        return round((time.perf_counter() - self.record.started) * 1000, 3)
+        return round((time.perf_counter() - self.started) * 1000, 3)
 
     # -- called by the request path ---------------------------------------------
 
@@ -95,9 +95,10 @@ class Tap:
         self.upstream_answer = self.keep(upstream)
         self.client_answer = self.keep(client)
 
-    def stream(self, headers: dict, route: Route, impls: tuple) -> tuple[web.StreamResponse, EventRelay]:
+    def stream(self, record: RequestRecord, route: Route, impls: tuple,
+               headers: dict) -> tuple[web.StreamResponse, EventRelay]:
         """The response and relay of a streamed answer, recording what passes through them."""
-        return TappedResponse(self, status=200, headers=headers), TappedRelay(self, route, impls)
+        return TappedResponse(self, status=200, headers=headers), TappedRelay(self, record, route, impls)
 
     def upstream_items(self, items: list[tuple[int, bytes]]) -> None:
         if self.truncated or not items:
@@ -120,8 +121,8 @@ class TappedRelay(EventRelay):
 
     __slots__ = ("tap",)
 
-    def __init__(self, tap: Tap, route: Route, impls: tuple):
-        super().__init__(tap.record.call, route, tap.record, impls)
+    def __init__(self, tap: Tap, record: RequestRecord, route: Route, impls: tuple):
+        super().__init__(record.call, route, record, impls)
         self.tap = tap
 
     def feed(self, items: list[tuple[int, bytes]]) -> bytes:
