@@ -168,9 +168,11 @@ async function showDetail(id) {
 
 const PALETTE = ["#c2410c", "#0369a1", "#15803d", "#7c3aed", "#a16207", "#be185d", "#0f766e", "#4b5563"];
 
-function scheduleUsage() {
+function scheduleUsage() {  // new rows refresh the charts, at most every 3 s and one query at a time
   if ($("view-usage").hidden || state.usageTimer) return;
-  state.usageTimer = setTimeout(() => { state.usageTimer = null; loadUsage(); }, 1000);
+  state.usageTimer = setTimeout(async () => {
+    try { await loadUsage(); } finally { state.usageTimer = null; }
+  }, 3000);
 }
 
 async function loadUsage() {
