@@ -238,9 +238,21 @@ async def test_live_feed_sends_each_committed_row(harness):
             assert feed.headers["Content-Type"] == "text/event-stream; charset=utf-8"
             assert await read_event(feed) == {"type": "hello", "capture": True}
             gen = await complete(h, stream=True)
-            event = await read_event(feed)
+            started, event = await read_event(feed), await read_event(feed)
+        assert started == {"type": "started", "row": {
+            "id": gen, "created_at": event["row"]["created_at"], "org": "acme", "key_id": "acme-key",
+            "model": "test-model", "endpoint": "completions", "captured": True}}
         assert event["type"] == "request" and event["row"]["id"] == gen
         assert event["row"]["status"] == 200 and event["row"]["captured"] is True
+
+
+async def test_live_feed_without_capture_sends_rows_only(gw):
+    async with gw.session.get(f"{gw.url}/ui/api/events") as feed:
+        assert await read_event(feed) == {"type": "hello", "capture": False}
+        gen = await complete(gw, model="no-such-model")
+        event = await read_event(feed)
+    assert event["type"] == "request" and event["row"]["id"] == gen
+    assert (event["row"]["status"], event["row"]["captured"]) == (404, False)
 
 
 async def test_live_feed_ends_when_the_gateway_stops(harness):

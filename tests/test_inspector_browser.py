@@ -123,3 +123,32 @@ async def test_filters_reload_the_list_from_the_api(harness):
         await page.locator(f'tr[data-id="{missing}"]').click()
         await page.wait_for_function("document.querySelector('#detail-note').textContent.includes('capture = true')")
         assert await page.is_hidden("#detail-streams")
+
+
+async def test_a_request_in_flight_shows_its_streams_as_they_come(harness):
+    async with harness(overrides={"inspector": {"capture": True}}) as h, chromium_page() as page:
+        await page.goto(f"{h.url}/ui/")
+        await page.wait_for_selector("#live.on")
+        body = {"model": h.model, "prompt": "The capital of France is", "max_tokens": 6, "stream": True,
+                "mock": {"fail": "stall", "after": 2}}  # two chunks, then the upstream goes silent
+        async with h.post("/v1/completions", body) as resp:
+            gen = resp.headers["X-Neocloud-Generation-Id"]
+            received = b""
+            while received.count(b"\n\n") < 2:
+                received += await resp.content.readany()
+            row = page.locator(f'#requests tr.inflight[data-id="{gen}"]')
+            await row.wait_for()
+            assert (await row.locator("td").all_inner_texts())[4] == "in flight"
+            await row.click()
+            await page.wait_for_function("document.querySelectorAll('#client-events li').length === 2")
+            assert (await page.inner_text("#detail-facts")).startswith("state\nin flight\n")
+            texts = [json.loads(d)["choices"][0]["text"]
+                     for d in await page.locator("#client-events .d").all_inner_texts()]
+            assert texts == [" Paris", " is"]
+        # the client has hung up: the row is written and the open detail view turns into it
+        await page.wait_for_function(
+            "[...document.querySelectorAll('#detail-facts div')].some(d => d.textContent === 'client leftyes')")
+        await page.click("a.back")
+        final = page.locator(f'#requests tr[data-id="{gen}"]')
+        await page.wait_for_selector(f'#requests tr[data-id="{gen}"]:not(.inflight)')
+        assert (await final.locator("td").all_inner_texts())[4] == "200 (left)"

@@ -31,6 +31,8 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
     if config.capture:
         gateway.capture = CaptureRing(config.capture_requests, config.capture_bytes)
     hub = LiveHub(gateway.capture)
+    if gateway.capture is not None:
+        gateway.capture.on_start = hub.started
     store = InspectorStore(gateway.config.db_path)
     api = InspectorAPI(gateway, store, hub)
     app.router.add_routes(api.routes())

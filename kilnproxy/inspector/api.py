@@ -140,7 +140,8 @@ class InspectorAPI:
     # -- live -----------------------------------------------------------------------
 
     async def events(self, request: web.Request) -> web.StreamResponse:
-        """SSE: ``{"type": "hello"}``, then ``{"type": "request", "row": ...}`` per committed row;
+        """SSE: ``{"type": "hello"}``, then ``{"type": "request", "row": ...}`` per committed row
+        (and, with capture on, ``{"type": "started", "row": ...}`` as each request begins);
         ``{"type": "reset"}`` when this client fell behind and should reload its list."""
         self.access(request)
         sub = self.hub.subscribe()

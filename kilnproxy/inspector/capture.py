@@ -38,6 +38,7 @@ class CaptureRing:
         self.size = size
         self.max_bytes = max_bytes
         self.taps: OrderedDict[str, Tap] = OrderedDict()
+        self.on_start = None  # told of each request as its capture starts (the live feed's "started")
 
     def tap(self, record: RequestRecord, body: dict) -> "Tap":
         tap = Tap(record, self.max_bytes)
@@ -45,6 +46,8 @@ class CaptureRing:
         self.taps[record.call.generation_id] = tap
         while len(self.taps) > self.size:
             self.taps.popitem(last=False)
+        if self.on_start is not None:
+            self.on_start(record)
         return tap
 
     def get(self, generation_id: str) -> "Tap | None":

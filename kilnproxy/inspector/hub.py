@@ -1,5 +1,8 @@
 """Live updates: committed usage rows fanned out to the inspector's SSE subscribers.
 
+With capture on, requests are also announced as they start (``started``),
+so the page can show them in flight and their streams as they grow.
+
 ``LiveHub.publish`` is a ``Gateway.commit_listeners`` entry: it runs in the
 ledger's writer right after a commit, so it never waits and never raises.
 Each subscriber has a bounded queue; one that falls ``QUEUE_SIZE`` rows behind
@@ -71,6 +74,20 @@ class LiveHub:
                     sub.offer(frame)
         except Exception:  # a listener must never break the ledger's writer
             log.exception("inspector: publishing committed rows failed")
+
+    def started(self, record) -> None:
+        """A captured request began (``CaptureRing.on_start``): show it in flight until its row."""
+        if not self.subscribers:
+            return
+        try:
+            call = record.call
+            frame = event_frame({"type": "started", "row": {
+                "id": call.generation_id, "created_at": record.created_at, "org": call.org,
+                "key_id": call.key_id, "model": record.model, "endpoint": call.endpoint, "captured": True}})
+            for sub in self.subscribers:
+                sub.offer(frame)
+        except Exception:  # never into the request's path
+            log.exception("inspector: announcing a request failed")
 
     def row_json(self, row: dict) -> dict:
         return {**row, "captured": self.captured is not None and row["id"] in self.captured}

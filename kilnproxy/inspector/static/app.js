@@ -36,6 +36,7 @@ function live() {
   source.onmessage = (msg) => {
     const event = JSON.parse(msg.data);
     if (event.type === "request") { addLiveRow(event.row); scheduleUsage(); }
+    else if (event.type === "started") addLiveRow(event.row);
     else if (event.type === "reset") loadRequests();
   };
 }
@@ -63,6 +64,7 @@ function pretty(text) {
 // -- the requests list -------------------------------------------------------------
 
 function rowElement(row, fresh) {
+  if (row.status === undefined) return inFlightElement(row);
   const tr = el("tr", { "data-id": row.id, class: fresh ? "new" : "" },
     el("td", { text: localTime(row.created_at), title: row.created_at }),
     el("td", { text: row.org }),
@@ -79,10 +81,20 @@ function rowElement(row, fresh) {
   return tr;
 }
 
+function inFlightElement(row) {  // a captured request that has not ended yet: its row replaces this
+  const tr = el("tr", { "data-id": row.id, class: "new inflight" },
+    el("td", { text: localTime(row.created_at), title: row.created_at }), el("td", { text: row.org }),
+    el("td", { text: row.model || "–" }), el("td", { text: row.endpoint }), el("td", { text: "in flight" }),
+    ...[1, 2, 3, 4].map(() => el("td", { class: "num", text: "…" })), el("td", { text: "●", title: "captured" }));
+  tr.addEventListener("click", () => { location.hash = `#/requests/${encodeURIComponent(row.id)}`; });
+  return tr;
+}
+
 function matches(row) {
   const f = state.filters;
   if (f.org && row.org !== f.org) return false;
   if (f.model && row.model !== f.model) return false;
+  if (f.status && row.status === undefined) return false;  // in flight: its status is not known yet
   if (f.status === "ok") return row.status < 400;
   if (f.status === "error") return row.status >= 400;
   if (f.status) return String(row.status) === f.status;
@@ -90,7 +102,12 @@ function matches(row) {
 }
 
 function addLiveRow(row) {
-  if (!matches(row) || state.seen.has(row.id)) return;
+  if (!matches(row)) return;
+  const old = state.seen.has(row.id) && $("requests").querySelector(`tr[data-id="${CSS.escape(row.id)}"]`);
+  if (old) {
+    if (old.classList.contains("inflight")) old.replaceWith(rowElement(row, true));
+    return;
+  }
   state.seen.add(row.id);
   $("requests").tBodies[0].prepend(rowElement(row, true));
   $("empty").hidden = true;
@@ -127,6 +144,12 @@ function eventList(list, events) {
 
 async function showDetail(id) {
   const detail = await api(`/ui/api/requests/${encodeURIComponent(id)}`);
+  clearTimeout(state.detailTimer);
+  if (detail.in_flight) {  // follow the streams as they grow, until the request's row is written
+    state.detailTimer = setTimeout(() => {
+      if (location.hash === `#/requests/${encodeURIComponent(id)}`) showDetail(id).catch(() => {});
+    }, 500);
+  }
   const row = detail.row, cap = detail.capture, timing = cap ? cap.timing : {};
   $("detail-title").textContent = id;
   const facts = [];
