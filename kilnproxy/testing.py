@@ -13,7 +13,8 @@ Used by kilnproxy's own tests and by plugin authors::
 
 Both servers listen on real loopback ports; ``h.url`` is the gateway,
 ``h.mock_url`` the mock. ``h.config`` is the TOML document as a dict (change
-it with ``overrides``, merged one level deep). ``h.rows()`` reads the usage
+it with ``overrides``, merged one level deep, or ``configure``, a function
+that edits the dict in place once the mock's URL is in it). ``h.rows()`` reads the usage
 table as dicts, ``h.mock_requests()`` what the mock received.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import copy
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 
@@ -63,7 +64,7 @@ class Harness:
     def __init__(self, tmp_path: Path, *, plugins: list[str] | None = None,
                  settings: dict[str, dict] | None = None, overrides: dict[str, Any] | None = None,
                  mock_options: dict[str, Any] | None = None, entry_points: bool = False,
-                 base_dir: Path | None = None):
+                 base_dir: Path | None = None, configure: Callable[[dict], None] | None = None):
         self.tmp_path = Path(tmp_path)
         self.db = self.tmp_path / "usage.db"
         self.plugins = plugins or []
@@ -72,6 +73,7 @@ class Harness:
         self.mock_options = mock_options or {}
         self.entry_points = entry_points
         self.base_dir = base_dir or Path.cwd()
+        self.configure = configure
         self.mock: Running | None = None
         self.gateway: Running | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -88,6 +90,8 @@ class Harness:
                 self.config[section] = {**self.config[section], **value}
             else:
                 self.config[section] = copy.deepcopy(value)
+        if self.configure is not None:
+            self.configure(self.config)
         try:
             self.gateway = await start_gateway(parse_config(self.config, source="<test>",
                                                             base_dir=self.base_dir))
