@@ -116,7 +116,7 @@ class EventRelay:
 
     def _take_usage(self, usage: dict) -> None:
         counts = Usage.from_upstream(usage)
-        if counts.is_zero() and self.usage_raw is not None:
+        if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
         self.usage_raw = usage
         self.record.usage = counts
