@@ -127,6 +127,9 @@ async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, r
         if resp.status >= 300:
             raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status}")
         if call.stream:
+            if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
+                                      code="upstream_bad_response")
             return await relay_stream(request, gw, call, route, record, resp, headers)
         return await json_answer(gw, call, record, resp, headers)
     finally:
