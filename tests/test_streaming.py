@@ -215,3 +215,26 @@ async def test_client_leaving_closes_upstream_and_records_disconnect(gw):
     assert row["disconnected"] == 1
     assert 3 <= row["completion_tokens"] < 500
     assert row["prompt_tokens"] >= 1 and row["cost"] > 0
+
+
+async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatch):
+    import kilnproxy.relay as relay
+    parsed = []
+    real_loads = relay.orjson.loads
+
+    class CountingOrjson:
+        JSONDecodeError = relay.orjson.JSONDecodeError
+        dumps = staticmethod(relay.orjson.dumps)
+
+        @staticmethod
+        def loads(data):
+            parsed.append(data)
+            return real_loads(data)
+
+    monkeypatch.setattr(relay, "orjson", CountingOrjson)
+    async with harness(configure=lambda c: c["models"][0].update(upstream_model=MODEL)) as h:
+        _, raw = await stream_bytes(h, {"prompt": "x", "max_tokens": 20})
+    assert len(payloads(raw)) == 22  # 20 words, the finish chunk, [DONE]
+    # only the chunk with a finish reason and the usage chunk needed a look
+    assert len(parsed) == 2
+    assert b'"finish_reason":"length"' in parsed[0] and b'"usage"' in parsed[1]
