@@ -10,7 +10,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from .config import Config, load_config
 from .errors import KilnError
@@ -95,8 +94,8 @@ async def _serve(config: Config | None, host: str | None, port: int | None) -> N
         if mock is not None:
             await mock.stop()
         if isinstance(exc, OSError):
-            raise KilnError(f"cannot listen on {host or config.server.host}:{config.server.port if port is None else port}:"
-                            f" {exc.strerror or exc}") from None
+            where = f"{host or config.server.host}:{config.server.port if port is None else port}"
+            raise KilnError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         raise
     print(banner(gateway.url) if mock is not None else
           f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})",

@@ -19,7 +19,6 @@ import importlib.util
 import inspect
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
