@@ -136,7 +136,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return _error("vllm", 400, "Invalid JSON body", "BadRequestError")
-    app[LOG].append({"path": request.path, "body": body, "headers": dict(request.headers)})
+    app[LOG].append({"path": request.path, "body": body, "headers": {str(k): v for k, v in request.headers.items()}})
     del app[LOG][:-200]
     mock = body.get("mock") if isinstance(body.get("mock"), dict) else {}
     opts = {**app[OPTIONS], **mock}
