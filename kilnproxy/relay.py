@@ -102,7 +102,8 @@ class EventRelay:
             event["usage"] = None
         if choices:
             self.record.streamed_chunks += 1
-            self._take_finish_reason(choices)
+            if not self.parse_all:
+                self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
@@ -112,7 +113,7 @@ class EventRelay:
                 return None
             if verdict is STOP:
                 self.ended = True
-            self._take_finish_reason(event.get("choices"))  # as the plugins left it
+            self._take_finish_reason(event.get("choices"))  # what the client sees
             return self._dump(event)
         return data_frame(orjson.dumps(event))
 
