@@ -16,6 +16,7 @@ exception can be pinned on the plugin that raised it.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -76,10 +77,7 @@ def build_plugin_manager(config: Config, extra_plugins: Iterable[Any] = ()) -> p
     for plugin in extra_plugins:
         name = getattr(plugin, "__name__", None) or type(plugin).__name__
         _register(pm, plugin, name.rsplit(".", 1)[-1], "passed in")
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(pm.get_name(exc.plugin) or str(exc.plugin), str(exc)) from None
+    _check_pending(pm)
     _check_impls(pm)
     return pm
 
@@ -95,6 +93,18 @@ def _register(pm: pluggy.PluginManager, plugin: Any, name: str, source: str) -> 
     except ValueError as exc:  # the same object registered twice
         raise PluginError(name, str(exc)) from None
     pm.plugin_sources[name] = source
+
+
+def _check_pending(pm: pluggy.PluginManager) -> None:
+    """pluggy's ``check_pending``, with a message that suggests the hook meant."""
+    for name, caller in vars(pm.hook).items():
+        if not isinstance(caller, pluggy.HookCaller) or caller.has_spec():
+            continue
+        for impl in caller.get_hookimpls():
+            if not impl.optionalhook:
+                near = difflib.get_close_matches(name, HOOK_NAMES, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"the hooks are {', '.join(HOOK_NAMES)}"
+                raise PluginError(impl.plugin_name, f"@hookimpl {name!r} is not a kilnproxy hook; {hint}")
 
 
 def _check_impls(pm: pluggy.PluginManager) -> None:
@@ -137,7 +147,8 @@ def loaded_plugins(pm: pluggy.PluginManager) -> list[LoadedPlugin]:
     out = []
     for name, source in pm.plugin_sources.items():
         plugin = pm.get_plugin(name)
-        hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
+        implemented = {h.name for h in pm.get_hookcallers(plugin) or ()}
+        hooks = tuple(h for h in HOOK_NAMES if h in implemented)  # in the order they run
         out.append(LoadedPlugin(name, source, hooks))
     return out
 
