@@ -74,8 +74,6 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         admission.check_stream(body, call)
         admission.check_chat_params(body, call, route)
         await run_request_hooks(gw.hooks, call, body)
-        if gw.hooks.response_headers:
-            headers = {**await plugin_headers(gw.hooks, call), **headers}
         return await forward(request, gw, call, route, record, body, headers)
     except GatewayError as err:
         record.fail(err.status, err.code)
@@ -99,6 +97,8 @@ async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, r
     upstream, resp = await route.open(gw.session, call.endpoint, orjson.dumps(body))
     call.upstream = upstream.base_url
     try:
+        if gw.hooks.response_headers:
+            headers = {**await plugin_headers(gw.hooks, call), **headers}
         if resp.status in PASS_THROUGH_STATUSES:
             return await pass_through(gw, resp, record, headers)
         if resp.status >= 300:

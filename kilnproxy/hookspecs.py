@@ -7,7 +7,7 @@ stops start-up with one line naming the plugin.
 
 Order: for one request the hooks run in this order::
 
-    check_request -> rewrite_request -> response_headers -> (upstream)
+    check_request -> rewrite_request -> (upstream answers) -> response_headers
       -> transform_event (each streamed event) | transform_response (JSON answer)
       -> (usage row committed) -> record_usage
 
@@ -180,13 +180,14 @@ def transform_response(call, body):
 def response_headers(call):
     """Return extra headers for the response: a dict of str to str, or ``None``.
 
-    Called once per request that got past ``rewrite_request``, before the
-    upstream is contacted; the headers go on whatever response the request
-    then gets: the stream, the JSON answer, a passed-through upstream 400, a
-    502. Not called for requests refused earlier (auth, body rules,
-    ``check_request``). ``X-Neocloud-Generation-Id`` cannot be replaced. When
-    several plugins set the same header, the last to run wins. May be
-    ``async def``.
+    Called once per request whose upstream has answered (with its status and
+    headers, before its body is read), so ``call.upstream`` is known; before
+    the response to the client starts. The headers go on the response the
+    upstream's answer becomes: the stream, the JSON answer, or a
+    passed-through 400/422. Responses the gateway makes itself (refusals,
+    401-429, 502, 503) carry only the gateway's headers.
+    ``X-Neocloud-Generation-Id`` cannot be replaced. When several plugins set
+    the same header, the last to run wins. May be ``async def``.
     """
 
 

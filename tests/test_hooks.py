@@ -200,7 +200,8 @@ async def test_hook_transform_response(harness):
 class Tagger:
     @hookimpl
     def response_headers(self, call):
-        return {"X-Org": call.org, "X-Stream": str(call.stream).lower(), "X-Neocloud-Generation-Id": "mine"}
+        return {"X-Org": call.org, "X-Served-By": call.upstream, "X-Stream": str(call.stream).lower(),
+                "X-Neocloud-Generation-Id": "mine"}
 
 
 class LateTagger:
@@ -217,11 +218,14 @@ async def test_hook_response_headers(harness):
                 assert resp.status == 200
                 await resp.read()
                 assert resp.headers["X-Org"] == "overridden"
+                assert resp.headers["X-Served-By"] == f"{h.mock_url}/v1"
                 assert resp.headers["X-Stream"] == str(stream).lower()
                 assert resp.headers["X-Neocloud-Generation-Id"].startswith("gen-")
-        # an upstream error keeps them; a request refused before (404 model) gets none
+        # the upstream's own 400 keeps them; errors the gateway makes itself do not get them
+        async with h.post("/v1/completions", {"model": h.model, "prompt": PROMPT, "temperature": 7}) as resp:
+            assert resp.status == 400 and resp.headers["X-Org"] == "overridden"
         async with h.post("/v1/completions", {"model": h.model, "prompt": PROMPT, "mock": {"fail": "500"}}) as resp:
-            assert resp.status == 502 and resp.headers["X-Stream"] == "false"
+            assert resp.status == 502 and "X-Org" not in resp.headers
         async with h.post("/v1/completions", {"model": "nope", "prompt": PROMPT}) as resp:
             assert resp.status == 404 and "X-Org" not in resp.headers
 
