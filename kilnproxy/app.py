@@ -9,6 +9,7 @@ traceback), never an HTML page.
 from __future__ import annotations
 
 import logging
+from typing import Any, Iterable
 
 from aiohttp import web
 
@@ -23,9 +24,10 @@ from .plugins import build_plugin_manager
 log = logging.getLogger("kilnproxy")
 
 
-def create_app(config: Config) -> web.Application:
-    """Build the app; plugins are loaded (and checked) here, the database opened on start-up."""
-    gateway = Gateway(config, build_plugin_manager(config))
+def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Application:
+    """Build the app; plugins are loaded (and checked) here, the database opened on start-up.
+    ``extra_plugins``: plugin objects registered after the config's (for tests)."""
+    gateway = Gateway(config, build_plugin_manager(config, extra_plugins))
     app = web.Application(middlewares=[json_errors], client_max_size=config.server.max_request_bytes)
     app[GATEWAY] = gateway
     app.cleanup_ctx.append(_gateway_ctx)

@@ -138,7 +138,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return _error("vllm", 400, "Invalid JSON body", "BadRequestError")
-    app[LOG].append({"path": request.path, "body": body, "headers": {str(k): v for k, v in request.headers.items()}})
+    headers = {str(k): v for k, v in request.headers.items()}  # istr keys are not JSON keys for orjson
+    app[LOG].append({"path": request.path, "body": body, "headers": headers})
     del app[LOG][:-200]
     mock = body.get("mock") if isinstance(body.get("mock"), dict) else {}
     opts = {**app[OPTIONS], **mock}
