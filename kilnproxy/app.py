@@ -12,7 +12,7 @@ import logging
 
 from aiohttp import web
 
-from . import handlers
+from . import admin, handlers
 from .appkeys import GATEWAY
 from .completions import chat_completions, completions
 from .config import Config
@@ -36,6 +36,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/v1/credits", handlers.credits)
     app.router.add_get("/v1/generations/{generation_id}", handlers.generation)
     app.router.add_get("/healthz", handlers.healthz)
+    admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
     return app
 
 
