@@ -108,13 +108,13 @@ async def _serve(config: Config | None, host: str | None, port: int | None) -> N
             raise KilnError(f"cannot listen on {host or config.server.host}:{config.server.port if port is None else port}:"
                             f" {exc.strerror or exc}") from None
         raise
-    print(banner(gateway.url) if mock is not None else
-          f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})",
-          flush=True)
+    text = (banner(gateway.url) if mock is not None else
+            f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})")
     from .admin import RELOADER, SHUTDOWN
     from .lifecycle import serve_until_stopped
     try:
-        await serve_until_stopped(gateway, gateway.app[SHUTDOWN], gateway.app[RELOADER].reload)
+        await serve_until_stopped(gateway, gateway.app[SHUTDOWN], gateway.app[RELOADER].reload,
+                                  ready=lambda: print(text, flush=True))
     finally:
         if mock is not None:
             await mock.stop()

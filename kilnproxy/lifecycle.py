@@ -93,9 +93,10 @@ def end_streams(gw) -> int:
     return len(responses)
 
 
-async def serve_until_stopped(running, shutdown: Shutdown, reload=None) -> None:
+async def serve_until_stopped(running, shutdown: Shutdown, reload=None, ready=None) -> None:
     """Serve until SIGTERM/SIGINT, then stop ``running`` gracefully (see the module's docstring).
-    ``running`` is stopped on every way out of here."""
+    ``ready()`` is called once the signal handlers are in place (print the banner there: whoever
+    waits for it may signal at once). ``running`` is stopped on every way out of here."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = 0
@@ -117,6 +118,8 @@ async def serve_until_stopped(running, shutdown: Shutdown, reload=None) -> None:
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, reload)
     try:
+        if ready is not None:
+            ready()
         await stop.wait()
     finally:
         try:

@@ -4,6 +4,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kilnproxy.admin import HEALTH
+from kilnproxy.appkeys import GATEWAY
 from kilnproxy.config import parse_config
 from kilnproxy.health import check_url
 from kilnproxy.mock_upstream import STATS
@@ -18,6 +20,25 @@ BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 def test_check_url_is_taken_from_the_server_root():
     assert check_url("http://10.0.0.7:8000/v1", "/health") == "http://10.0.0.7:8000/health"
     assert check_url("https://gpu.example/api/v1", "/v1/models") == "https://gpu.example/v1/models"
+
+
+async def test_any_answer_below_500_is_up_and_no_answer_is_down(harness):
+    async with harness(overrides={"health": {"interval": 0, "path": "/no/such/path"}}) as h:
+        gw, checker = h.app[GATEWAY], h.app[HEALTH]
+        upstream = gw.routes[MODEL].upstreams[0]
+        upstream.failed()
+        await checker.check_all()  # the mock answers 404: it is serving
+        assert upstream.is_up(0) and upstream.failures == 0 and checker.failures == {}
+        await h.mock.stop()
+        await checker.check_all()
+        assert not upstream.is_up(__import__("time").monotonic()) and checker.failures == {upstream.base_url: 1}
+        async with h.post("/v1/completions", BODY) as r:
+            assert r.status == 503
+            assert (await r.json())["error"]["code"] == "no_backend_available"
+        h.mock = await start_mock(port=int(h.mock_url.rsplit(":", 1)[1]))
+        await checker.check_all()
+        async with h.post("/v1/completions", BODY) as r:
+            assert r.status == 200
 
 
 async def mock_requests(session: aiohttp.ClientSession, mock: MockProcess) -> int:

@@ -170,7 +170,7 @@ async def test_reload_swaps_routes_keeping_upstream_state(harness, tmp_path):
             assert [m["id"] for m in (await r.json())["data"]] == ["second-model"]
         async with h.session.get(f"{h.url}/v1/credits", headers=auth(KEY)) as r:
             assert (await r.json())["granted"] == 0.5
-        held = await h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5, "stream": True,
+        held = await h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True,
                                                 "mock": {"delay": 0.2}})
         await held.content.readline()
         async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi"}) as r:

@@ -47,7 +47,7 @@ async def test_sigterm_during_load_loses_no_row_and_exits_0(tmp_path, mock):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             responses, heads = await open_streams(s, gw.url, 20, words=8, delay=0.15)
             seen += [r.headers[GEN] for r in responses]
-            stop_load = asyncio.Event()
+            stop_load, loaded = asyncio.Event(), asyncio.Event()
 
             async def load() -> None:
                 while not stop_load.is_set():
@@ -59,10 +59,11 @@ async def test_sigterm_during_load_loses_no_row_and_exits_0(tmp_path, mock):
                             seen.append(r.headers[GEN])
                     except aiohttp.ClientConnectionError:
                         return  # the gateway stopped accepting
+                    if len(seen) >= 40:
+                        loaded.set()
 
             loaders = [asyncio.create_task(load()) for _ in range(4)]
-            while len(seen) < 40:  # some load has gone through
-                await asyncio.sleep(0.01)
+            await loaded.wait()  # some load has gone through; it goes on during the shutdown
             gw.send(signal.SIGTERM)
             await gw.wait_for("stderr", "shutting down: waiting up to 30 s for")
             async with aiohttp.ClientSession() as fresh:
