@@ -250,11 +250,11 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     orgs = tuple(_org(source, i, t) for i, t in enumerate(top.get("orgs", list, [])))
     keys = tuple(_key(source, i, t) for i, t in enumerate(top.get("keys", list, [])))
     plugins = _plugins(_Reader(source, "plugins", top.get("plugins", dict, {})))
-    operations = _operations(source, top)
+    admin, metrics, log, health = _operations(source, top)
     top.done()
     _check_references(source, models, orgs, keys)
-    return Config(server, storage, limits, maintenance, models, orgs, keys, plugins, *operations,
-                  base_dir=base_dir, source=source)
+    return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
+                  admin=admin, metrics=metrics, log=log, health=health, base_dir=base_dir, source=source)
 
 
 def _server(r: _Reader) -> ServerConfig:

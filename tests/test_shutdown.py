@@ -45,7 +45,7 @@ async def test_sigterm_during_load_loses_no_row_and_exits_0(tmp_path, mock):
     seen: list[str] = []
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            responses, heads = await open_streams(s, gw.url, 20, words=8, delay=0.15)
+            responses, heads = await open_streams(s, gw.url, 20, words=10, delay=0.2)
             seen += [r.headers[GEN] for r in responses]
             stop_load, loaded = asyncio.Event(), asyncio.Event()
 
@@ -59,7 +59,7 @@ async def test_sigterm_during_load_loses_no_row_and_exits_0(tmp_path, mock):
                             seen.append(r.headers[GEN])
                     except aiohttp.ClientConnectionError:
                         return  # the gateway stopped accepting
-                    if len(seen) >= 40:
+                    if len(seen) >= 20 + 20:
                         loaded.set()
 
             loaders = [asyncio.create_task(load()) for _ in range(4)]
@@ -75,7 +75,7 @@ async def test_sigterm_during_load_loses_no_row_and_exits_0(tmp_path, mock):
         assert await gw.wait(timeout=30) == 0
         for body in bodies:  # streams in flight finished normally
             assert body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
-            assert body.count(b"data: ") == 8 + 2
+            assert body.count(b"data: ") == 10 + 2
         rows = gw.rows()
         assert sorted(r["id"] for r in rows) == sorted(seen)
         assert all(r["status"] == 200 and r["error_code"] is None for r in rows)
