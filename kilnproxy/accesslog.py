@@ -3,8 +3,8 @@
 A line is built where the request's usage row is built (``Gateway.row_observers``),
 from that row: generation id, org, key id (never the key), model, endpoint,
 status, error code, tokens, cost, duration, time to first token, upstream and
-whether the client left early. The request body (prompt or messages) is added
-only with ``[log] bodies = true``; completions are never logged.
+whether the client left early. The request body (prompt or messages, as sent
+upstream) is added only with ``[log] bodies = true``; completions are never logged.
 
 Lines finished in the same turn of the event loop go out in one write.
 Diagnostics (start-up, reloads, errors) go to stderr through ``logging``, so

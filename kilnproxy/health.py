@@ -58,7 +58,10 @@ class HealthChecker:
         while True:
             interval = self.gw.config.health.interval
             if interval > 0:
-                await self.check_all()
+                try:
+                    await self.check_all()
+                except Exception:  # a bug here must not end the checks for good
+                    log.exception("health checks failed")
             self._wake.clear()
             try:  # a reload that turns checks on wakes us (see ``wake``)
                 await asyncio.wait_for(self._wake.wait(), interval or None)
