@@ -17,7 +17,7 @@ import hmac
 import ipaddress
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from .accesslog import AccessLog
 from .appkeys import GATEWAY
@@ -89,9 +89,10 @@ def _is_loopback(remote: str | None) -> bool:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus' text format (0.0.4), or OpenMetrics when the scraper's ``Accept`` asks for it."""
     check_admin(request)
-    body = generate_latest(request.app[REGISTRY])
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return web.Response(body=encode(request.app[REGISTRY]), headers={"Content-Type": content_type})
 
 
 async def reload_config(request: web.Request) -> web.Response:

@@ -112,6 +112,7 @@ async def test_passive_marking_down_without_active_checks(harness):
             assert (await r.json())["error"]["code"] == "no_backend_available"
         async with h.session.get(f"{h.mock_url}/mock/stats") as r:
             assert (await r.json())["requests"] == 2
+        assert await upstream_gauges(h.session, h.url) == {f"{h.mock_url}/v1": (0, 2)}
 
 
 @pytest.fixture

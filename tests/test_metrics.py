@@ -32,7 +32,7 @@ def value(scrape: dict, name: str, **labels) -> float:
 async def scrape(session: aiohttp.ClientSession, url: str, **kwargs) -> dict:
     async with session.get(f"{url}/metrics", **kwargs) as resp:
         assert resp.status == 200, await resp.text()
-        assert resp.headers["Content-Type"].startswith("text/plain; version=")
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         return samples(await resp.text())
 
 
@@ -114,6 +114,15 @@ async def test_metrics_change_as_requests_flow(tmp_path, mock):
         assert value(after, "process_resident_memory_bytes") > 0
     finally:
         await gw.stop()
+
+
+async def test_openmetrics_when_the_scraper_asks_for_it(harness):
+    async with harness() as h:
+        async with h.session.get(f"{h.url}/metrics", headers={
+                "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+            text = await r.text()
+        assert text.endswith("# EOF\n") and "# TYPE kilnproxy_requests counter" in text
 
 
 async def test_admin_token_guards_metrics_and_reload(tmp_path, mock):

@@ -161,11 +161,14 @@ async def test_reload_swaps_routes_keeping_upstream_state(harness, tmp_path):
         raw["orgs"] = [{"id": "acme", "credits": 0.5, "max_in_flight": 1}, {"id": "globex", "credits": 1.0}]
         raw["keys"] = h.config["keys"] + [{"key": NEW_KEY, "org": "acme", "models": ["second-model"]}]
         raw["server"] = {**h.config["server"], "port": 1, "keepalive_seconds": 3}
+        raw["log"] = {"access": False}
+        assert [type(o).__name__ for o in gw.row_observers] == ["method", "AccessLog"]
         summary = h.app[RELOADER].apply(parse_config(raw, source="<test>"))
         assert summary == "2 model(s), 2 org(s), 3 key(s), maintenance off"
         assert gw.routes[MODEL].upstreams[0] is old_upstream and old_upstream.failures == 1
         assert gw.routes["second-model"].upstreams[0].failures == 1  # same URL: same health
         assert gw.config.server.port == 0 and gw.config.server.keepalive_seconds == 3
+        assert [type(o).__name__ for o in gw.row_observers] == ["method"]  # metrics stay, the log is off
         async with h.session.get(f"{h.url}/v1/models", headers=auth(NEW_KEY)) as r:
             assert [m["id"] for m in (await r.json())["data"]] == ["second-model"]
         async with h.session.get(f"{h.url}/v1/credits", headers=auth(KEY)) as r:
