@@ -162,8 +162,9 @@ def cmd_check_config(args) -> int:
     print(f"  ops      metrics {'on' if config.metrics.enabled else 'off'}, access log "
           f"{'on' if config.log.access else 'off'}{' with bodies' if config.log.bodies else ''}, health checks "
           + (f"every {config.health.interval:g} s on {config.health.path}" if config.health.interval else "off")
-          + ", admin " + " or ".join(filter(None, ("token" if config.admin.token_sha256 else "",
-                                                   "loopback" if config.admin.allow_loopback else "")))
+          + ", admin " + (" or ".join(filter(None, ("token" if config.admin.token_sha256 else "",
+                                                    "loopback" if config.admin.allow_loopback else "")))
+                          or "nobody")
           + f", shutdown grace {config.server.shutdown_grace_seconds:g} s")
     if config.maintenance.enabled:
         print(f"  maintenance on (Retry-After: {config.maintenance.retry_after})")
