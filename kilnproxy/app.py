@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
-from . import handlers
+from . import admin, handlers
 from .appkeys import GATEWAY
 from .completions import chat_completions, completions
 from .config import Config
@@ -38,6 +38,7 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     app.router.add_get("/v1/credits", handlers.credits)
     app.router.add_get("/v1/generations/{generation_id}", handlers.generation)
     app.router.add_get("/healthz", handlers.healthz)
+    admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
     return app
 
 

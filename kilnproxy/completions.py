@@ -96,6 +96,7 @@ async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, r
                   body: dict, headers: dict) -> web.StreamResponse:
     upstream, resp = await route.open(gw.session, call.endpoint, orjson.dumps(body))
     call.upstream = upstream.base_url
+    gw.open_upstreams.add(resp)
     try:
         if gw.hooks.response_headers:
             headers = {**await plugin_headers(gw.hooks, call), **headers}
@@ -110,6 +111,7 @@ async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, r
             return await relay_stream(request, gw, call, route, record, resp, headers)
         return await json_answer(gw, call, record, resp, headers)
     finally:
+        gw.open_upstreams.discard(resp)
         upstream.in_flight -= 1
         if resp.content.is_eof():
             resp.release()  # back to the pool for the next request

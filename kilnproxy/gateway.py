@@ -42,6 +42,10 @@ class Gateway:
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         self.session: aiohttp.ClientSession | None = None
         self.started_at = int(time.time())
+        # Called with (row, record) once per request, where its row is built (metrics, access log).
+        self.row_observers: tuple = ()
+        # Upstream responses being relayed, so a shutdown can end them (kilnproxy.lifecycle).
+        self.open_upstreams: set[aiohttp.ClientResponse] = set()
         self._usage_queue: asyncio.Queue | None = None
         self._usage_task: asyncio.Task | None = None
 
@@ -94,6 +98,11 @@ class Gateway:
             row = record.row()
             self.credits.charge(row["org"], row["cost"])
             record.committed = self.ledger.submit(row, record.call)
+            for observe in self.row_observers:
+                try:
+                    observe(row, record)
+                except Exception:
+                    log.exception("row observer %r failed for %s", observe, row["id"])
         return record.committed
 
     def _committed(self, rows: list[tuple[dict, Call]]) -> None:

@@ -69,6 +69,7 @@ def base_config(mock_url: str, db: Path) -> dict[str, Any]:
         "keys": [{"key": KEY, "org": "acme", "id": "acme-key"},
                  {"key": OTHER_KEY, "org": "globex", "id": "globex-key"}],
         "plugins": {"modules": [], "entry_points": False},
+        "health": {"interval": 0},  # no active checks: a test decides when an upstream is down
     }
 
 
