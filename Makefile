@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: install run test clean browser
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml tests/entrypoint_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e tests/entrypoint_plugin  # a plugin found only through its entry point
 	touch $(STAMP)
 
 install: $(STAMP)

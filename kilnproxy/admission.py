@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncio
+
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -30,9 +33,9 @@ async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]
     try:
         raw = await request.content.readexactly(length) if length is not None else await _read_capped(
             request, max_bytes)
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large(max_bytes) from None
-    except Exception:  # asyncio.IncompleteReadError and friends: the client sent less than it said
+    except GatewayError:
+        raise
+    except (asyncio.IncompleteReadError, web.HTTPException, aiohttp.ClientPayloadError, ValueError):
         raise bad_request("The request body ended before its Content-Length.") from None
     try:
         body = orjson.loads(raw)

@@ -9,10 +9,11 @@ traceback), never an HTML page.
 from __future__ import annotations
 
 import logging
+from typing import Any, Iterable
 
 from aiohttp import web
 
-from . import handlers
+from . import admin, handlers
 from .appkeys import GATEWAY
 from .completions import chat_completions, completions
 from .config import Config
@@ -24,9 +25,10 @@ from .plugins import build_plugin_manager
 log = logging.getLogger("kilnproxy")
 
 
-def create_app(config: Config) -> web.Application:
-    """Build the app; plugins are loaded (and checked) here, the database opened on start-up."""
-    gateway = Gateway(config, build_plugin_manager(config))
+def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Application:
+    """Build the app; plugins are loaded (and checked) here, the database opened on start-up.
+    ``extra_plugins``: plugin objects registered after the config's (for tests)."""
+    gateway = Gateway(config, build_plugin_manager(config, extra_plugins))
     app = web.Application(middlewares=[json_errors], client_max_size=config.server.max_request_bytes)
     app[GATEWAY] = gateway
     app.cleanup_ctx.append(_gateway_ctx)
@@ -37,6 +39,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/v1/credits", handlers.credits)
     app.router.add_get("/v1/generations/{generation_id}", handlers.generation)
     app.router.add_get("/healthz", handlers.healthz)
+    admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
     setup_inspector(app, gateway)
     return app
 

@@ -10,12 +10,14 @@ _EMPTY: Mapping[str, Any] = {}
 class Call:
     """One request to /v1/completions or /v1/chat/completions.
 
-    Plugins read it; only ``state`` is theirs to write.
+    Plugins read it; only ``state`` (a dict that lives as long as the request)
+    is theirs to write. ``gateway`` is the running ``Gateway``, the object
+    ``startup`` received: key per-gateway resources by it.
     """
 
     __slots__ = (
         "generation_id", "org", "key_id", "model", "endpoint", "stream",
-        "include_usage", "upstream_model", "upstream", "pricing", "state", "_settings",
+        "include_usage", "upstream_model", "upstream", "pricing", "state", "_settings", "gateway",
     )
 
     def __init__(
@@ -38,9 +40,10 @@ class Call:
         self.pricing = None  # the model's kilnproxy.config.Pricing, once the model is known
         self.state: dict[str, Any] = {}
         self._settings = settings
+        self.gateway = getattr(settings, "__self__", None)  # settings is the gateway's plugin_settings
 
     def settings(self, name: str) -> Mapping[str, Any]:
-        """The ``[plugins.settings.<name>]`` table of the config (empty if absent)."""
+        """The ``[plugins.settings.<name>]`` table of the config (empty if absent; do not change it)."""
         if self._settings is None:
             return _EMPTY
         return self._settings(name)

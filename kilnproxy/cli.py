@@ -10,12 +10,11 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from .config import Config, load_config
 from .errors import KilnError
 
-COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config")
+COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     _config_arg(serve)
     serve.add_argument("--host", help="override [server] host")
     serve.add_argument("--port", type=int, help="override [server] port")
+    serve.add_argument("--pidfile", help="write the process id here (for `reload --pidfile`)")
     serve.set_defaults(func=cmd_serve)
 
     mock = sub.add_parser("mock-upstream", help="run the fake vLLM-like model server")
@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config and print what it would serve")
     check.add_argument("file")
     check.set_defaults(func=cmd_check_config)
+
+    from .reload_command import add_reload_command
+    add_reload_command(sub)
     return p
 
 
@@ -78,7 +81,13 @@ def load_or_none(path: str | None) -> Config | None:
 def cmd_serve(args) -> int:
     from . import server
     config = load_or_none(args.config)
-    server.run(lambda: _serve(config, args.host, args.port))
+    if args.pidfile:
+        Path(args.pidfile).write_text(f"{os.getpid()}\n")
+    try:
+        server.run(lambda: _serve(config, args.host, args.port))
+    finally:
+        if args.pidfile:
+            Path(args.pidfile).unlink(missing_ok=True)
     return 0
 
 
@@ -95,16 +104,17 @@ async def _serve(config: Config | None, host: str | None, port: int | None) -> N
         if mock is not None:
             await mock.stop()
         if isinstance(exc, OSError):
-            raise KilnError(f"cannot listen on {host or config.server.host}:{config.server.port if port is None else port}:"
-                            f" {exc.strerror or exc}") from None
+            where = f"{host or config.server.host}:{config.server.port if port is None else port}"
+            raise KilnError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         raise
-    print(banner(gateway.url) if mock is not None else
-          f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})",
-          flush=True)
+    text = (banner(gateway.url) if mock is not None else
+            f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})")
+    from .admin import RELOADER, SHUTDOWN
+    from .lifecycle import serve_until_stopped
     try:
-        await server.wait_for_signal()
+        await serve_until_stopped(gateway, gateway.app[SHUTDOWN], gateway.app[RELOADER].reload,
+                                  ready=lambda: print(text, flush=True))
     finally:
-        await gateway.stop()
         if mock is not None:
             await mock.stop()
 
@@ -148,4 +158,13 @@ def cmd_check_config(args) -> int:
         keys = sum(1 for k in config.keys if k.org == o.id)
         print(f"  org      {o.id}: {o.credits} USD, {o.max_in_flight or config.limits.max_in_flight_per_org}"
               f" in flight, {keys} key(s)")
+    print(f"  ops      metrics {'on' if config.metrics.enabled else 'off'}, access log "
+          f"{'on' if config.log.access else 'off'}{' with bodies' if config.log.bodies else ''}, health checks "
+          + (f"every {config.health.interval:g} s on {config.health.path}" if config.health.interval else "off")
+          + ", admin " + (" or ".join(filter(None, ("token" if config.admin.token_sha256 else "",
+                                                    "loopback" if config.admin.allow_loopback else "")))
+                          or "nobody")
+          + f", shutdown grace {config.server.shutdown_grace_seconds:g} s")
+    if config.maintenance.enabled:
+        print(f"  maintenance on (Retry-After: {config.maintenance.retry_after})")
     return 0

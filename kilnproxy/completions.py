@@ -19,9 +19,9 @@ from . import admission
 from .appkeys import GATEWAY
 from .auth import key_disabled
 from .call import Call
-from .errors import GatewayError, UpstreamFailure, plugin_failed
+from .errors import GatewayError, UpstreamFailure
 from .gateway import Gateway
-from .plugins import call_impl, call_maybe_async
+from .plugins import plugin_headers, run_request_hooks, transformed_response
 from .record import RequestRecord
 from .stream import relay_stream
 from .upstream import Route
@@ -75,9 +75,7 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         slot = True
         admission.check_stream(body, call)
         admission.check_chat_params(body, call, route)
-        await run_request_hooks(gw, call, body)
-        for impl in gw.hooks.response_headers:
-            headers.update(_plugin_call(impl, {"call": call}) or {})
+        await run_request_hooks(gw.hooks, call, body)
         return await forward(request, gw, call, route, record, body, headers)
     except GatewayError as err:
         record.fail(err.status, err.code)
@@ -96,29 +94,6 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
             gw.inflight.release(key.org)
 
 
-async def run_request_hooks(gw: Gateway, call: Call, body: dict) -> None:
-    """``check_request`` (may refuse) then ``rewrite_request``, errors pinned on the plugin."""
-    for impl in gw.hooks.check_request:
-        try:
-            refusal = await call_maybe_async(impl, {"call": call, "body": body})
-        except Exception as exc:
-            raise plugin_failed(impl.plugin, impl.hook, exc) from exc
-        if refusal is not None:
-            raise refusal
-    for impl in gw.hooks.rewrite_request:
-        try:
-            await call_maybe_async(impl, {"call": call, "body": body})
-        except Exception as exc:
-            raise plugin_failed(impl.plugin, impl.hook, exc) from exc
-
-
-def _plugin_call(impl, kwargs):
-    try:
-        return call_impl(impl, kwargs)
-    except Exception as exc:
-        raise plugin_failed(impl.plugin, impl.hook, exc) from exc
-
-
 async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
                   body: dict, headers: dict) -> web.StreamResponse:
     payload = orjson.dumps(body)
@@ -126,15 +101,22 @@ async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, r
         record.tap.sent_upstream(payload)
     upstream, resp = await route.open(gw.session, call.endpoint, payload)
     call.upstream = upstream.base_url
+    gw.open_upstreams.add(resp)
     try:
+        if gw.hooks.response_headers:
+            headers = {**await plugin_headers(gw.hooks, call), **headers}
         if resp.status in PASS_THROUGH_STATUSES:
             return await pass_through(gw, resp, record, headers)
         if resp.status >= 300:
             raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status}")
         if call.stream:
+            if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
+                                      code="upstream_bad_response")
             return await relay_stream(request, gw, call, route, record, resp, headers)
         return await json_answer(gw, call, record, resp, headers)
     finally:
+        gw.open_upstreams.discard(resp)
         upstream.in_flight -= 1
         if resp.content.is_eof():
             resp.release()  # back to the pool for the next request
@@ -171,9 +153,7 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
     choices = answer.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[-1], dict):
         record.finish_reason = choices[-1].get("finish_reason")
-    for impl in gw.hooks.transform_response:
-        _plugin_call(impl, {"call": call, "body": answer})
-    out = orjson.dumps(answer)
+    out = await transformed_response(gw.hooks, call, answer)
     if record.tap is not None:
         record.tap.answer(raw, out)
     await gw.submit(record)

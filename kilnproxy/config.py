@@ -28,6 +28,7 @@ class ServerConfig:
     upstream_idle_timeout: float = 600.0
     upstream_max_failures: int = 3
     upstream_down_seconds: float = 10.0
+    shutdown_grace_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,32 @@ class PluginsConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    """Who may read /metrics and call /admin/*: the bearer ``token`` and/or loopback clients."""
+
+    token_sha256: str | None = None
+    allow_loopback: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    access: bool = True
+    bodies: bool = False
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval: float = 10.0  # seconds between active checks; 0: none
+    path: str = "/health"
+    timeout: float = 5.0
+
+
+@dataclass(frozen=True)
 class InspectorConfig:
     """The web inspector at /ui (kilnproxy.inspector)."""
 
@@ -117,6 +144,10 @@ class Config:
     orgs: tuple[OrgConfig, ...] = ()
     keys: tuple[KeyConfig, ...] = ()
     plugins: PluginsConfig = PluginsConfig()
+    admin: AdminConfig = AdminConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    log: LogConfig = LogConfig()
+    health: HealthConfig = HealthConfig()
     inspector: InspectorConfig = InspectorConfig()
     base_dir: Path = Path(".")
     source: str = "<built-in>"
@@ -231,11 +262,13 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     orgs = tuple(_org(source, i, t) for i, t in enumerate(top.get("orgs", list, [])))
     keys = tuple(_key(source, i, t) for i, t in enumerate(top.get("keys", list, [])))
     plugins = _plugins(_Reader(source, "plugins", top.get("plugins", dict, {})))
+    admin, metrics, log, health = _operations(source, top)
     inspector = _inspector(_Reader(source, "inspector", top.get("inspector", dict, {})))
     top.done()
     _check_references(source, models, orgs, keys)
     return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
-                  inspector=inspector, base_dir=base_dir, source=source)
+                  admin=admin, metrics=metrics, log=log, health=health, inspector=inspector,
+                  base_dir=base_dir, source=source)
 
 
 def _server(r: _Reader) -> ServerConfig:
@@ -252,6 +285,7 @@ def _server(r: _Reader) -> ServerConfig:
         upstream_idle_timeout=float(r.positive("upstream_idle_timeout", d.upstream_idle_timeout)),
         upstream_max_failures=r.positive("upstream_max_failures", d.upstream_max_failures, integer=True),
         upstream_down_seconds=float(r.positive("upstream_down_seconds", d.upstream_down_seconds)),
+        shutdown_grace_seconds=float(r.positive("shutdown_grace_seconds", d.shutdown_grace_seconds)),
     )
     r.done()
     return server
@@ -339,6 +373,40 @@ def _plugins(r: _Reader) -> PluginsConfig:
     )
     r.done()
     return plugins
+
+
+def _operations(source: str, top: _Reader) -> tuple[AdminConfig, MetricsConfig, LogConfig, HealthConfig]:
+    """The ``[admin]``, ``[metrics]``, ``[log]`` and ``[health]`` tables."""
+    r = _Reader(source, "admin", top.get("admin", dict, {}))
+    token = r.get("token", str, None)
+    digest = r.get("token_sha256", str, None)
+    if token is not None and digest is not None:
+        r.fail(r.key("token"), "give token or token_sha256, not both")
+    if token is not None and not token.strip():
+        r.fail(r.key("token"), "must not be empty")
+    if digest is not None:
+        digest = digest.lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            r.fail(r.key("token_sha256"), "must be 64 hex digits (sha256 of the token)")
+    admin = AdminConfig(digest or (sha256_hex(token) if token is not None else None),
+                        r.get("allow_loopback", bool, True))
+    r.done()
+    r = _Reader(source, "metrics", top.get("metrics", dict, {}))
+    metrics = MetricsConfig(r.get("enabled", bool, True))
+    r.done()
+    r = _Reader(source, "log", top.get("log", dict, {}))
+    log = LogConfig(r.get("access", bool, True), r.get("bodies", bool, False))
+    r.done()
+    r = _Reader(source, "health", top.get("health", dict, {}))
+    interval = r.get("interval", _NUMBER, HealthConfig.interval)
+    if interval < 0:
+        r.fail(r.key("interval"), f"must be 0 (no active checks) or more, got {interval!r}")
+    path = r.get("path", str, HealthConfig.path)
+    if not path.startswith("/"):
+        r.fail(r.key("path"), f"must start with '/', e.g. \"/health\" or \"/v1/models\", got {path!r}")
+    health = HealthConfig(float(interval), path, float(r.positive("timeout", HealthConfig.timeout)))
+    r.done()
+    return admin, metrics, log, health
 
 
 def _inspector(r: _Reader) -> InspectorConfig:

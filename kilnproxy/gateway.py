@@ -42,6 +42,10 @@ class Gateway:
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         self.session: aiohttp.ClientSession | None = None
         self.started_at = int(time.time())
+        # Called with (row, record) once per request, where its row is built (metrics, access log).
+        self.row_observers: tuple = ()
+        # Upstream responses being relayed, so a shutdown can end them (kilnproxy.lifecycle).
+        self.open_upstreams: set[aiohttp.ClientResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
         self.commit_listeners: list = []  # called with each committed batch; must not block or raise
         self._usage_queue: asyncio.Queue | None = None
@@ -56,20 +60,22 @@ class Gateway:
         if self.hooks.record_usage:
             self._usage_queue = asyncio.Queue()
             self._usage_task = asyncio.create_task(self._notify_usage(), name="kilnproxy-record-usage")
-        for impl in self.hooks.startup:
+        for i, impl in enumerate(self.hooks.startup):
             try:
                 await call_maybe_async(impl, {"gateway": self})
             except Exception as exc:
-                await self.stop()
+                await self.stop(not_started={later.plugin for later in self.hooks.startup[i:]})
                 raise PluginError(impl.plugin, f"startup failed: {type(exc).__name__}: {exc}") from None
 
-    async def stop(self) -> None:
+    async def stop(self, not_started: frozenset[str] | set[str] = frozenset()) -> None:
         await self.ledger.close()
         if self._usage_task is not None:
             await self._usage_queue.put(None)
             await self._usage_task
             self._usage_task = None
         for impl in self.hooks.shutdown:
+            if impl.plugin in not_started:
+                continue
             try:
                 await call_maybe_async(impl, {"gateway": self})
             except Exception:
@@ -94,6 +100,11 @@ class Gateway:
             row = record.row()
             self.credits.charge(row["org"], row["cost"])
             record.committed = self.ledger.submit(row, record.call)
+            for observe in self.row_observers:
+                try:
+                    observe(row, record)
+                except Exception:
+                    log.exception("row observer %r failed for %s", observe, row["id"])
         return record.committed
 
     def _committed(self, rows: list[tuple[dict, Call]]) -> None:
@@ -112,6 +123,12 @@ class Gateway:
                     await call_maybe_async(impl, kwargs)
                 except Exception:
                     log.exception("plugin %r failed in record_usage for %s", impl.plugin, row["id"])
+            self._usage_queue.task_done()
+
+    async def usage_recorded(self) -> None:
+        """Return once every row committed so far has been through ``record_usage``."""
+        if self._usage_queue is not None:
+            await self._usage_queue.join()
 
 
 class _ReadOnlyRow(dict):

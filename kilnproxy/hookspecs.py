@@ -1,28 +1,58 @@
 """The plugin hooks of kilnproxy: their docstrings are the contract.
 
-A plugin is a module (or object) with functions marked ``@hookimpl``, named as
-below. It may accept any subset of a hook's arguments, by name. Hooks run in
-pluggy's order (last registered first; ``@hookimpl(tryfirst=True)`` /
-``trylast=True`` to move); the built-in plugins of ``kilnproxy.default_plugins``
-run first.
+A plugin is a module (or object) with functions marked ``@hookimpl``
+(``from kilnproxy import hookimpl``), named as below. It may accept any
+subset of a hook's arguments, by name. A misspelled hook name or argument
+stops start-up with one line naming the plugin.
 
-``call`` is a ``kilnproxy.Call``: ``generation_id``, ``org``, ``key_id``,
-``model`` (catalog id), ``endpoint`` (``"completions"`` or
-``"chat/completions"``), ``stream``, ``include_usage`` (what the client asked),
-``upstream_model``, ``upstream`` (the base URL chosen, once known), ``state``
-(a dict that lives as long as the request, for the plugin's own use), and
-``settings(name)``, which returns the ``[plugins.settings.<name>]`` table of the
-config as a dict (empty when absent).
+Order: for one request the hooks run in this order::
 
-Errors: a hook that raises fails only the request it ran for. Before the
-response has started the client gets a 500 JSON error with code
-``plugin_error`` naming the plugin; once a stream has started, an ``error``
-event naming the plugin and ``data: [DONE]``. The usage row and the in-flight
-slot are handled as for any other failure, and the gateway keeps serving.
+    check_request -> rewrite_request -> (upstream answers) -> response_headers
+      -> transform_event (each streamed event) | transform_response (JSON answer)
+      -> (usage row committed) -> record_usage
 
-Cost: hooks that no plugin implements are never called; the gateway looks the
-implementations up once, at start-up. ``transform_event`` is the only hook
-called per streamed event; everything else runs at most once per request.
+Within one hook, plugins run in pluggy's order: the built-ins of
+``kilnproxy.default_plugins`` first (they are ``tryfirst``), then the most
+recently registered plugin first: ``[plugins] modules`` in reverse order of
+the list, then entry-point plugins. ``@hookimpl(tryfirst=True)`` or
+``trylast=True`` moves an implementation. Hook wrappers are not supported.
+
+``call`` is a ``kilnproxy.Call``, one per request: ``generation_id``, ``org``,
+``key_id``, ``model`` (catalog id), ``endpoint`` (``"completions"`` or
+``"chat/completions"``), ``stream``, ``include_usage`` (what the client
+asked), ``upstream_model``, ``upstream`` (the base URL chosen, once known),
+``pricing``, ``state`` (a dict that lives as long as the request, for the
+plugins' own use: compute something once in ``rewrite_request``, use it in
+``transform_event``), and ``settings(name)``.
+
+Settings: ``call.settings("<name>")`` (in request hooks) and
+``gateway.plugin_settings("<name>")`` (in ``startup``/``shutdown``) return the
+config's ``[plugins.settings.<name>]`` table as a dict (empty when absent;
+shared by every request, so treat it as read-only). By convention ``<name>`` is the plugin's own name: the file's
+stem for ``plugins/redact.py``, the last part of a dotted module, the entry
+point's name. Check settings in ``startup`` and raise there, so that a bad
+value stops start-up instead of failing requests.
+
+Errors: a hook that raises fails only the request it ran for, and the
+gateway's log gets the traceback. Before the response has started
+(``check_request``, ``rewrite_request``, ``response_headers``,
+``transform_response``) the client gets a 500 JSON error, code
+``plugin_error``, whose message names the plugin and the hook. Once a stream
+has started (``transform_event``) the client gets one ``data: {"error":
+...}`` event with the same code and message, then ``data: [DONE]``. Either
+way the request's usage row records ``error_code = "plugin_error"`` (with
+the status sent: 500, or 200 for a started stream), its in-flight slot is
+released, and the next request is served normally. ``startup``, ``shutdown``
+and ``record_usage`` run outside any request; their errors are described
+below. Raising ``kilnproxy.Refusal(status, code, message)`` from a hook that
+runs before the response has started is not an error: it answers the request
+with that JSON error (see ``check_request``).
+
+Cost: the gateway looks the implementations of every hook up once, at
+start-up. A hook that no plugin implements is never called: it costs nothing.
+``transform_event`` is the only hook called per streamed event; every other
+hook runs at most once per request. Every hook but ``transform_event`` may be
+``async def``; the gateway awaits it.
 """
 
 from __future__ import annotations
@@ -35,34 +65,51 @@ hookimpl = pluggy.HookimplMarker("kilnproxy")
 
 @hookspec
 def startup(gateway):
-    """Called once when the gateway starts, after the database is open.
+    """Called once when the gateway starts, before it accepts requests.
 
-    ``gateway`` is the running ``kilnproxy.gateway.Gateway``; use
-    ``gateway.config`` and ``gateway.plugin_settings(name)``. Open connections
-    or files here. May be ``async def``. Raising stops start-up with one line
-    naming the plugin.
+    ``gateway`` is the running ``kilnproxy.gateway.Gateway``: the usage
+    database is open and ``gateway.session`` (the upstream
+    ``aiohttp.ClientSession``) exists. Use ``gateway.config`` (the parsed
+    config; ``gateway.config.resolve(path)`` makes a path relative to the
+    config file) and ``gateway.plugin_settings(name)``. Open connections or
+    files here, and check your settings. May be ``async def``.
+
+    Raising stops start-up: ``python -m kilnproxy`` prints one line,
+    ``kilnproxy: error: plugin '<name>': startup failed: <error>``, and exits
+    with status 2. The plugins already started get their ``shutdown``.
+    Return value ignored.
     """
 
 
 @hookspec
 def shutdown(gateway):
-    """Called once when the gateway stops, after the last request has ended and
-    the usage ledger is flushed. Close what ``startup`` opened. May be
-    ``async def``. Exceptions are logged and do not stop the other plugins.
+    """Called once when the gateway stops, after the last request has ended,
+    the usage ledger is flushed and every ``record_usage`` call has returned.
+
+    Close what ``startup`` opened. Called for every plugin whose ``startup``
+    returned (or that has none), also when another plugin's ``startup`` failed.
+    May be ``async def``. An exception is logged with the plugin's name and
+    does not stop the other plugins' ``shutdown``. Return value ignored.
     """
 
 
 @hookspec
 def check_request(call, body):
-    """Answer or refuse a request before it goes upstream.
+    """Refuse a request before it goes upstream, or let it through.
 
-    Called once per request, after authentication, the body rules and the
-    in-flight limit, before ``rewrite_request``. ``body`` is the client's
-    parsed JSON body (do not change it here). Return ``None`` to let the
-    request go on, or a ``kilnproxy.Refusal(status, code, message)`` to answer
-    it with that JSON error instead (the request is recorded with that status
-    and code, and nothing is sent upstream). The first refusal wins. May be
-    ``async def``.
+    Called once per request to /v1/completions or /v1/chat/completions, after
+    authentication, credits, the body rules and the in-flight limit (SPEC
+    section 4; ``call.model``, ``call.stream`` and ``call.include_usage`` are
+    known), before ``rewrite_request``. ``body`` is the client's parsed JSON
+    body with ``stream`` a real boolean; read it, do not change it here.
+
+    Return ``None`` to let the request go on, or a
+    ``kilnproxy.Refusal(status, code, message, param=None, type=...,
+    headers=None)`` to answer it with that JSON error instead (raising the
+    ``Refusal`` does the same). The first refusal wins: later plugins are not
+    called. Nothing is sent upstream; the usage row records that status and
+    code, with no tokens. Any other return value is a ``plugin_error``.
+    May be ``async def``.
     """
 
 
@@ -70,11 +117,15 @@ def check_request(call, body):
 def rewrite_request(call, body):
     """Change the body that goes upstream, in place.
 
-    Called once per request, just before it is sent. ``body`` is a dict: the
-    client's body with ``stream`` made a real boolean. The built-in plugin has
-    already replaced ``model`` with the upstream's name and forced
-    ``stream_options.include_usage`` on streamed requests; keep both. Return
-    value ignored. May be ``async def``.
+    Called once per request, after ``check_request``, just before the body is
+    sent upstream. ``body`` is a dict: the client's body with ``stream`` made a
+    real boolean. The built-in plugin has already replaced ``model`` with
+    ``call.upstream_model`` and, on streamed requests, set
+    ``stream_options.include_usage = true`` (the gateway needs the usage
+    chunk to meter the request); keep both. Every other field, known or not,
+    is yours to change, add or remove; ``prompt`` may be a string, a list of
+    strings, or token ids. May raise a ``kilnproxy.Refusal``. May be
+    ``async def``. Return value ignored.
     """
 
 
@@ -82,37 +133,61 @@ def rewrite_request(call, body):
 def transform_event(call, event):
     """Change one streamed event, in place, before the client gets it.
 
-    Called for each ``data:`` event the client will receive, parsed into a
-    dict: every chunk, and the usage chunk (``choices: []``) after ``cost`` has
-    been added. Not called for error events, comments or ``[DONE]``. Must be a
-    plain (synchronous) function: it runs on the hot path, once per token, so
-    keep it cheap. When at least one plugin implements it, every event is
-    parsed and re-serialised; when none does, events are forwarded as the
-    upstream's own bytes.
+    Called for each ``data:`` event of a streamed answer that the client will
+    receive, parsed into a dict, with ``model`` already set to the catalog
+    id: every chunk, then last the usage chunk (``choices: []``, ``usage``
+    with ``cost`` added) when the client asked for ``include_usage``. Not
+    called for error events, SSE comments or ``[DONE]``.
 
-    Return ``kilnproxy.STOP`` to end the stream after this event: the
-    gateway closes the upstream request, sends the usage chunk (if the client
-    asked for it) and ``data: [DONE]``. Return ``kilnproxy.DROP`` to leave
-    this event out. Any other return value is ignored.
+    Return ``kilnproxy.STOP`` to end the stream after this event: the client
+    gets this event, then the usage chunk (if it asked for it; the counts are
+    then the gateway's estimate, as for a client that left early) and
+    ``data: [DONE]``; the upstream request is closed at once so the model
+    server stops generating; the usage row's ``finish_reason`` is the one
+    this event ends with (set ``choice["finish_reason"] = "stop"`` when you
+    stop). Return ``kilnproxy.DROP`` to leave this event out (the usage
+    chunk too). Any other return value is ignored. When several plugins
+    answer, the first ``STOP`` or ``DROP`` wins, and every plugin still sees
+    the event.
+
+    Must be a plain function (``async def`` is refused at start-up). It runs
+    on the hot path, once per generated token: keep it cheap, and prepare in
+    ``rewrite_request`` (into ``call.state``) what can be prepared once.
+    When at least one plugin implements this hook, every event is parsed
+    and re-serialised; when none does, events nobody else changes are
+    forwarded as the upstream's own bytes. An exception (or an event left
+    holding something that is not JSON) ends the stream with an ``error``
+    event naming the plugin.
     """
 
 
 @hookspec
 def transform_response(call, body):
-    """Change a non-streamed response body (a dict), in place.
+    """Change a non-streamed answer (a dict), in place, before the client gets it.
 
-    Called once, after ``model`` has been set to the catalog id and
-    ``usage.cost`` added. Only for successful (2xx) upstream answers. Must be
-    a plain function. Return value ignored.
+    Called once per non-streamed request whose upstream answered 2xx, after
+    ``model`` has been set to the catalog id and ``usage.cost`` added (so
+    ``body["usage"]`` is what the usage row records; changing it changes
+    what the client sees, not the row). Not called for upstream errors
+    (400/422 pass through unchanged; others become 502). May raise a
+    ``kilnproxy.Refusal`` to send that error instead (the tokens are still
+    charged: the upstream did the work). May be ``async def``. Return value
+    ignored.
     """
 
 
 @hookspec
 def response_headers(call):
-    """Return a dict of extra headers for the response, or ``None``.
+    """Return extra headers for the response: a dict of str to str, or ``None``.
 
-    Called once per request that reaches the upstream stage, before the
-    response headers are sent (streamed or not). Must be a plain function.
+    Called once per request whose upstream has answered (with its status and
+    headers, before its body is read), so ``call.upstream`` is known; before
+    the response to the client starts. The headers go on the response the
+    upstream's answer becomes: the stream, the JSON answer, or a
+    passed-through 400/422. Responses the gateway makes itself (refusals,
+    401-429, 502, 503) carry only the gateway's headers.
+    ``X-Neocloud-Generation-Id`` cannot be replaced. When several plugins set
+    the same header, the last to run wins. May be ``async def``.
     """
 
 
@@ -121,9 +196,14 @@ def record_usage(call, usage):
     """See the usage row of a request after it has been committed.
 
     ``usage`` is a read-only mapping with the columns of the ``usage_events``
-    table (SPEC section 7). Called exactly once per row, every way a request
-    can end (errors, 429s and client disconnects included), after the row is
-    in SQLite and off the request's path: a slow implementation delays other
-    ``record_usage`` calls, never a response. May be ``async def``. Exceptions
-    are logged with the plugin's name; the row stays written.
+    table (SPEC section 7: ``id``, ``org``, ``model``, ``status``,
+    ``error_code``, token counts, ``cost``, ``finish_reason``,
+    ``disconnected``, ...). Called exactly once per row, every way a request
+    can end (errors, 429s, refusals and client disconnects included), once
+    the row is in SQLite. It runs in one background task, off the request's
+    path, in commit order: a slow implementation delays other ``record_usage``
+    calls, never a response; at shutdown the gateway waits for the calls
+    still queued. May be ``async def``. An exception is logged with the
+    plugin's name; the row stays written and the next row is delivered.
+    Return value ignored.
     """

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import sqlite3
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import aiosqlite
 

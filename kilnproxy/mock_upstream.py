@@ -18,7 +18,9 @@ unknown fields untouched)::
         "pad_bytes": 0,          # one chunk carries a field this large (a multi-MB line)
         "crlf": false,           # end lines with CRLF
         "split": false,          # write every frame in two pieces, cut mid-line
-        "continuous_usage": false  # running usage on every chunk (vLLM's continuous_usage_stats)
+        "continuous_usage": false, # running usage on every chunk (vLLM's continuous_usage_stats)
+        "fields": false,         # also send event:/id:/retry: lines, which a gateway must drop
+        "id": null, "created": null  # fixed chunk id and timestamp, for byte-exact comparisons
     }
 
 Test helpers: ``GET /mock/requests`` lists the bodies and headers received,
@@ -136,7 +138,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return _error("vllm", 400, "Invalid JSON body", "BadRequestError")
-    app[LOG].append({"path": request.path, "body": body, "headers": dict(request.headers)})
+    headers = {str(k): v for k, v in request.headers.items()}  # istr keys are not JSON keys for orjson
+    app[LOG].append({"path": request.path, "body": body, "headers": headers})
     del app[LOG][:-200]
     mock = body.get("mock") if isinstance(body.get("mock"), dict) else {}
     opts = {**app[OPTIONS], **mock}
@@ -194,8 +197,8 @@ class _Generation:
         self.flavor = opts["flavor"]
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.id = opts.get("id") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = opts.get("created") or int(time.time())
         self.model = body.get("model", "mock")
         self.words = [VOCAB[i % len(VOCAB)] for i in range(max_tokens)]
         options = body.get("stream_options") or {}
@@ -285,6 +288,8 @@ async def _stream(request: web.Request, gen: _Generation, opts: dict, fail: str)
 
     async def send(payload: bytes) -> None:
         frame = b"data: " + payload + eol + eol
+        if opts.get("fields"):
+            frame = b"event: message" + eol + b"id: 7" + eol + b"retry: 100" + eol + frame
         if opts.get("split") and len(frame) > 4:
             cut = len(frame) // 2
             await resp.write(frame[:cut])

@@ -1,33 +1,40 @@
 """Building the plugin manager, and calling hooks by plugin so errors name it.
 
 ``build_plugin_manager(config)`` registers, in order: the built-in plugins
-(``DEFAULT_PLUGINS``), the ``kilnproxy`` entry-point group, then the config's
-``[plugins] modules`` (file paths relative to the config, or dotted names),
-and finally checks that every ``@hookimpl`` names a real hook.
+(``DEFAULT_PLUGINS``), the ``kilnproxy`` entry-point group (unless
+``[plugins] entry_points = false``), the config's ``[plugins] modules`` (file
+paths relative to the config, or dotted names), then any plugin objects the
+caller passes; and finally checks every ``@hookimpl`` (a misspelled hook, an
+unknown argument, an ``async`` ``transform_event`` or a hook wrapper fails
+start-up with one line naming the plugin).
 
 ``Hooks`` looks the implementations of each hook up once. The request path
 asks it ``hooks.transform_event`` (a tuple, empty when nobody implements the
-hook) and calls each ``Impl`` itself, so that an exception can be pinned on
-the plugin that raised it.
+hook, so the hot path skips it) and calls each ``Impl`` itself, so that an
+exception can be pinned on the plugin that raised it.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
+import orjson
 import pluggy
 
 from . import hookspecs
 from .config import Config
-from .errors import PluginError
+from .errors import GatewayError, PluginError, plugin_failed
+
+log = logging.getLogger("kilnproxy.plugins")
 
 DEFAULT_PLUGINS = (
     "kilnproxy.default_plugins.upstream_body",
@@ -35,16 +42,21 @@ DEFAULT_PLUGINS = (
 )
 
 ENTRY_POINT_GROUP = "kilnproxy"
+HOOK_NAMES = tuple(name for name, f in vars(hookspecs).items()
+                   if callable(f) and hasattr(f, "kilnproxy_spec"))
+SYNC_ONLY_HOOKS = ("transform_event",)  # per streamed event: never awaited
 
 
 @dataclass(frozen=True)
 class LoadedPlugin:
     name: str
-    source: str  # "built-in", "entry point <dist>", or the path / module name from the config
+    source: str  # "built-in", "entry point <dist> <version>", the config's path or module, or "passed in"
     hooks: tuple[str, ...]
 
 
-def build_plugin_manager(config: Config) -> pluggy.PluginManager:
+def build_plugin_manager(config: Config, extra_plugins: Iterable[Any] = ()) -> pluggy.PluginManager:
+    """The plugin manager of one gateway. ``extra_plugins``: objects with ``@hookimpl``
+    methods, registered last under their ``__name__`` (or class name)."""
     pm = pluggy.PluginManager("kilnproxy")
     pm.add_hookspecs(hookspecs)
     pm.plugin_sources = {}  # plugin name -> where it came from, for `kilnproxy plugins`
@@ -52,31 +64,59 @@ def build_plugin_manager(config: Config) -> pluggy.PluginManager:
         _register(pm, importlib.import_module(dotted), dotted.rsplit(".", 1)[1], "built-in")
     if config.plugins.entry_points:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if pm.has_plugin(ep.name):
-                continue
             try:
                 plugin = ep.load()
             except Exception as exc:
-                raise PluginError(ep.name, f"entry point {ep.value!r} failed to import: {exc}") from None
-            _register(pm, plugin, ep.name, f"entry point {ep.dist.name if ep.dist else ep.value}")
+                raise PluginError(ep.name, f"entry point {ep.value!r} failed to import: "
+                                           f"{type(exc).__name__}: {exc}") from None
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
+            _register(pm, plugin, ep.name, f"entry point {dist}")
     for spec in config.plugins.modules:
         name, module = _import_config_module(config, spec)
         _register(pm, module, name, spec)
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(getattr(exc.plugin, "__name__", str(exc.plugin)), str(exc)) from None
+    for plugin in extra_plugins:
+        name = getattr(plugin, "__name__", None) or type(plugin).__name__
+        _register(pm, plugin, name.rsplit(".", 1)[-1], "passed in")
+    _check_pending(pm)
+    _check_impls(pm)
     return pm
 
 
 def _register(pm: pluggy.PluginManager, plugin: Any, name: str, source: str) -> None:
     if pm.has_plugin(name):
-        raise PluginError(name, f"a plugin of that name is already loaded (from {pm.plugin_sources[name]})")
+        raise PluginError(name, f"a plugin of that name is already loaded (from {pm.plugin_sources[name]});"
+                                " rename one of them")
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
         raise PluginError(name, str(exc)) from None
+    except ValueError as exc:  # the same object registered twice
+        raise PluginError(name, str(exc)) from None
     pm.plugin_sources[name] = source
+
+
+def _check_pending(pm: pluggy.PluginManager) -> None:
+    """pluggy's ``check_pending``, with a message that suggests the hook meant."""
+    for name, caller in vars(pm.hook).items():
+        if not isinstance(caller, pluggy.HookCaller) or caller.has_spec():
+            continue
+        for impl in caller.get_hookimpls():
+            if not impl.optionalhook:
+                near = difflib.get_close_matches(name, HOOK_NAMES, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"the hooks are {', '.join(HOOK_NAMES)}"
+                raise PluginError(impl.plugin_name, f"@hookimpl {name!r} is not a kilnproxy hook; {hint}")
+
+
+def _check_impls(pm: pluggy.PluginManager) -> None:
+    for name in HOOK_NAMES:
+        for impl in getattr(pm.hook, name).get_hookimpls():
+            if impl.hookwrapper or impl.wrapper:
+                raise PluginError(impl.plugin_name, f"{name}: hook wrappers are not supported;"
+                                                    " use tryfirst=True or trylast=True to order hooks")
+            if name in SYNC_ONLY_HOOKS and (inspect.iscoroutinefunction(impl.function)
+                                            or inspect.isasyncgenfunction(impl.function)):
+                raise PluginError(impl.plugin_name, f"{name} must be a plain function, not async def:"
+                                                    " it runs once per streamed event")
 
 
 def _import_config_module(config: Config, spec: str) -> tuple[str, ModuleType]:
@@ -103,34 +143,38 @@ def _import_config_module(config: Config, spec: str) -> tuple[str, ModuleType]:
 
 
 def loaded_plugins(pm: pluggy.PluginManager) -> list[LoadedPlugin]:
-    """What is loaded, from where, and which hooks each implements."""
+    """What is loaded, from where, and which hooks each implements, in registration order."""
     out = []
-    for name, plugin in pm.list_name_plugin():
-        hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
-        out.append(LoadedPlugin(name, pm.plugin_sources.get(name, "?"), hooks))
+    for name, source in pm.plugin_sources.items():
+        plugin = pm.get_plugin(name)
+        implemented = {h.name for h in pm.get_hookcallers(plugin) or ()}
+        hooks = tuple(h for h in HOOK_NAMES if h in implemented)  # in the order they run
+        out.append(LoadedPlugin(name, source, hooks))
     return out
 
 
 class Impl:
     """One plugin's implementation of one hook, callable with keyword arguments."""
 
-    __slots__ = ("plugin", "hook", "function", "argnames", "is_async")
+    __slots__ = ("plugin", "hook", "function", "argnames")
 
     def __init__(self, plugin: str, hook: str, function: Callable, argnames: tuple[str, ...]):
         self.plugin = plugin
         self.hook = hook
         self.function = function
         self.argnames = argnames
-        self.is_async = inspect.iscoroutinefunction(function)
 
 
 class Hooks:
-    """The implementations of every hook, in call order, looked up once."""
+    """The implementations of every hook, in call order, looked up once.
+
+    Each attribute is a tuple of ``Impl``; an empty tuple means no plugin
+    implements the hook, and the request path then does not call it at all.
+    """
 
     def __init__(self, pm: pluggy.PluginManager):
         self.pm = pm
-        for name in ("startup", "shutdown", "check_request", "rewrite_request",
-                     "transform_event", "transform_response", "response_headers", "record_usage"):
+        for name in HOOK_NAMES:
             impls = getattr(pm.hook, name).get_hookimpls()
             setattr(self, name, tuple(
                 Impl(i.plugin_name, name, i.function, tuple(i.argnames)) for i in reversed(impls)
@@ -155,3 +199,64 @@ async def call_maybe_async(impl: Impl, kwargs: dict[str, Any]) -> Any:
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+# -- the hooks that run once per request, before the response has started -----
+
+
+async def call_pinned(impl: Impl, kwargs: dict[str, Any]) -> Any:
+    """Call (and await) one implementation. A ``Refusal`` it raises answers the
+    request; any other exception becomes the request's 500 ``plugin_error``."""
+    try:
+        return await call_maybe_async(impl, kwargs)
+    except GatewayError:
+        raise
+    except Exception as exc:
+        log.error("plugin %r raised in %s", impl.plugin, impl.hook, exc_info=exc)
+        raise plugin_failed(impl.plugin, impl.hook, exc) from exc
+
+
+async def run_request_hooks(hooks: Hooks, call: Any, body: dict) -> None:
+    """``check_request`` (the first refusal answers the request), then ``rewrite_request``."""
+    kwargs = {"call": call, "body": body}
+    for impl in hooks.check_request:
+        refusal = await call_pinned(impl, kwargs)
+        if refusal is None:
+            continue
+        if isinstance(refusal, GatewayError):
+            raise refusal
+        raise _bad_return(impl, "None or a kilnproxy.Refusal", refusal)
+    for impl in hooks.rewrite_request:
+        await call_pinned(impl, kwargs)
+
+
+async def plugin_headers(hooks: Hooks, call: Any) -> dict[str, str]:
+    """The headers every ``response_headers`` implementation asks for, merged in call order."""
+    out: dict[str, str] = {}
+    for impl in hooks.response_headers:
+        extra = await call_pinned(impl, {"call": call})
+        if extra is None:
+            continue
+        if not isinstance(extra, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+            raise _bad_return(impl, "None or a dict of str to str", extra)
+        out.update(extra)
+    return out
+
+
+async def transformed_response(hooks: Hooks, call: Any, body: dict) -> bytes:
+    """Run ``transform_response`` on ``body``; return it serialised."""
+    kwargs = {"call": call, "body": body}
+    for impl in hooks.transform_response:
+        await call_pinned(impl, kwargs)
+    try:
+        return orjson.dumps(body)
+    except TypeError as exc:
+        names = ", ".join(i.plugin for i in hooks.transform_response)
+        raise plugin_failed(names, "transform_response", TypeError(f"the body is no longer JSON: {exc}")) from exc
+
+
+def _bad_return(impl: Impl, expected: str, got: Any) -> GatewayError:
+    exc = TypeError(f"returned {type(got).__name__}; expected {expected}")
+    log.error("plugin %r: %s %s", impl.plugin, impl.hook, exc)
+    return plugin_failed(impl.plugin, impl.hook, exc)

@@ -16,6 +16,7 @@ for it. The last counts reported win, except that zeros never replace counts.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -27,6 +28,8 @@ from .record import RequestRecord
 from .sse import COMMENT, DONE, DONE_FRAME, data_frame
 from .upstream import Route
 from .usage import Usage
+
+log = logging.getLogger("kilnproxy.plugins")
 
 
 class EventRelay:
@@ -99,10 +102,8 @@ class EventRelay:
             event["usage"] = None
         if choices:
             self.record.streamed_chunks += 1
-            for choice in choices:
-                reason = choice.get("finish_reason") if isinstance(choice, dict) else None
-                if reason:
-                    self.record.finish_reason = reason
+            if not self.parse_all:
+                self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
@@ -112,11 +113,19 @@ class EventRelay:
                 return None
             if verdict is STOP:
                 self.ended = True
+            self._take_finish_reason(event.get("choices"))  # what the client sees
+            return self._dump(event)
         return data_frame(orjson.dumps(event))
+
+    def _take_finish_reason(self, choices: Any) -> None:
+        for choice in choices or ():
+            reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+            if reason:
+                self.record.finish_reason = reason
 
     def _take_usage(self, usage: dict) -> None:
         counts = Usage.from_upstream(usage)
-        if counts.is_zero() and self.usage_raw is not None:
+        if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
         self.usage_raw = usage
         self.record.usage = counts
@@ -138,10 +147,18 @@ class EventRelay:
             try:
                 result = call_impl(impl, kwargs)
             except Exception as exc:
-                raise StreamPluginError(impl, exc) from exc
+                log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
+                raise StreamPluginError(impl.plugin, exc) from exc
             if result is STOP or result is DROP:
                 verdict = result if verdict is None else verdict
         return verdict
+
+    def _dump(self, event: dict) -> bytes:
+        try:
+            return data_frame(orjson.dumps(event))
+        except TypeError as exc:  # a plugin put something in the event that is not JSON
+            names = ", ".join(impl.plugin for impl in self.impls)
+            raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
 
     # -- the end --------------------------------------------------------------
 
@@ -150,9 +167,15 @@ class EventRelay:
         if self.error is not None or not self.call.include_usage:
             return DONE_FRAME
         event = self._usage_event()
-        if self.parse_all and self._transform(event) is DROP:
-            return DONE_FRAME
-        return data_frame(orjson.dumps(event)) + DONE_FRAME
+        if not self.parse_all:
+            return data_frame(orjson.dumps(event)) + DONE_FRAME
+        try:
+            if self._transform(event) is DROP:
+                return DONE_FRAME
+            return self._dump(event) + DONE_FRAME
+        except StreamPluginError as exc:
+            self.record.error_code = exc.error.code
+            return exc.frame() + DONE_FRAME
 
     def _usage_event(self) -> dict:
         usage = self.record.final_usage()
@@ -178,9 +201,9 @@ class EventRelay:
 class StreamPluginError(Exception):
     """A ``transform_event`` plugin raised after the stream had started."""
 
-    def __init__(self, impl: Impl, exc: BaseException):
-        super().__init__(f"{impl.plugin}: {exc}")
-        self.error = plugin_failed(impl.plugin, impl.hook, exc)
+    def __init__(self, plugin: str, exc: BaseException):
+        super().__init__(f"{plugin}: {exc}")
+        self.error = plugin_failed(plugin, "transform_event", exc)
 
     def frame(self) -> bytes:
         return data_frame(orjson.dumps(self.error.payload()))

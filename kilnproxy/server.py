@@ -21,7 +21,8 @@ from .mock_upstream import create_mock_app
 
 log = logging.getLogger("kilnproxy")
 
-SHUTDOWN_SECONDS = 30.0
+# What is still running after the app's own grace period (kilnproxy.lifecycle) is cancelled after this.
+SHUTDOWN_SECONDS = 2.0
 
 
 @dataclass

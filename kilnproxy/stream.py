@@ -18,6 +18,7 @@ from aiohttp import web
 
 from .call import Call
 from .gateway import Gateway
+from .lifecycle import ShuttingDown
 from .record import RequestRecord
 from .relay import EventRelay, StreamPluginError, error_frame
 from .sse import DONE_FRAME, KEEPALIVE_FRAME, SSEParser
@@ -65,6 +66,8 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             chunk = await content.readany()
         except asyncio.TimeoutError:
             return _failed(record, "upstream_timeout", "The upstream sent nothing for too long.")
+        except ShuttingDown as exc:
+            return _failed(record, exc.code, str(exc))
         except aiohttp.ClientError as exc:
             return _failed(record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
         if not chunk:

@@ -11,10 +11,25 @@ Used by kilnproxy's own tests and by plugin authors::
             out = await client.completions.create(model=h.model, prompt="hi", max_tokens=3)
             assert (await h.rows())[0]["status"] == 200
 
+With pytest, the ``kilnproxy_harness`` fixture (``kilnproxy.pytest_plugin``,
+loaded automatically once kilnproxy is installed) saves the ``tmp_path``:
+``async with kilnproxy_harness(plugins=[...]) as h``.
+
+``plugins`` takes what ``[plugins] modules`` takes (file paths, relative to
+``base_dir``, by default the current directory; dotted module names) and also
+plugin objects: a module, a class or an instance with ``@hookimpl`` methods,
+registered under its ``__name__`` (or class name). Entry-point plugins are
+off unless ``entry_points=True``, so that what is installed in the
+environment does not leak into a test.
+
 Both servers listen on real loopback ports; ``h.url`` is the gateway,
 ``h.mock_url`` the mock. ``h.config`` is the TOML document as a dict (change
-it with ``overrides``, merged one level deep). ``h.rows()`` reads the usage
-table as dicts, ``h.mock_requests()`` what the mock received.
+it with ``overrides``, merged one level deep, or ``configure``, a function
+that edits the dict in place once the mock's URL is in it). ``h.rows()`` reads
+the usage table as dicts, ``h.mock_requests()`` what the mock received (what
+``rewrite_request`` left), ``h.usage_recorded()`` waits until every row so far
+has been through the ``record_usage`` plugins, and ``h.gw`` is the running
+``Gateway``.
 """
 
 from __future__ import annotations
@@ -22,12 +37,15 @@ from __future__ import annotations
 import copy
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 
+from .app import create_app
+from .appkeys import GATEWAY
 from .config import parse_config
-from .server import Running, start_gateway, start_mock
+from .gateway import Gateway
+from .server import Running, start_app, start_mock
 
 KEY = "sk-test-acme"
 OTHER_KEY = "sk-test-globex"
@@ -51,6 +69,7 @@ def base_config(mock_url: str, db: Path) -> dict[str, Any]:
         "keys": [{"key": KEY, "org": "acme", "id": "acme-key"},
                  {"key": OTHER_KEY, "org": "globex", "id": "globex-key"}],
         "plugins": {"modules": [], "entry_points": False},
+        "health": {"interval": 0},  # no active checks: a test decides when an upstream is down
     }
 
 
@@ -60,10 +79,10 @@ class Harness:
     model = MODEL
     key = KEY
 
-    def __init__(self, tmp_path: Path, *, plugins: list[str] | None = None,
+    def __init__(self, tmp_path: Path, *, plugins: list[Any] | None = None,
                  settings: dict[str, dict] | None = None, overrides: dict[str, Any] | None = None,
                  mock_options: dict[str, Any] | None = None, entry_points: bool = False,
-                 base_dir: Path | None = None):
+                 base_dir: Path | None = None, configure: Callable[[dict], None] | None = None):
         self.tmp_path = Path(tmp_path)
         self.db = self.tmp_path / "usage.db"
         self.plugins = plugins or []
@@ -72,6 +91,7 @@ class Harness:
         self.mock_options = mock_options or {}
         self.entry_points = entry_points
         self.base_dir = base_dir or Path.cwd()
+        self.configure = configure
         self.mock: Running | None = None
         self.gateway: Running | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -81,16 +101,20 @@ class Harness:
     async def __aenter__(self) -> "Harness":
         self.mock = await start_mock(**self.mock_options)
         self.config = base_config(f"{self.mock.url}/v1", self.db)
-        self.config["plugins"] = {"modules": list(self.plugins), "entry_points": self.entry_points,
+        modules = [str(p) for p in self.plugins if isinstance(p, (str, Path))]
+        objects = [p for p in self.plugins if not isinstance(p, (str, Path))]
+        self.config["plugins"] = {"modules": modules, "entry_points": self.entry_points,
                                   "settings": self.settings}
         for section, value in self.overrides.items():
             if isinstance(value, dict) and isinstance(self.config.get(section), dict):
                 self.config[section] = {**self.config[section], **value}
             else:
                 self.config[section] = copy.deepcopy(value)
+        if self.configure is not None:
+            self.configure(self.config)
         try:
-            self.gateway = await start_gateway(parse_config(self.config, source="<test>",
-                                                            base_dir=self.base_dir))
+            config = parse_config(self.config, source="<test>", base_dir=self.base_dir)
+            self.gateway = await start_app(create_app(config, objects), config.server.host, config.server.port)
         except BaseException:
             await self.mock.stop()
             raise
@@ -115,6 +139,15 @@ class Harness:
     @property
     def app(self):
         return self.gateway.app
+
+    @property
+    def gw(self) -> Gateway:
+        """The running ``Gateway``: ``h.gw.config``, ``h.gw.hooks``, ``h.gw.plugin_settings(name)``."""
+        return self.gateway.app[GATEWAY]
+
+    async def usage_recorded(self) -> None:
+        """Wait until every usage row committed so far has been through ``record_usage``."""
+        await self.gw.usage_recorded()
 
     def headers(self, key: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {key or self.key}"}

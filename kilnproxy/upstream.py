@@ -28,13 +28,15 @@ ENDPOINT_PATHS = {"completions": "/completions", "chat/completions": "/chat/comp
 class Upstream:
     """One replica: a base URL and its health."""
 
-    __slots__ = ("base_url", "urls", "in_flight", "failures", "down_until", "max_failures", "down_seconds")
+    __slots__ = ("base_url", "urls", "in_flight", "failures", "failures_total", "down_until", "max_failures",
+                 "down_seconds")
 
     def __init__(self, base_url: str, max_failures: int, down_seconds: float):
         self.base_url = base_url
         self.urls = {ep: base_url + path for ep, path in ENDPOINT_PATHS.items()}
         self.in_flight = 0
         self.failures = 0
+        self.failures_total = 0  # every failure ever, for /metrics
         self.down_until = 0.0
         self.max_failures = max_failures
         self.down_seconds = down_seconds
@@ -44,12 +46,17 @@ class Upstream:
 
     def failed(self) -> None:
         self.failures += 1
+        self.failures_total += 1
         if self.failures >= self.max_failures:
             self.down_until = time.monotonic() + self.down_seconds
 
     def succeeded(self) -> None:
         self.failures = 0
         self.down_until = 0.0
+
+    def mark_down(self, until: float) -> None:
+        """An active health check failed: down until ``until`` (monotonic) or the next success."""
+        self.down_until = max(self.down_until, until)
 
 
 class Route:

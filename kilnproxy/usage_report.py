@@ -5,7 +5,6 @@ Reads the SQLite file read-only, so it works while the gateway runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 from datetime import datetime, timezone
 from pathlib import Path

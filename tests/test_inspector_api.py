@@ -256,12 +256,13 @@ async def test_live_feed_without_capture_sends_rows_only(gw):
 
 
 async def test_live_feed_ends_when_the_gateway_stops(harness):
-    h = harness()
+    """The feed ends first, so the grace period (600 s here) does not wait for an open page."""
+    h = harness(overrides={"server": {"shutdown_grace_seconds": 600}})
     await h.__aenter__()
     try:
         async with aiohttp.ClientSession() as session, session.get(f"{h.url}/ui/api/events") as feed:
             assert (await read_event(feed))["type"] == "hello"
-            await h.gateway.runner.shutdown()  # what a stop does first
+            await h.gateway.runner.shutdown()  # on_shutdown: what a stop does first (the grace period too)
             rest = await feed.content.read()
         assert rest == b"\n"  # the blank line closing the hello event, then the end of the body
     finally:

@@ -45,7 +45,7 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
         await store.close()
 
     async def on_shutdown(app: web.Application) -> None:
-        hub.close()  # end the live feeds now, so shutdown does not wait for them
+        hub.close()  # end the live feeds now: they are requests in progress that would never end
 
     app.cleanup_ctx.append(lifetime)
-    app.on_shutdown.append(on_shutdown)
+    app.on_shutdown.insert(0, on_shutdown)  # before the grace period waits for requests in progress

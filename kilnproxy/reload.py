@@ -1,0 +1,127 @@
+"""Reloading the config without a restart (SIGHUP, ``POST /admin/reload``).
+
+The config file the gateway started from is read and validated again. A bad
+one is refused with one log line and the running config stays in force.
+A good one is swapped in all at once, between two requests (nothing here
+awaits): keys, orgs, credit grants, limits, maintenance, models and their
+upstreams, and the ``[admin]``, ``[log]`` and ``[health]`` tables.
+
+Requests in flight are not disturbed: each captured its key and its route
+when it started, and keeps them. An upstream whose URL is unchanged keeps its
+health state and in-flight count (the same ``Upstream`` object serves on).
+
+Some things only change at a restart, and the running values are kept (one
+warning line names them): ``[server]`` host, port and upstream timeouts (the
+listening socket and the upstream session), ``[storage]``, ``[metrics]``
+and ``[plugins]``. Plugins are not reloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+from .accesslog import AccessLog
+from .auth import KeyRing
+from .config import Config, load_config
+from .errors import KilnError
+from .gateway import Gateway
+from .upstream import Route, routes_from
+
+log = logging.getLogger("kilnproxy")
+
+RESTART_ONLY_SERVER = ("host", "port", "upstream_connect_timeout", "upstream_idle_timeout")
+RESTART_ONLY = ("storage", "metrics", "plugins")
+
+
+class Reloader:
+    """Reloads one gateway; ``reload()`` never raises for a bad config."""
+
+    def __init__(self, gw: Gateway, stats, health=None, metrics_observer=None):
+        self.gw = gw
+        self.stats = stats                        # kilnproxy.metrics.ReloadStats
+        self.health = health                      # kilnproxy.health.HealthChecker, woken after a reload
+        self.metrics_observer = metrics_observer  # kept first in Gateway.row_observers
+
+    def reload(self) -> tuple[bool, str]:
+        """Read the config file again and apply it: ``(True, summary)`` or ``(False, why)``."""
+        source = self.gw.config.source
+        try:
+            if not Path(source).is_file():
+                raise KilnError(f"{source}: the gateway was not started from a config file; nothing to reload")
+            new = load_config(source)
+        except KilnError as exc:
+            self.stats.refused += 1
+            log.error("config reload refused, the running config stays in force: %s", exc)
+            return False, str(exc)
+        summary = self.apply(new)
+        self.stats.ok += 1
+        self.stats.last_ok = time.time()
+        log.info("config reloaded from %s: %s", source, summary)
+        return True, summary
+
+    def apply(self, new: Config) -> str:
+        """Swap ``new`` in; returns a one-line summary."""
+        gw, old = self.gw, self.gw.config
+        kept = restart_only_changes(old, new)
+        effective = keep_restart_only(old, new)
+        routes = carry_over(gw.routes, routes_from(effective.models, effective.server))
+        keys = KeyRing(effective.keys)
+        limits = {o.id: o.max_in_flight or effective.limits.max_in_flight_per_org for o in effective.orgs}
+        granted = {o.id: o.credits for o in effective.orgs}
+        observers = self.observers_for(effective)
+        # The swap: plain assignments, no await in between, so no request sees half of it.
+        gw.config = effective
+        gw.routes = routes
+        gw.keys = keys
+        gw.org_limits = limits
+        gw.credits.granted = granted
+        gw.row_observers = observers
+        if kept:
+            log.warning("config reload: %s changed; the running values stay until a restart"
+                        " (plugins are not reloaded)", ", ".join(kept))
+        if self.health is not None:
+            self.health.wake()
+        return (f"{len(effective.models)} model(s), {len(effective.orgs)} org(s), {len(effective.keys)} key(s),"
+                f" maintenance {'on' if effective.maintenance.enabled else 'off'}")
+
+    def observers_for(self, config: Config) -> tuple:
+        observers = [self.metrics_observer] if self.metrics_observer is not None else []
+        if config.log.access:
+            current = next((o for o in self.gw.row_observers if isinstance(o, AccessLog)), None)
+            if current is not None and current.bodies == config.log.bodies:
+                observers.append(current)
+            else:
+                observers.append(AccessLog(bodies=config.log.bodies))
+        return tuple(observers)
+
+
+def restart_only_changes(old: Config, new: Config) -> list[str]:
+    changed = [f"[server] {name}" for name in RESTART_ONLY_SERVER
+               if getattr(old.server, name) != getattr(new.server, name)]
+    changed += [f"[{name}]" for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
+    return changed
+
+
+def keep_restart_only(old: Config, new: Config) -> Config:
+    server = dataclasses.replace(new.server, **{n: getattr(old.server, n) for n in RESTART_ONLY_SERVER})
+    return dataclasses.replace(new, server=server, **{n: getattr(old, n) for n in RESTART_ONLY},
+                               base_dir=old.base_dir)
+
+
+def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]:
+    """Give the new routes the running ``Upstream`` objects of unchanged (model, URL) pairs,
+    and the health state of a URL another model already knew."""
+    by_pair = {(r.id, u.base_url): u for r in old.values() for u in r.upstreams}
+    by_url = {u.base_url: u for r in old.values() for u in r.upstreams}
+    for route in new.values():
+        for i, fresh in enumerate(route.upstreams):
+            known = by_pair.get((route.id, fresh.base_url))
+            if known is not None:
+                known.max_failures, known.down_seconds = fresh.max_failures, fresh.down_seconds
+                route.upstreams[i] = known
+            elif (other := by_url.get(fresh.base_url)) is not None:
+                fresh.failures, fresh.down_until = other.failures, other.down_until
+    return dict(new)

@@ -1,0 +1,73 @@
+"""`python -m kilnproxy check-config FILE`: what a config would serve, or one line saying what is wrong."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kilnproxy.cli import main
+from processes import gateway_config, toml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def check(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kilnproxy", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_valid_config_prints_what_it_would_serve(tmp_path):
+    config = gateway_config(["http://10.0.0.7:8000/v1", "http://10.0.0.8:8000/v1"],
+                            server={"port": 9001, "shutdown_grace_seconds": 12},
+                            health={"interval": 2.5, "path": "/v1/models"},
+                            admin={"token": "adm", "allow_loopback": False},
+                            log={"access": True, "bodies": True},
+                            maintenance={"enabled": True, "retry_after": "Tue, 01 Dec 2026 06:00:00 GMT"})
+    path = tmp_path / "gw.toml"
+    path.write_text(toml(config))
+    out = check(path)
+    assert (out.returncode, out.stderr) == (0, "")
+    assert out.stdout.splitlines() == [
+        f"{path}: OK",
+        "  listen   127.0.0.1:9001",
+        f"  storage  {tmp_path / 'usage.db'}",
+        "  model    test-model -> org/Test-Model-7B via http://10.0.0.7:8000/v1, http://10.0.0.8:8000/v1",
+        "  org      acme: 100.0 USD, 200 in flight, 1 key(s)",
+        "  org      globex: 100.0 USD, 8 in flight, 1 key(s)",
+        "  ops      metrics on, access log on with bodies, health checks every 2.5 s on /v1/models, admin token,"
+        " shutdown grace 12 s",
+        "  maintenance on (Retry-After: Tue, 01 Dec 2026 06:00:00 GMT)",
+    ]
+
+
+def test_the_example_config_is_valid():
+    out = check(ROOT / "config.example.toml")
+    assert out.returncode == 0, out.stderr
+    assert "health checks every 10 s on /health, admin loopback, shutdown grace 30 s" in out.stdout
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"health": {"intervall": 3}}, "health.intervall: unknown key (check its spelling against config.example.toml)"),
+    ({"health": {"path": "health"}}, "health.path: must start with '/'"),
+    ({"health": {"interval": -1}}, "health.interval: must be 0 (no active checks) or more, got -1"),
+    ({"server": {"shutdown_grace_seconds": 0}}, "server.shutdown_grace_seconds: must be greater than 0, got 0"),
+    ({"admin": {"token": "a", "token_sha256": "0" * 64}}, "admin.token: give token or token_sha256, not both"),
+    ({"log": {"access": "yes"}}, "log.access: must be true or false, got str 'yes'"),
+    ({"keys": [{"key": "k", "org": "ghost"}]}, "keys[0].org: org 'ghost' does not exist"),
+])
+def test_a_bad_config_exits_non_zero_with_one_line(tmp_path, capsys, change, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml(gateway_config(["http://10.0.0.7:8000/v1"], **change)))
+    assert main(["check-config", str(path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert out.err.startswith(f"kilnproxy: error: {path}: {message}")
+
+
+def test_a_missing_file_or_bad_toml_is_one_line(tmp_path):
+    out = check(tmp_path / "nope.toml")
+    assert (out.returncode, out.stderr) == (2, f"kilnproxy: error: {tmp_path / 'nope.toml'}: file not found\n")
+    (tmp_path / "broken.toml").write_text("[server\n")
+    out = check(tmp_path / "broken.toml")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not valid TOML" in out.stderr

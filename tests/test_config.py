@@ -1,0 +1,100 @@
+"""SPEC section 2: the config is validated once; a bad one is one line naming file, key and problem."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kilnproxy.config import load_config, sha256_hex
+from kilnproxy.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = """
+[[models]]
+id = "m"
+upstreams = ["http://127.0.0.1:8000/v1"]
+[[orgs]]
+id = "acme"
+[[keys]]
+key = "sk-1"
+org = "acme"
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "kiln.toml"
+    path.write_text(text)
+    return path
+
+
+def test_example_config_loads_with_every_documented_key():
+    config = load_config(ROOT / "config.example.toml")
+    assert config.server.port == 8080 and config.server.max_request_bytes == 4194304
+    assert config.models[0].upstream_model == "Qwen/Qwen3-32B"
+    assert config.models[0].pricing.cached_prompt == 0.05
+    assert config.keys[0].key_sha256 == sha256_hex("sk-acme-dev")
+
+
+def test_defaults_fill_every_key(tmp_path):
+    config = load_config(write(tmp_path, GOOD))
+    s = config.server
+    assert (s.host, s.port, s.max_request_bytes, s.keepalive_seconds, s.upstream_connect_timeout,
+            s.upstream_idle_timeout) == ("127.0.0.1", 8080, 4194304, 15, 10, 600)
+    assert config.limits.max_in_flight_per_org == 8
+    assert config.maintenance.enabled is False
+    assert config.db_path == tmp_path / "kilnproxy.db"  # relative to the config file
+    model = config.models[0]
+    assert model.upstream_model == "m" and model.reject_chat_params == ()
+    assert model.pricing.cost(1_000_000, 0, 500_000) == 0  # no pricing: free
+    key = config.keys[0]
+    assert key.models is None and key.disabled is False and key.id.startswith("key-")
+    assert "sk-1" not in key.id
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[server]\nprot = 1\n" + GOOD, "server.prot: unknown key"),
+    ("[server]\nport = \"80\"\n" + GOOD, "server.port: must be an integer"),
+    ("[server]\nkeepalive_seconds = 0\n" + GOOD, "server.keepalive_seconds: must be greater than 0"),
+    ("[limits]\nmax_in_flight_per_org = true\n" + GOOD, "limits.max_in_flight_per_org: must be an integer"),
+    (GOOD.replace('upstreams = ["http://127.0.0.1:8000/v1"]', "upstreams = []"), "upstreams: a model needs"),
+    (GOOD.replace('upstreams = ["http://127.0.0.1:8000/v1"]', 'upstreams = ["localhost:8000"]'),
+     "is not an http(s) base URL"),
+    (GOOD.replace('org = "acme"', 'org = "nobody"'), "keys[0].org: org 'nobody' does not exist"),
+    (GOOD + '[[keys]]\nkey = "sk-1"\norg = "acme"\n', "keys[1]: the same key is listed twice"),
+    (GOOD.replace('key = "sk-1"', 'key_sha256 = "abc"'), "keys[0].key_sha256: must be 64 hex digits"),
+    (GOOD + "[[models]]\nid = \"m\"\nupstreams = [\"http://x/v1\"]\n", "models.id: 'm' is defined twice"),
+    (GOOD + "[models.pricing]\nprompt = -1\n", "pricing.prompt: must not be negative"),
+    ("[[models]]\nupstreams = [\"http://x/v1\"]\n", "models[0].id: is required"),
+    ("this is = not toml =", "not valid TOML"),
+])
+def test_bad_config_is_one_clear_error(tmp_path, text, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
+    path = write(tmp_path, GOOD.replace('org = "acme"', 'org = "nobody"'))
+    proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"kilnproxy: error: {path}: keys[0].org: org 'nobody' does not exist; "
+        "add an [[orgs]] entry with id = 'nobody'"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_config_file_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(tmp_path / "none.toml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "file not found" in proc.stderr
+
+
+def test_key_sha256_lets_the_file_hold_no_secret(tmp_path):
+    text = GOOD.replace('key = "sk-1"', f'key_sha256 = "{sha256_hex("sk-1").upper()}"')
+    assert load_config(write(tmp_path, text)).keys[0].key_sha256 == sha256_hex("sk-1")

@@ -1,0 +1,191 @@
+"""GET /metrics on a real gateway process, parsed with prometheus_client's own parser."""
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import make_mocked_request
+from prometheus_client.parser import text_string_to_metric_families
+
+from kilnproxy.admin import check_admin
+from kilnproxy.appkeys import GATEWAY
+from kilnproxy.config import sha256_hex
+from kilnproxy.errors import GatewayError
+from kilnproxy.server import start_mock
+from kilnproxy.testing import KEY, MODEL
+from processes import GatewayProcess, gateway_config
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} of a scrape."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(scrape: dict, name: str, **labels) -> float:
+    return scrape.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, **kwargs) -> dict:
+    async with session.get(f"{url}/metrics", **kwargs) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        return samples(await resp.text())
+
+
+@pytest.fixture
+async def mock():
+    running = await start_mock()
+    yield running
+    await running.stop()
+
+
+async def test_metrics_change_as_requests_flow(tmp_path, mock):
+    gw = await GatewayProcess(tmp_path, gateway_config([f"{mock.url}/v1"])).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            before = await scrape(s, gw.url)
+            assert value(before, "kilnproxy_requests_total", org="acme", model=MODEL, endpoint="completions",
+                         status="200") == 0
+            assert value(before, "kilnproxy_upstream_up", model=MODEL, upstream=f"{mock.url}/v1") == 1
+            assert value(before, "kilnproxy_in_flight_requests", org="acme") == 0
+
+            # one stream held open: the in-flight gauges see it
+            held = await s.post(f"{gw.url}/v1/completions", headers=AUTH, json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "mock": {"delay": 0.3}})
+            assert (await held.content.readline()).startswith(b"data: ")
+            during = await scrape(s, gw.url)
+            assert value(during, "kilnproxy_in_flight_requests", org="acme") == 1
+            assert value(during, "kilnproxy_upstream_in_flight_requests", model=MODEL,
+                         upstream=f"{mock.url}/v1") == 1
+            assert (await held.read()).endswith(b"data: [DONE]\n\n")
+            held.release()
+
+            for stream in (True, False):
+                async with s.post(f"{gw.url}/v1/completions", headers=AUTH, json={
+                        "model": MODEL, "prompt": "one two three", "max_tokens": 4, "stream": stream}) as r:
+                    assert r.status == 200
+                    await r.read()
+            async with s.post(f"{gw.url}/v1/chat/completions", headers=AUTH, json={
+                    "model": "nope", "messages": []}) as r:
+                assert r.status == 404
+            async with s.post(f"{gw.url}/v1/completions", headers=AUTH, json={
+                    "model": MODEL, "prompt": "x", "temperature": 9}) as r:
+                assert r.status == 400
+            async with s.post(f"{gw.url}/v1/completions", headers=AUTH, json={
+                    "model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True,
+                    "mock": {"fail": "error_event", "after": 1}}) as r:
+                await r.read()
+
+            after = await scrape(s, gw.url)
+        labels = dict(org="acme", model=MODEL, endpoint="completions")
+        assert value(after, "kilnproxy_requests_total", status="200", **labels) == 4
+        assert value(after, "kilnproxy_requests_total", status="400", **labels) == 1
+        # a model not in the catalog is counted without its name (clients choose it)
+        assert value(after, "kilnproxy_requests_total", org="acme", model="", endpoint="chat/completions",
+                     status="404") == 1
+        assert value(after, "kilnproxy_request_errors_total", code="model_not_found", org="acme", model="",
+                     endpoint="chat/completions") == 1
+        assert value(after, "kilnproxy_request_errors_total", code="upstream_error", **labels) == 1
+        rows = gw.rows()
+        ours = [r for r in rows if r["model"] == MODEL]
+        assert value(after, "kilnproxy_completion_tokens_total", org="acme", model=MODEL) == sum(
+            r["completion_tokens"] for r in ours)
+        assert value(after, "kilnproxy_prompt_tokens_total", org="acme", model=MODEL) == sum(
+            r["prompt_tokens"] for r in ours)
+        assert value(after, "kilnproxy_cost_usd_total", org="acme", model=MODEL) == pytest.approx(
+            sum(r["cost"] for r in ours))
+        assert value(after, "kilnproxy_cost_usd_total", org="acme", model=MODEL) > 0
+        hist = dict(model=MODEL, endpoint="completions")
+        assert value(after, "kilnproxy_request_duration_seconds_count", **hist) == 5
+        assert value(after, "kilnproxy_request_duration_seconds_bucket", le="+Inf", **hist) == 5
+        # the held stream waited 0.3 s between chunks: not in the 0.25 s bucket
+        assert value(after, "kilnproxy_request_duration_seconds_bucket", le="0.25", **hist) <= 4
+        assert value(after, "kilnproxy_time_to_first_token_seconds_count", **hist) == 5
+        assert value(after, "kilnproxy_in_flight_requests", org="acme") == 0
+        assert value(after, "kilnproxy_ledger_commits_total") >= 1
+        assert value(after, "kilnproxy_ledger_commit_seconds_count") == value(after, "kilnproxy_ledger_commits_total")
+        assert value(after, "kilnproxy_ledger_queue_depth") == 0
+        assert value(after, "kilnproxy_org_credits_remaining_usd", org="acme") == pytest.approx(
+            100.0 - sum(r["cost"] for r in rows if r["org"] == "acme"))
+        assert value(after, "process_resident_memory_bytes") > 0
+    finally:
+        await gw.stop()
+
+
+async def test_openmetrics_when_the_scraper_asks_for_it(harness):
+    async with harness() as h:
+        async with h.session.get(f"{h.url}/metrics", headers={
+                "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+            text = await r.text()
+        assert text.endswith("# EOF\n") and "# TYPE kilnproxy_requests counter" in text
+
+
+async def test_admin_token_guards_metrics_and_reload(tmp_path, mock):
+    config = gateway_config([f"{mock.url}/v1"], admin={"token": "adm-secret", "allow_loopback": False})
+    gw = await GatewayProcess(tmp_path, config).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, AUTH):
+                async with s.get(f"{gw.url}/metrics", headers=headers) as r:
+                    assert r.status == 401
+                    assert (await r.json())["error"]["code"] == "invalid_admin_token"
+                async with s.post(f"{gw.url}/admin/reload", headers=headers) as r:
+                    assert r.status == 401
+            await scrape(s, gw.url, headers={"Authorization": "Bearer adm-secret"})
+    finally:
+        await gw.stop()
+
+
+def _request(app, remote: str, headers: dict | None = None):
+    class Transport:
+        def get_extra_info(self, name, default=None):
+            return (remote, 40000) if name == "peername" else default
+
+        def is_closing(self):
+            return False
+
+    return make_mocked_request("GET", "/metrics", headers=headers or {}, app=app, transport=Transport())
+
+
+async def test_loopback_only_by_default_and_token_for_others(harness):
+    async with harness() as h:
+        check_admin(_request(h.app, "127.0.0.1"))
+        check_admin(_request(h.app, "::1"))
+        with pytest.raises(GatewayError) as err:
+            check_admin(_request(h.app, "10.1.2.3"))
+        assert (err.value.status, err.value.code) == (403, "forbidden")
+    async with harness(overrides={"admin": {"token_sha256": sha256_hex("t0k")}}) as h:
+        assert h.app[GATEWAY].config.admin.allow_loopback
+        check_admin(_request(h.app, "10.1.2.3", {"Authorization": "Bearer t0k"}))
+        with pytest.raises(GatewayError) as err:
+            check_admin(_request(h.app, "10.1.2.3", {"Authorization": "Bearer t0"}))
+        assert (err.value.status, err.value.code) == (401, "invalid_admin_token")
+
+
+async def test_metrics_switched_off(harness):
+    async with harness(overrides={"metrics": {"enabled": False}}) as h:
+        async with h.session.get(f"{h.url}/metrics") as r:
+            assert r.status == 404
+        async with h.post("/v1/completions", {"model": h.model, "prompt": "hi", "max_tokens": 2}) as r:
+            assert r.status == 200
+        assert [type(o).__name__ for o in h.app[GATEWAY].row_observers] == ["AccessLog"]
+
+
+async def test_each_gateway_has_its_own_registry(harness, tmp_path):
+    async with harness() as a:
+        async with a.post("/v1/completions", {"model": a.model, "prompt": "hi", "max_tokens": 2}) as r:
+            assert r.status == 200
+        from kilnproxy.testing import Harness
+        async with Harness(tmp_path / "b") as b:
+            async with b.session.get(f"{b.url}/metrics") as r:
+                other = samples(await r.text())
+            async with a.session.get(f"{a.url}/metrics") as r:
+                mine = samples(await r.text())
+        labels = dict(org="acme", model=MODEL, endpoint="completions", status="200")
+        assert value(mine, "kilnproxy_requests_total", **labels) == 1
+        assert value(other, "kilnproxy_requests_total", **labels) == 0

@@ -1,0 +1,133 @@
+"""Graceful shutdown of a gateway process: SIGTERM, the grace period, a second signal."""
+
+import asyncio
+import signal
+
+import aiohttp
+import orjson
+import pytest
+
+from kilnproxy.mock_upstream import STATS
+from kilnproxy.server import start_mock
+from kilnproxy.testing import KEY, MODEL
+from processes import GatewayProcess, gateway_config
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GEN = "X-Neocloud-Generation-Id"
+
+
+@pytest.fixture
+async def mock():
+    running = await start_mock()
+    yield running
+    await running.stop()
+
+
+async def open_streams(s: aiohttp.ClientSession, url: str, n: int, words: int, delay: float):
+    responses = await asyncio.gather(*(s.post(f"{url}/v1/completions", headers=AUTH, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": words, "stream": True, "mock": {"delay": delay}})
+        for _ in range(n)))
+    heads = await asyncio.gather(*(r.content.readline() for r in responses))
+    assert all(h.startswith(b"data: ") for h in heads)
+    return responses, heads
+
+
+async def finish(responses, heads) -> list[bytes]:
+    bodies = [h + await r.read() for r, h in zip(responses, heads)]
+    for r in responses:
+        r.release()
+    return bodies
+
+
+async def test_sigterm_during_load_loses_no_row_and_exits_0(tmp_path, mock):
+    gw = await GatewayProcess(tmp_path, gateway_config([f"{mock.url}/v1"], server={
+        "shutdown_grace_seconds": 30})).start()
+    seen: list[str] = []
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            responses, heads = await open_streams(s, gw.url, 20, words=10, delay=0.2)
+            seen += [r.headers[GEN] for r in responses]
+            stop_load, loaded = asyncio.Event(), asyncio.Event()
+
+            async def load() -> None:
+                while not stop_load.is_set():
+                    try:
+                        async with s.post(f"{gw.url}/v1/completions", headers=AUTH,
+                                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
+                            assert r.status == 200
+                            await r.read()
+                            seen.append(r.headers[GEN])
+                    except aiohttp.ClientConnectionError:
+                        return  # the gateway stopped accepting
+                    if len(seen) >= 20 + 20:
+                        loaded.set()
+
+            loaders = [asyncio.create_task(load()) for _ in range(4)]
+            await loaded.wait()  # some load has gone through; it goes on during the shutdown
+            gw.send(signal.SIGTERM)
+            await gw.wait_for("stderr", "shutting down: waiting up to 30 s for")
+            async with aiohttp.ClientSession() as fresh:
+                with pytest.raises(aiohttp.ClientConnectorError):
+                    await fresh.get(f"{gw.url}/healthz")
+            bodies = await finish(responses, heads)
+            stop_load.set()
+            await asyncio.gather(*loaders)
+        assert await gw.wait(timeout=30) == 0
+        for body in bodies:  # streams in flight finished normally
+            assert body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
+            assert body.count(b"data: ") == 10 + 2
+        rows = gw.rows()
+        assert sorted(r["id"] for r in rows) == sorted(seen)
+        assert all(r["status"] == 200 and r["error_code"] is None for r in rows)
+        assert len(gw.access_log()) == len(rows)
+    finally:
+        await gw.stop()
+
+
+def assert_ended_by_shutdown(body: bytes) -> None:
+    *events, last = [e for e in body.split(b"\n\n") if e]
+    assert last == b"data: [DONE]"
+    assert orjson.loads(events[-1][6:]) == {"error": {
+        "message": "The gateway is shutting down; retry the request.", "type": "upstream_error",
+        "param": None, "code": "shutting_down"}}
+    assert all(b'"error"' not in e for e in events[:-1])
+
+
+async def test_streams_open_after_the_grace_period_end_with_an_error_event(tmp_path, mock):
+    gw = await GatewayProcess(tmp_path, gateway_config([f"{mock.url}/v1"], server={
+        "shutdown_grace_seconds": 0.5})).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            responses, heads = await open_streams(s, gw.url, 5, words=200, delay=0.2)
+            gw.send(signal.SIGTERM)
+            bodies = await finish(responses, heads)
+        assert await gw.wait(timeout=30) == 0
+        for body in bodies:
+            assert_ended_by_shutdown(body)
+        rows = gw.rows()
+        assert len(rows) == 5
+        assert all((r["status"], r["error_code"], r["disconnected"]) == (200, "shutting_down", 0) for r in rows)
+        assert all(0 < r["completion_tokens"] < 200 for r in rows)
+        assert mock.app[STATS]["hangups"] == 5  # the upstream requests were closed, not left generating
+        await gw.wait_for("stderr", "ending 5 stream(s) still open after 0.5 s")
+    finally:
+        await gw.stop()
+
+
+async def test_a_second_signal_stops_waiting(tmp_path, mock):
+    gw = await GatewayProcess(tmp_path, gateway_config([f"{mock.url}/v1"], server={
+        "shutdown_grace_seconds": 600})).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            responses, heads = await open_streams(s, gw.url, 3, words=200, delay=0.2)
+            gw.send(signal.SIGINT)
+            await gw.wait_for("stderr", "waiting up to 600 s for 3 request(s)")
+            gw.send(signal.SIGTERM)
+            bodies = await finish(responses, heads)
+        assert await gw.wait(timeout=30) == 0
+        for body in bodies:
+            assert_ended_by_shutdown(body)
+        assert len(gw.rows()) == 3
+        await gw.wait_for("stderr", "ending 3 stream(s) still open")
+    finally:
+        await gw.stop()

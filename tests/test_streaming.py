@@ -1,0 +1,240 @@
+"""SPEC section 5 for streams: bytes on the wire, usage handling, errors, keepalive."""
+
+import asyncio
+
+import orjson
+import pytest
+
+from kilnproxy.testing import MODEL, UPSTREAM_MODEL
+
+GEN = "X-Neocloud-Generation-Id"
+FIXED = {"id": "cmpl-fixed", "created": 1700000000}
+PRICE = {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05}
+
+
+def cost(prompt, completion, cached=0):
+    return ((prompt - cached) * PRICE["prompt"] + cached * PRICE["cached_prompt"]
+            + completion * PRICE["completion"]) / 1_000_000
+
+
+def events(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"\n\n")
+    return raw[:-2].split(b"\n\n")
+
+
+def payloads(raw: bytes) -> list:
+    out = []
+    for frame in events(raw):
+        assert frame.startswith(b"data: "), frame
+        data = frame[6:]
+        out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return out
+
+
+async def stream_bytes(h, body, path="/v1/completions"):
+    async with h.post(path, {"model": MODEL, "stream": True, **body}) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        assert resp.headers["Cache-Control"] == "no-cache"
+        assert resp.headers["X-Accel-Buffering"] == "no"
+        return resp.headers[GEN], await resp.read()
+
+
+async def direct_bytes(h, body, path="/v1/completions"):
+    async with h.session.post(f"{h.mock_url}/v1{path[3:]}", json=body) as resp:
+        return await resp.read()
+
+
+async def test_events_nobody_changes_are_the_upstreams_own_bytes(harness):
+    async with harness(configure=lambda c: c["models"][0].update(upstream_model=MODEL)) as h:
+        body = {"prompt": "The capital of France is", "max_tokens": 5, "mock": FIXED}
+        _, through = await stream_bytes(h, body)
+        direct = await direct_bytes(h, {"model": MODEL, "stream": True, **body})
+    assert through == direct
+    assert through.endswith(b"data: [DONE]\n\n")
+
+
+async def test_model_is_rewritten_to_catalog_id_in_every_chunk(gw):
+    _, raw = await stream_bytes(gw, {"prompt": "a b", "max_tokens": 3, "mock": FIXED,
+                                     "stream_options": {"include_usage": True}})
+    chunks = payloads(raw)[:-1]
+    assert [c["model"] for c in chunks] == [MODEL] * 5
+    assert UPSTREAM_MODEL.encode() not in raw
+
+
+async def test_usage_chunk_removed_when_client_did_not_ask(gw):
+    gen, raw = await stream_bytes(gw, {"prompt": "a b", "max_tokens": 3})
+    assert b'"usage"' not in raw
+    assert payloads(raw)[-1] == "[DONE]"
+    row = await gw.row(gen)  # still metered: include_usage was forced upstream
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (2, 3)
+    assert row["cost"] == pytest.approx(cost(2, 3))
+
+
+async def test_usage_chunk_kept_with_cost_when_asked(gw):
+    gen, raw = await stream_bytes(gw, {"prompt": "a b c", "max_tokens": 4,
+                                       "stream_options": {"include_usage": True}})
+    items = payloads(raw)
+    assert items[-1] == "[DONE]"
+    usage_chunks = [i for i in items[:-1] if i.get("usage")]
+    assert usage_chunks == [items[-2]]
+    last = items[-2]
+    assert last["choices"] == [] and last["model"] == MODEL
+    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "cost": cost(3, 4)}
+    assert (await gw.row(gen))["cost"] == last["usage"]["cost"]
+
+
+async def test_cached_tokens_passed_through_and_priced_at_cached_rate(gw):
+    gen, raw = await stream_bytes(gw, {"prompt": "one two three four", "max_tokens": 2,
+                                       "stream_options": {"include_usage": True}, "mock": {"cached_tokens": 3}})
+    usage = payloads(raw)[-2]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 3}
+    assert usage["cost"] == cost(4, 2, cached=3)
+    row = await gw.row(gen)
+    assert (row["cached_tokens"], row["cost"]) == (3, cost(4, 2, cached=3))
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "vllm_old", "llamacpp", "ollama"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_every_flavor_gives_openais_usage_form(gw, flavor, path, include_usage):
+    body = {"max_tokens": 3, "mock": {"flavor": flavor}}
+    body.update({"prompt": "x y"} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "x y"}]})
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    gen, raw = await stream_bytes(gw, body, path)
+    items = payloads(raw)
+    assert items[-1] == "[DONE]"
+    chunks = items[:-1]
+    with_usage = [c for c in chunks if c.get("usage")]
+    if include_usage:
+        assert with_usage == [chunks[-1]]
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == 3
+        assert chunks[-1]["usage"]["cost"] > 0
+    else:
+        assert with_usage == []
+    assert all(c["choices"] for c in chunks[:len(chunks) - include_usage])
+    row = await gw.row(gen)
+    assert row["completion_tokens"] == 3 and row["finish_reason"] == "length" and row["status"] == 200
+
+
+async def test_continuous_usage_stats_final_counts_win(gw):
+    gen, raw = await stream_bytes(gw, {"prompt": "p q", "max_tokens": 5, "mock": {"continuous_usage": True},
+                                       "stream_options": {"include_usage": True}})
+    chunks = payloads(raw)[:-1]
+    assert [c for c in chunks if c.get("usage")] == [chunks[-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert (await gw.row(gen))["completion_tokens"] == 5
+
+
+async def test_sse_fields_other_than_data_never_reach_the_client(gw):
+    _, raw = await stream_bytes(gw, {"prompt": "x", "max_tokens": 2, "mock": {"fields": True}})
+    for line in raw.split(b"\n"):
+        assert not line.startswith((b"event:", b"id:", b"retry:")), line
+    assert payloads(raw)[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("mock", [{"crlf": True}, {"split": True}, {"crlf": True, "split": True}])
+async def test_crlf_and_events_split_across_reads(gw, mock):
+    _, raw = await stream_bytes(gw, {"prompt": "x", "max_tokens": 4, "mock": mock,
+                                     "stream_options": {"include_usage": True}})
+    items = payloads(raw)
+    assert "".join(c["choices"][0]["text"] for c in items[:-2]) == " Paris is the capital"
+    assert b"\r" not in raw
+
+
+async def test_a_data_line_of_several_megabytes_passes_intact(gw):
+    size = 6 * 1024 * 1024
+    _, raw = await stream_bytes(gw, {"prompt": "x", "max_tokens": 2, "mock": {"pad_bytes": size}})
+    first = payloads(raw)[0]
+    assert first["padding"] == "x" * size
+
+
+async def test_upstream_comments_pass_and_keepalive_while_silent(harness):
+    async with harness(overrides={"server": {"keepalive_seconds": 0.2}}) as h:
+        _, raw = await stream_bytes(h, {"prompt": "x", "max_tokens": 2,
+                                        "mock": {"flavor": "llamacpp", "silence": 1.0}})
+    frames = events(raw)
+    assert b":" in frames  # llama.cpp's own keepalive comment, passed through
+    assert b": keepalive" in frames
+    assert frames[-1] == b"data: [DONE]"
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "llamacpp"])
+async def test_upstream_error_event_mid_stream_then_done(gw, flavor):
+    gen, raw = await stream_bytes(gw, {"prompt": "x", "max_tokens": 6,
+                                       "mock": {"flavor": flavor, "fail": "error_event", "after": 2}})
+    items = payloads(raw)
+    assert items[-1] == "[DONE]"
+    assert "error" in items[-2] and items[-2]["error"]["message"] == "mock failure mid-stream"
+    assert sum("error" in i for i in items[:-1]) == 1
+    assert raw.count(b"[DONE]") == 1
+    row = await gw.row(gen)
+    assert row["status"] == 200 and row["error_code"] == "upstream_error"
+
+
+@pytest.mark.parametrize("mock, code", [
+    ({"fail": "drop", "after": 2}, "upstream_error"),
+    ({"fail": "eof", "after": 2, "flavor": "ollama"}, "upstream_error"),
+])
+async def test_upstream_dying_mid_stream_gives_one_error_event_and_done(gw, mock, code):
+    gen, raw = await stream_bytes(gw, {"prompt": "x", "max_tokens": 6, "mock": mock})
+    items = payloads(raw)
+    assert items[-1] == "[DONE]"
+    assert [i for i in items[:-1] if "error" in i] == [items[-2]]
+    assert items[-2]["error"]["code"] == code
+    row = await gw.row(gen)
+    assert row["error_code"] == code and row["completion_tokens"] == 2
+
+
+async def test_upstream_idle_timeout_mid_stream(harness):
+    async with harness(overrides={"server": {"upstream_idle_timeout": 0.3}}) as h:
+        gen, raw = await stream_bytes(h, {"prompt": "x", "max_tokens": 6, "mock": {"fail": "stall", "after": 1}})
+        assert payloads(raw)[-2]["error"]["code"] == "upstream_timeout"
+        assert (await h.row(gen))["error_code"] == "upstream_timeout"
+
+
+async def test_client_leaving_closes_upstream_and_records_disconnect(gw):
+    async with gw.post("/v1/completions", {"model": MODEL, "prompt": "a b c d", "max_tokens": 500,
+                                           "stream": True, "mock": {"delay": 0.01}}) as resp:
+        gen = resp.headers[GEN]
+        got = b""
+        while got.count(b"\n\n") < 3:
+            got += await resp.content.readany()
+        resp.connection.transport.abort()
+    stats = await gw.mock_wait(hangups=1)
+    assert stats["hangups"] == 1
+    for _ in range(200):  # the row is written by the handler's finally, just after the hang-up
+        rows = await gw.rows(id=gen)
+        if rows:
+            break
+        await asyncio.sleep(0.01)
+    row = rows[0]
+    assert row["disconnected"] == 1
+    assert 3 <= row["completion_tokens"] < 500
+    assert row["prompt_tokens"] >= 1 and row["cost"] > 0
+
+
+async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatch):
+    import kilnproxy.relay as relay
+    parsed = []
+    real_loads = relay.orjson.loads
+
+    class CountingOrjson:
+        JSONDecodeError = relay.orjson.JSONDecodeError
+        dumps = staticmethod(relay.orjson.dumps)
+
+        @staticmethod
+        def loads(data):
+            parsed.append(data)
+            return real_loads(data)
+
+    monkeypatch.setattr(relay, "orjson", CountingOrjson)
+    async with harness(configure=lambda c: c["models"][0].update(upstream_model=MODEL)) as h:
+        _, raw = await stream_bytes(h, {"prompt": "x", "max_tokens": 20})
+    assert len(payloads(raw)) == 22  # 20 words, the finish chunk, [DONE]
+    # only the chunk with a finish reason and the usage chunk needed a look
+    assert len(parsed) == 2
+    assert b'"finish_reason":"length"' in parsed[0] and b'"usage"' in parsed[1]
