@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from .config import Config, load_config
 from .errors import KilnError
