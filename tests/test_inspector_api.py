@@ -262,8 +262,9 @@ async def test_live_feed_ends_when_the_gateway_stops(harness):
     try:
         async with aiohttp.ClientSession() as session, session.get(f"{h.url}/ui/api/events") as feed:
             assert (await read_event(feed))["type"] == "hello"
-            await h.gateway.runner.shutdown()  # on_shutdown: what a stop does first (the grace period too)
-            rest = await feed.content.read()
+            async with asyncio.timeout(60):  # a guard, far below the grace period: fail instead of hanging
+                await h.gateway.runner.shutdown()  # on_shutdown: what a stop does first (the grace period too)
+                rest = await feed.content.read()
         assert rest == b"\n"  # the blank line closing the hello event, then the end of the body
     finally:
         await h.__aexit__(None, None, None)

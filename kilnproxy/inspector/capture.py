@@ -132,6 +132,10 @@ class TappedRelay(EventRelay):
         self.tap.upstream_items(items)
         return super().feed(items)
 
+    def feed_chunk(self, parser, chunk: bytes) -> bytes:
+        """Every chunk event by event (no bulk fast path), so that the tap sees each one."""
+        return self.feed(parser.feed(chunk))
+
 
 class TappedResponse(web.StreamResponse):
     """``StreamResponse`` that shows its tap every write (events, keep-alives, ``[DONE]``)."""
