@@ -23,7 +23,7 @@ test: $(STAMP) browser  ## the whole test suite
 
 browser:  ## Debian's chromium, for the inspector's browser test (Playwright drives it; it downloads no browser)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
-		{ apt-get update && apt-get install -y chromium chromium-driver; }
+		{ apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; }
 
 clean:
 	rm -rf $(VENV) *.egg-info

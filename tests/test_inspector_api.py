@@ -194,6 +194,25 @@ async def test_detail_of_a_non_streamed_request(harness):
     assert cap["upstream_events"] == cap["client_events"] == []
 
 
+async def test_detail_of_a_streamed_chat(harness):
+    async with harness(overrides=CAPTURE) as h:
+        client = h.openai()
+        stream = await client.chat.completions.create(model=h.model, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=3, stream=True)
+        chunks = [c async for c in stream]
+        gen = (await h.rows())[0]["id"]
+        detail = await get_json(h, f"/ui/api/requests/{gen}")
+    cap = detail["capture"]
+    assert detail["row"]["endpoint"] == "chat/completions"
+    assert json.loads(cap["client_body"])["messages"] == [{"role": "user", "content": "hi"}]
+    client_events = [json.loads(e["data"]) for e in cap["client_events"][:-1]]
+    assert [e["id"] for e in client_events] == [c.id for c in chunks]
+    assert cap["client_events"][-1]["data"] == "[DONE]"
+    # the client did not ask for usage: the upstream's usage chunk is in one stream only
+    assert any(json.loads(e["data"]).get("usage") for e in cap["upstream_events"][:-1])
+    assert not any(e.get("usage") for e in client_events)
+
+
 async def test_detail_without_capture_has_the_row_only(gw):
     assert gw.app[GATEWAY].capture is None
     gen = await complete(gw, stream=True)
