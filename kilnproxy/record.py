@@ -26,7 +26,7 @@ class RequestRecord:
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed")
+                 "submitted", "committed", "responded")
 
     def __init__(self, call: Call):
         self.call = call
@@ -43,6 +43,7 @@ class RequestRecord:
         self.body: dict | None = None
         self.submitted = False
         self.committed = None  # the ledger's future for this row, once submitted
+        self.responded = False  # the status line has gone to the client (a stream was prepared)
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status

@@ -35,6 +35,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
                        upstream: aiohttp.ClientResponse, headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     await response.prepare(request)
+    record.responded = True
     relay = EventRelay(call, route, record, gw.hooks.transform_event)
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
