@@ -136,7 +136,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return _error("vllm", 400, "Invalid JSON body", "BadRequestError")
-    app[LOG].append({"path": request.path, "body": body, "headers": dict(request.headers)})
+    app[LOG].append({"path": request.path, "body": body,
+                     "headers": {str(k): v for k, v in request.headers.items()}})
     del app[LOG][:-200]
     mock = body.get("mock") if isinstance(body.get("mock"), dict) else {}
     opts = {**app[OPTIONS], **mock}
@@ -147,7 +148,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if fail in ("500", "503", "401", "429", "404"):
         return _error(flavor, int(fail), f"mock failure {fail}", "server_error")
     if fail == "hang":
-        await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await _bump(app, "hangups")
+            raise
     if fail == "reset":
         request.transport.abort()
         raise web.HTTPInternalServerError()

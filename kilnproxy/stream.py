@@ -73,7 +73,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             if out:
                 await response.write(out)
             if relay.ended or record.finish_reason is not None:
-                return relay.tail()
+                return _tail(relay, record)
             return _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
         keepalive.touch()
         if record.ttft_ms is None:
@@ -85,7 +85,14 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
         if out:
             await response.write(out)
         if relay.ended:
-            return relay.tail()
+            return _tail(relay, record)
+
+
+def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
+    try:
+        return relay.tail()
+    except StreamPluginError as exc:  # a transform_event plugin raised on the usage chunk
+        return _plugin_failed(record, exc)
 
 
 async def _drain(upstream: aiohttp.ClientResponse) -> None:
