@@ -98,11 +98,10 @@ async def _serve(config: Config | None, host: str | None, port: int | None) -> N
             raise KilnError(f"cannot listen on {host or config.server.host}:{config.server.port if port is None else port}:"
                             f" {exc.strerror or exc}") from None
         raise
-    print(banner(gateway.url) if mock is not None else
-          f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})",
-          flush=True)
+    message = banner(gateway.url) if mock is not None else \
+        f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})"
     try:
-        await server.wait_for_signal()
+        await server.wait_for_signal(lambda: print(message, flush=True))
     finally:
         await gateway.stop()
         if mock is not None:
@@ -116,9 +115,9 @@ def cmd_mock(args) -> int:
         running = await server.start_mock(args.host, args.port, delay=args.delay,
                                           context_window=args.context_window, flavor=args.flavor,
                                           prompt_tokens_details=args.enable_prompt_tokens_details)
-        print(f"mock upstream ({args.flavor}) on {running.url}/v1", flush=True)
         try:
-            await server.wait_for_signal()
+            await server.wait_for_signal(lambda: print(f"mock upstream ({args.flavor}) on {running.url}/v1",
+                                                       flush=True))
         finally:
             await running.stop()
 
