@@ -55,6 +55,8 @@ CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, create
 CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 """
 
+LOCK_WAIT_SECONDS = 2.0  # how long to wait for another program's lock on the file
+
 INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
@@ -85,14 +87,10 @@ class SQLiteLedger:
 
     async def open(self) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = await aiosqlite.connect(self.path, timeout=2.0)
-            await self._db.execute("PRAGMA journal_mode=WAL")
+            # Checked with plain sqlite3 first: aiosqlite's thread outlives a failed connect.
+            await asyncio.to_thread(_prepare, self.path)
+            self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS)
             await self._db.execute("PRAGMA synchronous=NORMAL")
-            await self._db.executescript(SCHEMA)
-            # Prove we can write now, rather than lose rows later.
-            await self._db.execute("BEGIN IMMEDIATE")
-            await self._db.execute("ROLLBACK")
         except (sqlite3.Error, OSError) as exc:
             if self._db is not None:
                 await self._db.close()
@@ -167,6 +165,19 @@ class SQLiteLedger:
         async with self._db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
             row = await cur.fetchone()
         return dict(row) if row is not None else None
+
+
+def _prepare(path: Path) -> None:
+    """Create the table in WAL mode and prove the file can be written now, rather than lose rows later."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(SCHEMA)
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("ROLLBACK")
+    finally:
+        db.close()
 
 
 def read_rows(path: Path, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
