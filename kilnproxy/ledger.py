@@ -64,11 +64,38 @@ CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
 
 class Ledger(Protocol):
     async def open(self) -> None: ...
+    async def _commit(self, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
+        params = [tuple(r.get(c) for c in COLUMNS) for r in rows]
+        while True:
+            try:
+                await self._db.executemany(INSERT, params)
+                await self._db.commit()
+                return
+            except sqlite3.OperationalError as exc:  # locked, disk full, I/O error: wait and retry
+                log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
+            except sqlite3.Error as exc:  # a value SQLite cannot bind: store it as text
+                log.error("usage ledger commit of %d rows failed, storing odd values as text: %s", len(rows), exc)
+                params = [tuple(map(_storable, p)) for p in params]
+            self.commit_failures += 1
+            try:
+                await self._db.rollback()
+            except sqlite3.Error:
+                pass
+            await asyncio.sleep(self.RETRY_SECONDS)
+
+    def stats(self) -> dict[str, float]:
+        """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,
+        failed commit attempts, and how long the last commit took (seconds)."""
+        return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
+                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds}
+
     async def close(self) -> None: ...
     def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]": ...
     async def spent_by_org(self) -> dict[str, float]: ...
     async def get(self, generation_id: str) -> dict[str, Any] | None: ...
     def queue_depth(self) -> int: ...
+    def stats(self) -> dict[str, float]: ...
 
 
 class SQLiteLedger:
@@ -83,6 +110,8 @@ class SQLiteLedger:
         self._writer: asyncio.Task | None = None
         self._closing = False
         self.commits = 0
+        self.rows_committed = 0
+        self.commit_failures = 0
         self.last_commit_seconds = 0.0
 
     async def open(self) -> None:
@@ -122,21 +151,10 @@ class SQLiteLedger:
                     return
                 continue
             batch, self._pending = self._pending, []
-            rows = [row for row, _, _ in batch]
             started = loop.time()
-            while True:
-                try:
-                    await self._db.executemany(INSERT, [tuple(r[c] for c in COLUMNS) for r in rows])
-                    await self._db.commit()
-                    break
-                except sqlite3.Error as exc:
-                    log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
-                    try:
-                        await self._db.rollback()
-                    except sqlite3.Error:
-                        pass
-                    await asyncio.sleep(self.RETRY_SECONDS)
+            await self._commit([row for row, _, _ in batch])
             self.commits += 1
+            self.rows_committed += len(batch)
             self.last_commit_seconds = loop.time() - started
             for _, future, _ in batch:
                 if not future.done():
@@ -145,6 +163,32 @@ class SQLiteLedger:
                 self.on_commit([(row, tag) for row, _, tag in batch])
             if self._pending:
                 self._wake.set()
+
+    async def _commit(self, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
+        params = [tuple(r.get(c) for c in COLUMNS) for r in rows]
+        while True:
+            try:
+                await self._db.executemany(INSERT, params)
+                await self._db.commit()
+                return
+            except sqlite3.OperationalError as exc:  # locked, disk full, I/O error: wait and retry
+                log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
+            except sqlite3.Error as exc:  # a value SQLite cannot bind: store it as text
+                log.error("usage ledger commit of %d rows failed, storing odd values as text: %s", len(rows), exc)
+                params = [tuple(map(_storable, p)) for p in params]
+            self.commit_failures += 1
+            try:
+                await self._db.rollback()
+            except sqlite3.Error:
+                pass
+            await asyncio.sleep(self.RETRY_SECONDS)
+
+    def stats(self) -> dict[str, float]:
+        """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,
+        failed commit attempts, and how long the last commit took (seconds)."""
+        return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
+                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds}
 
     async def close(self) -> None:
         """Commit everything queued, then close the database."""
@@ -165,6 +209,10 @@ class SQLiteLedger:
         async with self._db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
             row = await cur.fetchone()
         return dict(row) if row is not None else None
+
+
+def _storable(value: Any) -> Any:
+    return value if value is None or isinstance(value, (int, float, str)) else str(value)
 
 
 def _prepare(path: Path) -> None:

@@ -80,6 +80,6 @@ class RequestRecord:
             "cost": usage.cost(call.pricing),
             "duration_ms": round((time.perf_counter() - self.started) * 1000, 3),
             "ttft_ms": self.ttft_ms,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason if self.finish_reason is None else str(self.finish_reason),
             "disconnected": int(self.disconnected),
         }

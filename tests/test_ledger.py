@@ -232,7 +232,11 @@ async def test_429_is_recorded(harness, eventually):
             await hanging
         await h.mock_wait(hangups=1)
         await eventually(lambda: h.app[GATEWAY].inflight.count("acme") == 0)
-        assert len(await h.rows()) == 2
+        await eventually(lambda: h.app[GATEWAY].ledger.queue_depth() == 0 and _rows(h, 2))
+
+
+async def _rows(h, n):
+    return len(await h.rows()) == n
 
 
 async def test_client_disconnect_mid_stream(gw, eventually):
