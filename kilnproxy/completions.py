@@ -70,7 +70,7 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         record.body = body
         route = admission.check_model(body, key, gw.routes)
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
-        if not gw.inflight.try_acquire(key.org, gw.limit_for(key.org)):
+        if not await gw.inflight.try_acquire(key.org, gw.limit_for(key.org)):
             raise GatewayError(429, "rate_limit_exceeded",
                                f"Org `{key.org}` already has {gw.limit_for(key.org)} requests in flight.",
                                type="rate_limit_error")

@@ -216,3 +216,41 @@ async def _mock_idle(h):
     async with h.session.get(f"{h.mock_url}/mock/stats") as resp:
         stats = await resp.json()
     return stats if stats["open"] == 0 else None
+
+
+class RemoteInFlight:
+    """An in-flight counter with a round trip in ``try_acquire``, as a shared store has."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    async def try_acquire(self, org: str, limit: int) -> bool:
+        await asyncio.sleep(0)
+        self.calls.append(("acquire", org))
+        if self.counts.get(org, 0) >= limit:
+            return False
+        self.counts[org] = self.counts.get(org, 0) + 1
+        return True
+
+    def release(self, org: str) -> None:
+        self.calls.append(("release", org))
+        self.counts[org] -= 1
+
+    def count(self, org: str) -> int:
+        return self.counts.get(org, 0)
+
+
+async def test_another_in_flight_store_slots_in_behind_the_interface(harness, eventually):
+    async with harness(overrides={"limits": {"max_in_flight_per_org": 1}}) as h:
+        store = h.app[GATEWAY].inflight = RemoteInFlight()
+        held = await hold(h, 1)
+        async with h.post("/v1/completions", body()) as resp:
+            assert resp.status == 429
+        held[0].close()
+        await eventually(lambda: store.count("acme") == 0)
+        async with h.post("/v1/completions", body(stream=True)) as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert store.calls == [("acquire", "acme"), ("acquire", "acme"), ("release", "acme"),
+                               ("acquire", "acme"), ("release", "acme")]

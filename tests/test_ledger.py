@@ -321,3 +321,17 @@ async def test_other_org_rows_are_charged_to_it(gw):
     async with gw.post("/v1/completions", body(), key=OTHER_KEY) as resp:
         row = await gw.row(resp.headers[GEN])
     assert (row["org"], row["key_id"]) == ("globex", "globex-key")
+
+
+async def test_chat_disconnect_counts_content_chunks_not_the_role_chunk(gw, eventually):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 10,
+            "stream": True, "mock": {"fail": "stall", "after": 3}}
+    resp = await gw.post("/v1/chat/completions", chat)
+    seen = b""
+    while seen.count(b"data: ") < 3:  # the role chunk, then two words
+        seen += await resp.content.readany()
+    assert b'"role":"assistant"' in seen.split(b"\n\n")[0]
+    resp.close()
+    await gw.mock_wait(hangups=1)
+    row = (await eventually(gw.rows))[0]
+    assert (row["disconnected"], row["completion_tokens"]) == (1, 2)

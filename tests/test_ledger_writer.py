@@ -109,3 +109,56 @@ async def test_record_usage_plugins_see_each_row_after_its_commit(harness, tmp_p
             assert resp.status == 401
         await eventually(lambda: len(recorder.SEEN) == 4)
         assert recorder.SEEN[1:] == [(gid, gid, status, (status,), False) for gid, status in ids]
+
+
+class MemoryLedger:
+    """Another store behind the ``Ledger`` interface: rows kept in a dict, committed a loop turn later."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+        self.queued = 0
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def submit(self, row, tag=None):
+        future = asyncio.get_running_loop().create_future()
+        self.queued += 1
+
+        def commit():
+            self.rows[row["id"]] = dict(row)
+            self.queued -= 1
+            future.set_result(None)
+
+        asyncio.get_running_loop().call_soon(commit)
+        return future
+
+    async def spent_by_org(self):
+        return {}
+
+    async def get(self, generation_id):
+        return self.rows.get(generation_id)
+
+    def queue_depth(self):
+        return self.queued
+
+    def stats(self):
+        return {"queue_depth": self.queued}
+
+
+async def test_another_ledger_slots_in_behind_the_interface(gw):
+    gateway = gw.app[GATEWAY]
+    await gateway.ledger.close()
+    store = gateway.ledger = MemoryLedger()
+    ids = []
+    for body in (BODY, {**BODY, "stream": True}, {"model": "nope"}):
+        async with gw.post("/v1/completions", body) as resp:
+            await resp.read()
+            ids.append(resp.headers[GEN])
+            assert ids[-1] in store.rows  # stored before the response ended
+    async with gw.session.get(f"{gw.url}/v1/generations/{ids[0]}", headers=gw.headers()) as resp:
+        assert (await resp.json())["id"] == ids[0]
+    assert [store.rows[i]["status"] for i in ids] == [200, 200, 404]
