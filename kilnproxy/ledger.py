@@ -9,10 +9,23 @@ everything queued, inserts it in one transaction and resolves the futures.
 The request awaits its future before the response ends, so a response a client
 saw end always has its row on disk (WAL, ``synchronous=NORMAL``: a committed
 transaction survives the gateway being killed; only a power cut could lose the
-last ones). A failed commit is retried with the same rows; none is dropped.
+last ones). A failed commit (a lock held by another program, a full disk) is
+retried with the same rows; none is dropped, and the responses wait. A value
+SQLite cannot bind is stored as text rather than wedge every later commit.
 
-The ledger is a store, not a plugin: ``record_usage`` plugins are told of each
-row after its commit (``on_commit``), off the request's path.
+The ledger is a store, not a plugin, and ``record_usage`` plugins are told of
+each row after its commit (``on_commit``, then the gateway's notifier task).
+Why not make the SQLite writer the built-in ``record_usage`` plugin: the row
+must be committed before the response ends and the request awaits exactly that,
+which a hook call (pluggy is synchronous, its order set by registration) cannot
+promise; a slow or failing plugin must never delay a response nor lose a row;
+plugins should only ever see rows that are on disk (what ``GET
+/v1/generations/{id}`` and credits will show); and spending is read back from the
+store at start-up, so the store is chosen by the gateway (``Gateway(ledger=...)``),
+not by whichever plugins happen to load.
+
+``stats()`` gives ops metrics for free: rows queued, transactions and rows
+committed, failed attempts, and the last commit's duration.
 """
 
 from __future__ import annotations

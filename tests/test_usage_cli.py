@@ -55,7 +55,8 @@ async def test_filters_and_the_table(gw):
     assert lines[0].split() == ["org", "model", "requests", "errors", "prompt", "completion", "cached", "total",
                                 "cost", "(USD)"]
     assert lines[1].split()[:4] == ["acme", MODEL, "3", "0"]
-    assert lines[-1].split()[:3] == ["globex", MODEL, "2"]
+    assert lines[-2].split()[:3] == ["globex", MODEL, "2"]
+    assert lines[-1].split()[:3] == ["total", "6", "1"]
 
 
 async def test_reads_the_database_named_by_the_config(gw, tmp_path):
