@@ -3,6 +3,7 @@
 import asyncio
 from datetime import datetime, timedelta, timezone
 
+import aiohttp
 import orjson
 import pytest
 
@@ -335,3 +336,33 @@ async def test_chat_disconnect_counts_content_chunks_not_the_role_chunk(gw, even
     await gw.mock_wait(hangups=1)
     row = (await eventually(gw.rows))[0]
     assert (row["disconnected"], row["completion_tokens"]) == (1, 2)
+
+
+async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_cuts_the_stream(gw, monkeypatch, eventually):
+    """An unexpected exception once the stream has begun: the client sees the body cut short
+    (never a second HTTP response inside the first), the row says internal_error."""
+    from kilnproxy import stream as stream_module
+
+    class Broken(stream_module.SSEParser):
+        calls = 0
+
+        def feed(self, chunk):
+            Broken.calls += 1
+            if Broken.calls == 2:
+                raise ZeroDivisionError("a bug")
+            return super().feed(chunk)
+
+    monkeypatch.setattr(stream_module, "SSEParser", Broken)
+    async with gw.post("/v1/completions", body(stream=True, max_tokens=8, mock={"delay": 0.01})) as resp:
+        assert resp.status == 200
+        gen_id = resp.headers[GEN]
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+    row = await eventually(lambda: _row_or_none(gw, gen_id))
+    assert (row["status"], row["error_code"], row["disconnected"]) == (200, "internal_error", 0)
+    assert gw.app[GATEWAY].inflight.count("acme") == 0
+
+
+async def _row_or_none(h, generation_id):
+    rows = await h.rows(id=generation_id)
+    return rows[0] if rows else None
