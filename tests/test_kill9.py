@@ -104,12 +104,15 @@ def ids_in_db(db: Path) -> set[str]:
 
 
 async def load_until_killed(url: str, session: aiohttp.ClientSession, gateway: GatewayProcess,
-                            kill_after: int, workers: int = 48) -> tuple[set[str], int]:
-    """Requests from ``workers`` clients; SIGKILL once ``kill_after`` have ended. Returns the ids
-    of the responses that ended, and how many requests the kill cut short."""
+                            kill_after: int, workers: int = 48, stop=None) -> tuple[set[str], set[str], int]:
+    """Requests from ``workers`` clients; SIGKILL (or ``stop()``) once ``kill_after`` have ended.
+    Returns the ids of the responses that ended, of those whose headers came, and how many
+    requests were cut short."""
     ended: set[str] = set()
+    answered: set[str] = set()
     cut = 0
     killed = asyncio.Event()
+    stop = stop or gateway.kill9
 
     async def one(i: int) -> None:
         nonlocal cut
@@ -125,6 +128,7 @@ async def load_until_killed(url: str, session: aiohttp.ClientSession, gateway: G
             async with session.post(f"{url}/v1/completions", json=request,
                                     headers={"Authorization": f"Bearer {key}"}) as resp:
                 gen_id = resp.headers[GEN]
+                answered.add(gen_id)
                 raw = await resp.read()
                 if request.get("stream") and not raw.endswith(b"data: [DONE]\n\n"):
                     cut += 1
@@ -135,7 +139,7 @@ async def load_until_killed(url: str, session: aiohttp.ClientSession, gateway: G
         ended.add(gen_id)
         if len(ended) >= kill_after and not killed.is_set():
             killed.set()
-            await gateway.kill9()
+            await stop()
 
     async def worker(w: int) -> None:
         i = w
@@ -144,7 +148,7 @@ async def load_until_killed(url: str, session: aiohttp.ClientSession, gateway: G
             i += workers
 
     await asyncio.gather(*(worker(w) for w in range(workers)))
-    return ended, cut
+    return ended, answered, cut
 
 
 @pytest.mark.parametrize("round_", [1, 2])
@@ -157,7 +161,7 @@ async def test_kill_9_under_load_loses_no_ended_response(tmp_path, round_):
     restarted = None
     try:
         async with aiohttp.ClientSession() as session:
-            ended, cut = await load_until_killed(gateway.url, session, gateway, kill_after=300 * round_)
+            ended, _, cut = await load_until_killed(gateway.url, session, gateway, kill_after=300 * round_)
             assert len(ended) >= 300 * round_
             assert cut > 0  # the kill did land mid-load
             assert (tmp_path / "usage.db-wal").exists()  # killed: no checkpoint on the way out
@@ -192,5 +196,28 @@ async def test_kill_9_under_load_loses_no_ended_response(tmp_path, round_):
             await gateway.kill9()
         if restarted is not None:
             await restarted.stop()
+        await mock.stop()
+    assert "Traceback" not in log.read_text()
+
+
+async def test_sigterm_under_load_commits_every_row_and_exits_0(tmp_path):
+    """A clean stop (SIGTERM) lets the requests in flight finish: every request that got an
+    answer, ended or not, has its row, and the gateway exits 0."""
+    mock = await start_mock()
+    config = write_config(tmp_path / "gateway.toml", mock.url)
+    log = tmp_path / "gateway.log"
+    gateway = await GatewayProcess(config, log).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def term() -> None:
+                gateway.proc.terminate()
+            ended, answered, _ = await load_until_killed(gateway.url, session, gateway, kill_after=200, stop=term)
+            assert await asyncio.wait_for(gateway.proc.wait(), 60) == 0
+        assert ended <= answered
+        missing = answered - ids_in_db(tmp_path / "usage.db")
+        assert not missing, f"{len(missing)} of {len(answered)} answered requests have no row"
+    finally:
+        if gateway.proc.returncode is None:
+            await gateway.kill9()
         await mock.stop()
     assert "Traceback" not in log.read_text()
