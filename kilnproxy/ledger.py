@@ -34,7 +34,7 @@ import asyncio
 import logging
 import sqlite3
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import aiosqlite
 
@@ -76,39 +76,29 @@ CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
 
 
 class Ledger(Protocol):
-    async def open(self) -> None: ...
-    async def _commit(self, rows: list[dict[str, Any]]) -> None:
-        """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
-        params = [tuple(r.get(c) for c in COLUMNS) for r in rows]
-        while True:
-            try:
-                await self._db.executemany(INSERT, params)
-                await self._db.commit()
-                return
-            except sqlite3.OperationalError as exc:  # locked, disk full, I/O error: wait and retry
-                log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
-            except sqlite3.Error as exc:  # a value SQLite cannot bind: store it as text
-                log.error("usage ledger commit of %d rows failed, storing odd values as text: %s", len(rows), exc)
-                params = [tuple(map(_storable, p)) for p in params]
-            self.commit_failures += 1
-            try:
-                await self._db.rollback()
-            except sqlite3.Error:
-                pass
-            await asyncio.sleep(self.RETRY_SECONDS)
+    """What the gateway needs of a usage store (SQLite today, PostgreSQL next)."""
+
+    async def open(self) -> None:
+        """Connect and prove the store can be written; ``StorageError`` (one line) if not."""
+
+    async def close(self) -> None:
+        """Commit everything submitted so far, then disconnect."""
+
+    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
+        """Queue ``row`` (the columns of ``record.COLUMNS``); never blocks, never raises.
+        The future resolves once the row is durable."""
+
+    async def spent_by_org(self) -> dict[str, float]:
+        """``SUM(cost)`` per org, read at start-up for credits."""
+
+    async def get(self, generation_id: str) -> dict[str, Any] | None:
+        """The committed row of that id, or ``None``."""
+
+    def queue_depth(self) -> int:
+        """Rows submitted and not yet being committed."""
 
     def stats(self) -> dict[str, float]:
-        """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,
-        failed commit attempts, and how long the last commit took (seconds)."""
-        return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
-                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds}
-
-    async def close(self) -> None: ...
-    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]": ...
-    async def spent_by_org(self) -> dict[str, float]: ...
-    async def get(self, generation_id: str) -> dict[str, Any] | None: ...
-    def queue_depth(self) -> int: ...
-    def stats(self) -> dict[str, float]: ...
+        """Numbers for ops metrics (``queue_depth`` at least)."""
 
 
 class SQLiteLedger:

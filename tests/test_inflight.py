@@ -4,7 +4,6 @@ import asyncio
 import random
 import textwrap
 
-import aiohttp
 import orjson
 import pytest
 
