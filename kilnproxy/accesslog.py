@@ -6,7 +6,11 @@ status, error code, tokens, cost, duration, time to first token, upstream and
 whether the client left early. The request body (prompt or messages, as sent
 upstream) is added only with ``[log] bodies = true``; completions are never logged.
 
-Lines finished in the same turn of the event loop go out in one write.
+Lines finished in the same turn of the event loop go out in one write. When
+stdout is a pipe or a socket, writes never block the event loop: what the
+reader has not taken yet waits in memory, up to ``MAX_PENDING`` bytes; lines
+beyond that are dropped and counted (``dropped``), with one line on stderr, so
+a stalled log reader can cost log lines but never stall requests.
 Diagnostics (start-up, reloads, errors) go to stderr through ``logging``, so
 stdout carries nothing but these lines after the start-up banner.
 """
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import sys
 
 import orjson
@@ -30,6 +36,7 @@ class AccessLog:
         self.stream = stream  # None: sys.stdout as it is at write time
         self._lines: list[bytes] = []
         self._broken = False
+        self._pipe: _NonBlockingPipe | bool | None = None  # decided at the first write
 
     def __call__(self, row: dict, record: RequestRecord) -> None:
         line = {
@@ -62,9 +69,14 @@ class AccessLog:
         lines, self._lines = self._lines, []
         if not lines or self._broken:
             return
-        stream = self.stream or sys.stdout
         data = b"".join(lines)
         try:
+            if self.stream is None and self._pipe is None:
+                self._pipe = _NonBlockingPipe.for_stdout()
+            if self._pipe:
+                self._pipe.write(data, len(lines))
+                return
+            stream = self.stream or sys.stdout
             buffer = getattr(stream, "buffer", None)
             if buffer is not None:
                 buffer.write(data)
@@ -74,3 +86,63 @@ class AccessLog:
         except (OSError, ValueError) as exc:  # stdout closed or a broken pipe
             self._broken = True
             log.error("access log disabled: cannot write to stdout: %s", exc)
+
+    @property
+    def dropped(self) -> int:
+        return self._pipe.dropped if self._pipe else 0
+
+
+class _NonBlockingPipe:
+    """Writes to a pipe or socket fd without ever blocking the event loop."""
+
+    MAX_PENDING = 8 * 1024 * 1024
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.pending = bytearray()
+        self.dropped = 0
+        os.set_blocking(fd, False)
+
+    @classmethod
+    def for_stdout(cls) -> "_NonBlockingPipe | bool":
+        """A writer for stdout when it is a pipe or socket; ``False`` otherwise
+        (files and terminals take plain writes)."""
+        try:
+            sys.stdout.flush()
+            fd = sys.stdout.fileno()
+            mode = os.fstat(fd).st_mode
+        except (OSError, ValueError, AttributeError):
+            return False
+        return cls(fd) if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) else False
+
+    def write(self, data: bytes, lines: int) -> None:
+        if self.pending:
+            if len(self.pending) + len(data) > self.MAX_PENDING:
+                self._drop(lines)
+            else:
+                self.pending += data
+            return
+        try:
+            sent = os.write(self.fd, data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self.pending += data[sent:]
+            asyncio.get_running_loop().add_writer(self.fd, self._drain)
+
+    def _drain(self) -> None:
+        try:
+            sent = os.write(self.fd, self.pending)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.pending.clear()
+            sent = 0
+        del self.pending[:sent]
+        if not self.pending:
+            asyncio.get_running_loop().remove_writer(self.fd)
+
+    def _drop(self, lines: int) -> None:
+        if not self.dropped:
+            log.error("access log: stdout is not being read; dropping lines until it is")
+        self.dropped += lines

@@ -65,6 +65,8 @@ async def json_errors(request: web.Request, handler):
     except (ConnectionResetError, web.RequestPayloadError) as exc:
         raise exc
     except Exception:
+        if request.writer.output_size:  # a stream had begun: let aiohttp close the connection
+            raise
         log.exception("unexpected error on %s %s", request.method, request.path)
         return GatewayError(500, "internal_error", "The gateway failed unexpectedly; see its log.",
                             type="server_error").response()

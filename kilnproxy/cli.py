@@ -127,9 +127,9 @@ def cmd_mock(args) -> int:
         running = await server.start_mock(args.host, args.port, delay=args.delay,
                                           context_window=args.context_window, flavor=args.flavor,
                                           prompt_tokens_details=args.enable_prompt_tokens_details)
-        print(f"mock upstream ({args.flavor}) on {running.url}/v1", flush=True)
         try:
-            await server.wait_for_signal()
+            await server.wait_for_signal(lambda: print(f"mock upstream ({args.flavor}) on {running.url}/v1",
+                                                       flush=True))
         finally:
             await running.stop()
 

@@ -9,6 +9,7 @@ the request ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import aiohttp
@@ -28,7 +29,10 @@ from .upstream import Route
 from .usage import Usage
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before any response was sent
 PASS_THROUGH_STATUSES = (400, 422)
+
+log = logging.getLogger("kilnproxy")
 
 
 def new_generation_id() -> str:
@@ -68,7 +72,7 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
             record.tap = gw.capture.tap(record, body)
         route = admission.check_model(body, key, gw.routes)
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
-        if not gw.inflight.try_acquire(key.org, gw.limit_for(key.org)):
+        if not await gw.inflight.try_acquire(key.org, gw.limit_for(key.org)):
             raise GatewayError(429, "rate_limit_exceeded",
                                f"Org `{key.org}` already has {gw.limit_for(key.org)} requests in flight.",
                                type="rate_limit_error")
@@ -87,7 +91,19 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         return err.response(headers)
     except (asyncio.CancelledError, ConnectionResetError):
         record.disconnected = True
+        if not record.responded:
+            record.fail(CLIENT_CLOSED, None)
         raise
+    except Exception:  # a bug: still one row, with the status the client gets
+        record.error_code = "internal_error"
+        if record.responded:
+            raise
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        err = GatewayError(500, "internal_error", "The gateway failed unexpectedly; see its log.",
+                           type="server_error")
+        record.fail(err.status, err.code)
+        await gw.submit(record)
+        return err.response(headers)
     finally:
         gw.submit(record)
         if slot:

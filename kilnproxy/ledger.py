@@ -9,10 +9,23 @@ everything queued, inserts it in one transaction and resolves the futures.
 The request awaits its future before the response ends, so a response a client
 saw end always has its row on disk (WAL, ``synchronous=NORMAL``: a committed
 transaction survives the gateway being killed; only a power cut could lose the
-last ones). A failed commit is retried with the same rows; none is dropped.
+last ones). A failed commit (a lock held by another program, a full disk) is
+retried with the same rows; none is dropped, and the responses wait. A value
+SQLite cannot bind is stored as text rather than wedge every later commit.
 
-The ledger is a store, not a plugin: ``record_usage`` plugins are told of each
-row after its commit (``on_commit``), off the request's path.
+The ledger is a store, not a plugin, and ``record_usage`` plugins are told of
+each row after its commit (``on_commit``, then the gateway's notifier task).
+Why not make the SQLite writer the built-in ``record_usage`` plugin: the row
+must be committed before the response ends and the request awaits exactly that,
+which a hook call (pluggy is synchronous, its order set by registration) cannot
+promise; a slow or failing plugin must never delay a response nor lose a row;
+plugins should only ever see rows that are on disk (what ``GET
+/v1/generations/{id}`` and credits will show); and spending is read back from the
+store at start-up, so the store is chosen by the gateway (``Gateway(ledger=...)``),
+not by whichever plugins happen to load.
+
+``stats()`` gives ops metrics for free: rows queued, transactions and rows
+committed, failed attempts, and the last commit's duration.
 """
 
 from __future__ import annotations
@@ -55,18 +68,37 @@ CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, create
 CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 """
 
+LOCK_WAIT_SECONDS = 2.0  # how long to wait for another program's lock on the file
+
 INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
 
 
 class Ledger(Protocol):
-    async def open(self) -> None: ...
-    async def close(self) -> None: ...
-    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]": ...
-    async def spent_by_org(self) -> dict[str, float]: ...
-    async def get(self, generation_id: str) -> dict[str, Any] | None: ...
-    def queue_depth(self) -> int: ...
+    """What the gateway needs of a usage store (SQLite today, PostgreSQL next)."""
+
+    async def open(self) -> None:
+        """Connect and prove the store can be written; ``StorageError`` (one line) if not."""
+
+    async def close(self) -> None:
+        """Commit everything submitted so far, then disconnect."""
+
+    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
+        """Queue ``row`` (the columns of ``record.COLUMNS``); never blocks, never raises.
+        The future resolves once the row is durable."""
+
+    async def spent_by_org(self) -> dict[str, float]:
+        """``SUM(cost)`` per org, read at start-up for credits."""
+
+    async def get(self, generation_id: str) -> dict[str, Any] | None:
+        """The committed row of that id, or ``None``."""
+
+    def queue_depth(self) -> int:
+        """Rows submitted and not yet being committed."""
+
+    def stats(self) -> dict[str, float]:
+        """Numbers for ops metrics (``queue_depth`` at least)."""
 
 
 class SQLiteLedger:
@@ -81,18 +113,16 @@ class SQLiteLedger:
         self._writer: asyncio.Task | None = None
         self._closing = False
         self.commits = 0
+        self.rows_committed = 0
+        self.commit_failures = 0
         self.last_commit_seconds = 0.0
 
     async def open(self) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = await aiosqlite.connect(self.path, timeout=2.0)
-            await self._db.execute("PRAGMA journal_mode=WAL")
+            # Checked with plain sqlite3 first: aiosqlite's thread outlives a failed connect.
+            await asyncio.to_thread(_prepare, self.path)
+            self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS)
             await self._db.execute("PRAGMA synchronous=NORMAL")
-            await self._db.executescript(SCHEMA)
-            # Prove we can write now, rather than lose rows later.
-            await self._db.execute("BEGIN IMMEDIATE")
-            await self._db.execute("ROLLBACK")
         except (sqlite3.Error, OSError) as exc:
             if self._db is not None:
                 await self._db.close()
@@ -124,21 +154,10 @@ class SQLiteLedger:
                     return
                 continue
             batch, self._pending = self._pending, []
-            rows = [row for row, _, _ in batch]
             started = loop.time()
-            while True:
-                try:
-                    await self._db.executemany(INSERT, [tuple(r[c] for c in COLUMNS) for r in rows])
-                    await self._db.commit()
-                    break
-                except sqlite3.Error as exc:
-                    log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
-                    try:
-                        await self._db.rollback()
-                    except sqlite3.Error:
-                        pass
-                    await asyncio.sleep(self.RETRY_SECONDS)
+            await self._commit([row for row, _, _ in batch])
             self.commits += 1
+            self.rows_committed += len(batch)
             self.last_commit_seconds = loop.time() - started
             for _, future, _ in batch:
                 if not future.done():
@@ -147,6 +166,32 @@ class SQLiteLedger:
                 self.on_commit([(row, tag) for row, _, tag in batch])
             if self._pending:
                 self._wake.set()
+
+    async def _commit(self, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
+        params = [tuple(r.get(c) for c in COLUMNS) for r in rows]
+        while True:
+            try:
+                await self._db.executemany(INSERT, params)
+                await self._db.commit()
+                return
+            except sqlite3.OperationalError as exc:  # locked, disk full, I/O error: wait and retry
+                log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
+            except sqlite3.Error as exc:  # a value SQLite cannot bind: store it as text
+                log.error("usage ledger commit of %d rows failed, storing odd values as text: %s", len(rows), exc)
+                params = [tuple(map(_storable, p)) for p in params]
+            self.commit_failures += 1
+            try:
+                await self._db.rollback()
+            except sqlite3.Error:
+                pass
+            await asyncio.sleep(self.RETRY_SECONDS)
+
+    def stats(self) -> dict[str, float]:
+        """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,
+        failed commit attempts, and how long the last commit took (seconds)."""
+        return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
+                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds}
 
     async def close(self) -> None:
         """Commit everything queued, then close the database."""
@@ -167,6 +212,23 @@ class SQLiteLedger:
         async with self._db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
             row = await cur.fetchone()
         return dict(row) if row is not None else None
+
+
+def _storable(value: Any) -> Any:
+    return value if value is None or isinstance(value, (int, float, str)) else str(value)
+
+
+def _prepare(path: Path) -> None:
+    """Create the table in WAL mode and prove the file can be written now, rather than lose rows later."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(SCHEMA)
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("ROLLBACK")
+    finally:
+        db.close()
 
 
 def read_rows(path: Path, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:

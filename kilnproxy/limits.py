@@ -3,6 +3,12 @@
 Both sit behind small interfaces so that a shared store (Redis for the
 in-flight counts, the PostgreSQL ledger for spending) can replace the
 in-process ones for several gateway replicas, without touching the request path.
+
+``InFlight`` is shaped for that: ``try_acquire`` is awaited (a shared counter
+needs a round trip before the request may go on), while ``release`` must not
+block or raise, because it runs in the request's ``finally``, possibly while the
+handler is being cancelled; a shared store queues the release and owns its retries,
+as the ledger does with rows.
 """
 
 from __future__ import annotations
@@ -11,9 +17,15 @@ from typing import Protocol
 
 
 class InFlight(Protocol):
-    def try_acquire(self, org: str, limit: int) -> bool: ...
-    def release(self, org: str) -> None: ...
-    def count(self, org: str) -> int: ...
+    async def try_acquire(self, org: str, limit: int) -> bool:
+        """Take a slot unless ``org`` already has ``limit`` requests in flight. Cancelled
+        while waiting, it must leave no slot taken."""
+
+    def release(self, org: str) -> None:
+        """Give a taken slot back; called exactly once per slot, on every path."""
+
+    def count(self, org: str) -> int:
+        """Requests of ``org`` in flight (for metrics and tests)."""
 
 
 class LocalInFlight:
@@ -22,7 +34,7 @@ class LocalInFlight:
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
 
-    def try_acquire(self, org: str, limit: int) -> bool:
+    async def try_acquire(self, org: str, limit: int) -> bool:
         n = self._counts.get(org, 0)
         if n >= limit:
             return False

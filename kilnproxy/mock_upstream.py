@@ -150,7 +150,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if fail in ("500", "503", "401", "429", "404"):
         return _error(flavor, int(fail), f"mock failure {fail}", "server_error")
     if fail == "hang":
-        await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await _bump(app, "hangups")
+            raise
     if fail == "reset":
         request.transport.abort()
         raise web.HTTPInternalServerError()

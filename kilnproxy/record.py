@@ -26,7 +26,7 @@ class RequestRecord:
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed", "tap")
+                 "submitted", "committed", "tap", "responded")
 
     def __init__(self, call: Call):
         self.call = call
@@ -44,6 +44,7 @@ class RequestRecord:
         self.submitted = False
         self.committed = None  # the ledger's future for this row, once submitted
         self.tap = None  # the inspector's capture of this request, when capture is on
+        self.responded = False  # the status line has gone to the client (a stream was prepared)
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status
@@ -80,6 +81,6 @@ class RequestRecord:
             "cost": usage.cost(call.pricing),
             "duration_ms": round((time.perf_counter() - self.started) * 1000, 3),
             "ttft_ms": self.ttft_ms,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason if self.finish_reason is None else str(self.finish_reason),
             "disconnected": int(self.disconnected),
         }

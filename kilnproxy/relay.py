@@ -32,6 +32,11 @@ from .usage import Usage
 log = logging.getLogger("kilnproxy.plugins")
 
 
+# A chat stream's opening chunk names the role and carries no token: not counted
+# when the completion tokens must be counted from what was streamed.
+ROLE = b'"role":'
+
+
 class EventRelay:
     __slots__ = ("call", "route", "record", "impls", "parse_all", "rename", "ended", "error",
                  "usage_raw", "usage_event", "last_event", "clean_end")
@@ -76,10 +81,10 @@ class EventRelay:
             and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)
         ):
             if not self.rename or self.route.model_bytes in payload:
-                self.record.streamed_chunks += 1
+                self.record.streamed_chunks += ROLE not in payload
                 return data_frame(payload)
             if self.route.upstream_model_bytes in payload:
-                self.record.streamed_chunks += 1
+                self.record.streamed_chunks += ROLE not in payload
                 return data_frame(payload.replace(self.route.upstream_model_bytes, self.route.model_bytes, 1))
         return self._parsed_event(payload)
 
@@ -101,7 +106,7 @@ class EventRelay:
                 return None
             event["usage"] = None
         if choices:
-            self.record.streamed_chunks += 1
+            self.record.streamed_chunks += ROLE not in payload
             if not self.parse_all:
                 self._take_finish_reason(choices)
         if "model" in event:

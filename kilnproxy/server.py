@@ -12,6 +12,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from typing import Callable
 
 from aiohttp import web
 
@@ -66,11 +67,15 @@ async def start_mock(host: str = "127.0.0.1", port: int = 0, **options) -> Runni
     return await start_app(create_mock_app(**options), host, port)
 
 
-async def wait_for_signal() -> None:
+async def wait_for_signal(ready: Callable[[], object] | None = None) -> None:
+    """Return on SIGTERM or SIGINT. ``ready`` (e.g. printing "serving") runs once the handlers
+    are in place, so a supervisor that signals as soon as it reads it gets a clean shutdown."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready()
     await stop.wait()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)

@@ -40,6 +40,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
     else:  # the inspector's capture: the same relay and response, recording what passes
         response, relay = record.tap.stream(record, route, gw.hooks.transform_event, {**SSE_HEADERS, **headers})
     await response.prepare(request)
+    record.responded = True
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive)
@@ -78,7 +79,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             if out:
                 await response.write(out)
             if relay.ended or record.finish_reason is not None:
-                return relay.tail()
+                return _tail(relay, record)
             return _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
         keepalive.touch()
         if record.ttft_ms is None:
@@ -90,7 +91,14 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
         if out:
             await response.write(out)
         if relay.ended:
-            return relay.tail()
+            return _tail(relay, record)
+
+
+def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
+    try:
+        return relay.tail()
+    except StreamPluginError as exc:  # a transform_event plugin raised on the usage chunk
+        return _plugin_failed(record, exc)
 
 
 async def _drain(upstream: aiohttp.ClientResponse) -> None:

@@ -80,6 +80,9 @@ def render_table(rows: list[dict]) -> str:
             for r in rows]
     if not body:
         return "no usage recorded"
+    if len(body) > 1:
+        sums = [str(sum(r[f] or 0 for r in rows)) for f in FIELDS[2:-1]]
+        body.append(("total", "", *sums, f"{sum(r['cost'] or 0 for r in rows):.6f}"))
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in (header, *body)]
