@@ -31,8 +31,14 @@ GENERATION_HEADER = "X-Neocloud-Generation-Id"
 PASS_THROUGH_STATUSES = (400, 422)
 
 
-def new_generation_id() -> str:
-    return "gen-" + os.urandom(12).hex()
+def _generation_ids():
+    while True:  # 12 random bytes an id, read from the OS 4096 ids at a time
+        block = os.urandom(12 * 4096).hex()
+        for start in range(0, len(block), 24):
+            yield "gen-" + block[start:start + 24]
+
+
+new_generation_id = _generation_ids().__next__
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

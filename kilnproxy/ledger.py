@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Protocol
 
@@ -56,6 +57,8 @@ CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 """
 
 INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+
+_values = itemgetter(*COLUMNS)  # row dict -> tuple in column order
 
 CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
 
@@ -128,7 +131,7 @@ class SQLiteLedger:
             started = loop.time()
             while True:
                 try:
-                    await self._db.executemany(INSERT, [tuple(r[c] for c in COLUMNS) for r in rows])
+                    await self._db.executemany(INSERT, [_values(r) for r in rows])
                     await self._db.commit()
                     break
                 except sqlite3.Error as exc:
