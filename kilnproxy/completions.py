@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import aiohttp
 import orjson
@@ -32,10 +33,12 @@ PASS_THROUGH_STATUSES = (400, 422)
 
 
 def _generation_ids():
-    while True:  # 12 random bytes an id, read from the OS 4096 ids at a time
-        block = os.urandom(12 * 4096).hex()
-        for start in range(0, len(block), 24):
-            yield "gen-" + block[start:start + 24]
+    """``gen-`` + the time in ms (12 hex digits) + 48 random bits (12 hex digits): ids sort by
+    creation time, so the usage table's key grows at its end rather than at random pages."""
+    while True:  # random bytes read from the OS 4096 ids at a time
+        block = os.urandom(6 * 4096).hex()
+        for start in range(0, len(block), 12):
+            yield f"gen-{int(time.time() * 1000):012x}{block[start:start + 12]}"
 
 
 new_generation_id = _generation_ids().__next__

@@ -18,6 +18,7 @@ row after its commit (``on_commit``), off the request's path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sqlite3
 from operator import itemgetter
@@ -57,6 +58,13 @@ CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 """
 
 INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+ROWS_PER_INSERT = 64  # rows in one INSERT statement; every size up to it stays in sqlite3's statement cache
+
+
+@functools.lru_cache(maxsize=None)
+def _insert_rows(n: int) -> str:
+    return INSERT + f", ({', '.join('?' * len(COLUMNS))})" * (n - 1)
+
 
 _values = itemgetter(*COLUMNS)  # row dict -> tuple in column order
 
@@ -89,7 +97,8 @@ class SQLiteLedger:
     async def open(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = await aiosqlite.connect(self.path, timeout=2.0)
+            # autocommit: one INSERT of many rows is one transaction and one trip to the db thread
+            self._db = await aiosqlite.connect(self.path, timeout=2.0, isolation_level=None)
             await self._db.execute("PRAGMA journal_mode=WAL")
             await self._db.execute("PRAGMA synchronous=NORMAL")
             await self._db.executescript(SCHEMA)
@@ -131,8 +140,7 @@ class SQLiteLedger:
             started = loop.time()
             while True:
                 try:
-                    await self._db.executemany(INSERT, [_values(r) for r in rows])
-                    await self._db.commit()
+                    await self._insert(rows)
                     break
                 except sqlite3.Error as exc:
                     log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
@@ -150,6 +158,17 @@ class SQLiteLedger:
                 self.on_commit([(row, tag) for row, _, tag in batch])
             if self._pending:
                 self._wake.set()
+
+    async def _insert(self, rows: list[dict[str, Any]]) -> None:
+        values = [_values(r) for r in rows]
+        if len(values) <= ROWS_PER_INSERT:
+            await self._db.execute(_insert_rows(len(values)), [v for row in values for v in row])
+            return
+        await self._db.execute("BEGIN")
+        for start in range(0, len(values), ROWS_PER_INSERT):
+            part = values[start:start + ROWS_PER_INSERT]
+            await self._db.execute(_insert_rows(len(part)), [v for row in part for v in row])
+        await self._db.execute("COMMIT")
 
     async def close(self) -> None:
         """Commit everything queued, then close the database."""
