@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test clean
+.PHONY: install run test bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--c
 
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)  ## what the gateway adds over a bare pass-through (M1-M6, < 10 min): bench/results/<date>.md
+	@command -v wrk >/dev/null && command -v nginx >/dev/null || { \
+		command -v apt-get >/dev/null || { echo "make bench needs wrk and nginx"; exit 1; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx >/dev/null; }
+	cd bench && ../$(PY) run.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

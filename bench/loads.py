@@ -19,16 +19,27 @@ class LoadError(RuntimeError):
     pass
 
 
-def wrk(url: str, body: bytes, key: str, connections: int, seconds: float) -> dict:
-    """One wrk run (one thread, on the CPUs this process is pinned to): its summary as a dict."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, body: bytes, key: str, connections: int, seconds: float, pid: int | None = None) -> dict:
+    """One wrk run (one thread, on the CPUs this process is pinned to): its summary as a dict,
+    with the CPU time the process ``pid`` spent per request (``cpu_us``) and its share of a core."""
     env = {**os.environ, "BENCH_BODY": body.decode(), "BENCH_KEY": key}
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s", "-s", str(LUA), url]
+    cpu = cpu_seconds(pid) if pid else 0.0
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=seconds + 30)
+    cpu = cpu_seconds(pid) - cpu if pid else 0.0
     line = next((l for l in out.stdout.splitlines() if l.startswith("BENCH ")), None)
     if out.returncode != 0 or line is None:
         raise LoadError(f"wrk failed on {url}: {out.stdout[-500:]} {out.stderr[-500:]}")
     summary = json.loads(line[6:])
     summary["rps"] = summary["requests"] / (summary["duration_us"] / 1e6)
+    summary["cpu_us"] = cpu / max(summary["requests"], 1) * 1e6
+    summary["cpu_share"] = cpu / (summary["duration_us"] / 1e6)
     summary["errors"] = sum(summary[k] for k in ("connect", "read", "write", "status", "timeout"))
     return summary
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -88,7 +89,9 @@ def main() -> int:
     with Procs(work) as procs:
         ports = {name: free_port() for name in ("nginx", "mock")}
         conf = write_nginx_files(ports["nginx"], work)
-        procs.start("nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c", str(conf)], port=ports["nginx"])
+        pids = {}  # base URL -> pid, for the CPU time each spends
+        pids[f"http://127.0.0.1:{ports['nginx']}"] = procs.start(
+            "nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c", str(conf)], port=ports["nginx"]).pid
         procs.start("mock", [PY, "-m", "kilnproxy", "mock-upstream", "--port", str(ports["mock"]),
                              "--delay", "0.005"], port=ports["mock"])
         nginx = f"http://127.0.0.1:{ports['nginx']}"
@@ -101,16 +104,18 @@ def main() -> int:
             cfg = gateway_config(work / f"{name}.toml", work / f"{name}.db", port, {**upstreams, **(extra or {})},
                                  plugin)
             head = argv_head or [PY, "-m", "kilnproxy", "serve"]
-            procs.start(name, head + ["--config", str(cfg)], cpus=gw_cpus, port=port)
-            return f"http://127.0.0.1:{port}"
+            url = f"http://127.0.0.1:{port}"
+            pids[url] = procs.start(name, head + ["--config", str(cfg)], cpus=gw_cpus, port=port).pid
+            return url
 
         def passthrough(name: str, upstream: str) -> str:
             port = free_port()
-            procs.start(name, [PY, str(HERE / "passthrough.py"), "--port", str(port), "--upstream", upstream],
-                        cpus=gw_cpus, port=port)
-            return f"http://127.0.0.1:{port}"
+            url = f"http://127.0.0.1:{port}"
+            pids[url] = procs.start(name, [PY, str(HERE / "passthrough.py"), "--port", str(port), "--upstream",
+                                           upstream], cpus=gw_cpus, port=port).pid
+            return url
 
-        bench = Bench(args, procs, KEY, nginx=nginx, mock=mock, gateway=gateway, passthrough=passthrough)
+        bench = Bench(args, procs, KEY, pids, nginx=nginx, mock=mock, gateway=gateway, passthrough=passthrough)
         try:
             bench.check()
             for name in ("M1", "M2", "M3", "M4", "M6", "M5"):
@@ -128,6 +133,7 @@ def main() -> int:
     target = out / f"{started:%Y-%m-%d}.md"
     target.write_text(text)
     print(f"\n{bench.summary()}\n\nwritten to {target} ({minutes:.1f} min)")
+    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
