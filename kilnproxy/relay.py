@@ -56,7 +56,9 @@ class EventRelay:
         When a chunk holds several events (an upstream that is ahead of us), its
         first events up to one that carries usage, an error, a finish reason or
         ``[DONE]`` are checked and forwarded together, with a few substring counts
-        over the whole run instead of parsing it line by line.
+        over the whole run instead of parsing it line by line. ``_unchanged`` must
+        accept only what ``_event`` forwards as it is: a new per-event rule needs its
+        marker in ``_CUT`` (tests/test_relay_chunks.py compares both paths).
         """
         if len(chunk) < BULK_BYTES or self.parse_all or not parser.idle():
             return self.feed(parser.feed(chunk))  # one token's event or a few: the usual case
