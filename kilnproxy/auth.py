@@ -13,6 +13,7 @@ class KeyRing:
 
     def __init__(self, keys: tuple[KeyConfig, ...]):
         self._by_digest = {k.key_sha256: k for k in keys}
+        self._by_token: dict[str, KeyConfig] = {}  # tokens already matched: one per key at most
 
     def authenticate(self, header: str | None) -> KeyConfig:
         """The key of a request, or 401 ``invalid_api_key``. A disabled key is returned:
@@ -20,9 +21,13 @@ class KeyRing:
         if not header or header[:7].lower() != "bearer ":
             raise invalid_api_key()
         token = header[7:].strip()
+        key = self._by_token.get(token)
+        if key is not None:
+            return key
         key = self._by_digest.get(hashlib.sha256(token.encode()).hexdigest()) if token else None
         if key is None:
             raise invalid_api_key()
+        self._by_token[token] = key
         return key
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import aiohttp
 import orjson
@@ -35,8 +36,16 @@ PASS_THROUGH_STATUSES = (400, 422)
 log = logging.getLogger("kilnproxy")
 
 
-def new_generation_id() -> str:
-    return "gen-" + os.urandom(12).hex()
+def _generation_ids():
+    """``gen-`` + the time in ms (12 hex digits) + 48 random bits (12 hex digits): ids sort by
+    creation time, so the usage table's key grows at its end rather than at random pages."""
+    while True:  # random bytes read from the OS 4096 ids at a time
+        block = os.urandom(6 * 4096).hex()
+        for start in range(0, len(block), 12):
+            yield f"gen-{int(time.time() * 1000):012x}{block[start:start + 12]}"
+
+
+new_generation_id = _generation_ids().__next__
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

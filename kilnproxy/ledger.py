@@ -31,8 +31,10 @@ committed, failed attempts, and the last commit's duration.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sqlite3
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
@@ -71,6 +73,15 @@ CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 LOCK_WAIT_SECONDS = 2.0  # how long to wait for another program's lock on the file
 
 INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+ROWS_PER_INSERT = 64  # rows in one INSERT statement; every size up to it stays in sqlite3's statement cache
+
+
+@functools.lru_cache(maxsize=None)
+def _insert_rows(n: int) -> str:
+    return INSERT + f", ({', '.join('?' * len(COLUMNS))})" * (n - 1)
+
+
+_values = itemgetter(*COLUMNS)  # row dict -> tuple in column order
 
 CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
 
@@ -121,7 +132,8 @@ class SQLiteLedger:
         try:
             # Checked with plain sqlite3 first: aiosqlite's thread outlives a failed connect.
             await asyncio.to_thread(_prepare, self.path)
-            self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS)
+            # autocommit: one INSERT of many rows is one transaction and one trip to the db thread
+            self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
             await self._db.execute("PRAGMA synchronous=NORMAL")
         except (sqlite3.Error, OSError) as exc:
             if self._db is not None:
@@ -169,11 +181,10 @@ class SQLiteLedger:
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
-        params = [tuple(r.get(c) for c in COLUMNS) for r in rows]
+        params = [_values(r) for r in rows]
         while True:
             try:
-                await self._db.executemany(INSERT, params)
-                await self._db.commit()
+                await self._insert(params)
                 return
             except sqlite3.OperationalError as exc:  # locked, disk full, I/O error: wait and retry
                 log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
@@ -186,6 +197,16 @@ class SQLiteLedger:
             except sqlite3.Error:
                 pass
             await asyncio.sleep(self.RETRY_SECONDS)
+
+    async def _insert(self, values: list[tuple]) -> None:
+        if len(values) <= ROWS_PER_INSERT:
+            await self._db.execute(_insert_rows(len(values)), [v for row in values for v in row])
+            return
+        await self._db.execute("BEGIN")
+        for start in range(0, len(values), ROWS_PER_INSERT):
+            part = values[start:start + ROWS_PER_INSERT]
+            await self._db.execute(_insert_rows(len(part)), [v for row in part for v in row])
+        await self._db.execute("COMMIT")
 
     def stats(self) -> dict[str, float]:
         """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,

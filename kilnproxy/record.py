@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 from .call import Call
@@ -14,6 +13,19 @@ COLUMNS = (
     "error_code", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens",
     "cost", "duration_ms", "ttft_ms", "finish_reason", "disconnected",
 )
+
+
+_second: list = [None, ""]  # the last whole second formatted, and its text
+
+
+def _utc_now_iso() -> str:
+    """Now as ISO-8601 UTC to the millisecond (``2026-11-29T20:00:00.123+00:00``), the
+    date and time formatted once a second."""
+    now = time.time()
+    second = int(now)
+    if _second[0] != second:
+        _second[0], _second[1] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return f"{_second[1]}.{int((now - second) * 1000):03d}+00:00"
 
 
 class RequestRecord:
@@ -30,7 +42,7 @@ class RequestRecord:
 
     def __init__(self, call: Call):
         self.call = call
-        self.created_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        self.created_at = _utc_now_iso()
         self.started = time.perf_counter()
         self.model: str | None = None
         self.status = 200

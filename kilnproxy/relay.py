@@ -17,6 +17,7 @@ for it. The last counts reported win, except that zeros never replace counts.
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -25,7 +26,7 @@ from .call import DROP, STOP, Call
 from .errors import plugin_failed
 from .plugins import Impl, call_impl
 from .record import RequestRecord
-from .sse import COMMENT, DONE, DONE_FRAME, data_frame
+from .sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
 from .upstream import Route
 from .usage import Usage
 
@@ -54,6 +55,46 @@ class EventRelay:
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream sent [DONE]
+
+    # -- per chunk ----------------------------------------------------------
+
+    def feed_chunk(self, parser: SSEParser, chunk: bytes) -> bytes:
+        """``feed(parser.feed(chunk))``; leading events that no rule changes go in one piece.
+
+        When a chunk holds several events (an upstream that is ahead of us), its
+        first events up to one that carries usage, an error, a finish reason or
+        ``[DONE]`` are checked and forwarded together, with a few substring counts
+        over the whole run instead of parsing it line by line. ``_unchanged`` must
+        accept only what ``_event`` forwards as it is: a new per-event rule needs its
+        marker in ``_CUT`` (tests/test_relay_chunks.py compares both paths).
+        """
+        if len(chunk) < BULK_BYTES or self.parse_all or not parser.idle():
+            return self.feed(parser.feed(chunk))  # one token's event or a few: the usual case
+        end = _plain_prefix(chunk)
+        if not end:
+            return self.feed(parser.feed(chunk))
+        head = chunk[:end]
+        n = head.count(b"\n\n")
+        if not self._unchanged(head, n):
+            return self.feed(parser.feed(chunk))
+        if self.rename:
+            head = head.replace(self.route.upstream_model_bytes, self.route.model_bytes)
+        self.record.streamed_chunks += n
+        return head if end == len(chunk) else head + self.feed(parser.feed(chunk[end:]))
+
+    def _unchanged(self, head: bytes, n: int) -> bool:
+        """``head`` is ``n`` one-line ``data:`` events that ``_event`` would forward as they are
+        (renamed)."""
+        if (head[:6] != b"data: " or head.count(b"\n") != 2 * n or head.count(b"\n\ndata: ") != n - 1
+                or head.count(b'"finish_reason"') != head.count(b'"finish_reason":null')):
+            return False
+        if not self.rename:
+            return True
+        if self.route.model_bytes in head:
+            return False
+        parts = head.split(self.route.upstream_model_bytes)
+        # one in each event: an event boundary between every two occurrences
+        return len(parts) == n + 1 and all(map(bytes.__contains__, parts[1:-1], repeat(b"\n\n")))
 
     # -- per event ----------------------------------------------------------
 
@@ -201,6 +242,25 @@ class EventRelay:
         raw["cost"] = usage.cost(self.call.pricing)
         event["usage"] = raw
         return event
+
+
+BULK_BYTES = 1024  # smaller chunks hold one event or a few: parsed one by one
+_CUT = (b'"finish_reason":"', b'"usage"', b'"error"', b"data: [DONE]", b"\r")
+
+
+def _plain_prefix(chunk: bytes) -> int:
+    """Length of the run of whole events at the start of ``chunk`` before the first one that
+    holds a marker of ``_CUT`` (0 when there is none, or just one event)."""
+    stop = chunk.rfind(b"\n\n") + 2
+    if chunk.find(b"\n\n") + 2 == stop:
+        return 0
+    for marker in _CUT:
+        at = chunk.find(marker, 0, stop)
+        if at >= 0:
+            stop = chunk.rfind(b"\n\n", 0, at) + 2
+            if stop < 2:
+                return 0
+    return stop
 
 
 class StreamPluginError(Exception):

@@ -60,6 +60,10 @@ class SSEParser:
             self._line(line, out)
         return out
 
+    def idle(self) -> bool:
+        """Nothing pending: the next byte starts a new line and a new event."""
+        return not self._parts and self._data is None and not self._cr
+
     def close(self) -> list[tuple[int, bytes]]:
         """End of stream: a last event not closed by a blank line still counts."""
         out: list[tuple[int, bytes]] = []

@@ -48,7 +48,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
         await gw.submit(record)
         await response.write(tail)
         await response.write_eof()
-        if relay.clean_end:
+        if relay.clean_end and not upstream.content.at_eof():
             await _drain(upstream)
     except ConnectionResetError:  # the client went away; the caller records it
         record.disconnected = True
@@ -85,7 +85,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
         if record.ttft_ms is None:
             record.first_byte()
         try:
-            out = relay.feed(parser.feed(chunk))
+            out = relay.feed_chunk(parser, chunk)
         except StreamPluginError as exc:
             return _plugin_failed(record, exc)
         if out:

@@ -1,0 +1,61 @@
+"""M6 only: the gateway with its usage ledger replaced by one that stores nothing.
+
+Everything else is the real gateway (same config, plugins, request path); the
+row is still built and the org charged, but ``submit`` returns a future that
+is already resolved, so no SQLite write and no wait for a commit. The
+difference to the full gateway is the price of usage accounting.
+
+    python bench/gateway_no_ledger.py --config bench.toml
+"""
+
+import argparse
+import asyncio
+
+from kilnproxy import server
+from kilnproxy.app import create_app
+from kilnproxy.appkeys import GATEWAY
+from kilnproxy.config import load_config
+
+
+class NullLedger:
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def submit(self, row, tag=None) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    async def spent_by_org(self) -> dict:
+        return {}
+
+    async def get(self, generation_id):
+        return None
+
+    def queue_depth(self) -> int:
+        return 0
+
+
+async def serve(path: str) -> None:
+    config = load_config(path)
+    app = create_app(config)
+    app[GATEWAY].ledger = NullLedger()
+    running = await server.start_app(app, config.server.host, config.server.port)
+    try:
+        await server.wait_for_signal()
+    finally:
+        await running.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args()
+    server.run(lambda: serve(args.config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""``make bench``: what kilnproxy adds to a request, measured against the thinnest pass-through.
+
+Starts, on 127.0.0.1 only, nginx with canned answers, the mock upstream, a
+slow upstream, the pass-through of ``passthrough.py`` and kilnproxy with every
+feature on (auth, in-flight limit, SQLite usage ledger, cost), runs M1-M6
+alternating the targets round by round, prints the tables and writes them to
+``bench/results/<date>.md``. Every process it started is stopped on the way
+out. The gateway (or the pass-through) runs on CPU 0; load generators and
+upstreams on CPU 1.
+
+    python bench/run.py [--rounds 3] [--seconds 3] [--streams 10000] [--only M1,M5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from loads import LoadError, post
+from measures import Bench
+from procs import Procs, free_port, raise_fd_limit
+from report import machine
+from upstreams import UPSTREAM_MODEL, request_body, write_nginx_files
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+KEY = "sk-bench"
+
+
+def gateway_config(path: Path, db: Path, port: int, upstreams: dict[str, str], plugin: str | None = None) -> Path:
+    models = "".join(f"""
+[[models]]
+id = "{model}"
+upstreams = ["{url}"]
+upstream_model = "{UPSTREAM_MODEL}"
+context_window = 32768
+[models.pricing]
+prompt = 0.10
+completion = 0.30
+""" for model, url in upstreams.items())
+    path.write_text(f"""
+[server]
+host = "127.0.0.1"
+port = {port}
+
+[storage]
+path = "{db}"
+
+[limits]
+max_in_flight_per_org = 100000
+{models}
+[[orgs]]
+id = "bench"
+credits = 1000000000.0
+
+[[keys]]
+key = "{KEY}"
+org = "bench"
+
+[plugins]
+modules = [{f'"{plugin}"' if plugin else ""}]
+entry_points = false
+""")
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of A/B alternation per measurement")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of one wrk run")
+    parser.add_argument("--streams", type=int, default=10000, help="M5: streams held open at once")
+    parser.add_argument("--only", default="M1,M2,M3,M4,M5,M6", help="comma-separated measurements")
+    parser.add_argument("--out", default=str(HERE / "results"), help="folder for <date>.md")
+    parser.add_argument("--nice", type=int, default=-10,
+                        help="scheduling priority of everything the bench starts (a shared machine's other "
+                             "work then takes less of the pinned cores)")
+    args = parser.parse_args()
+    only = set(args.only.upper().split(","))
+    cpus = sorted(os.sched_getaffinity(0))
+    gw_cpus, load_cpus = ({cpus[0]}, {cpus[1]}) if len(cpus) >= 2 else (None, None)
+    if load_cpus:
+        os.sched_setaffinity(0, load_cpus)  # wrk, clients and upstreams inherit this
+    raise_fd_limit()
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # inherited by every process started below
+    except (PermissionError, OSError):
+        args.nice = os.getpriority(os.PRIO_PROCESS, 0)
+    work = Path(tempfile.mkdtemp(prefix="kilnproxy-bench-"))
+    print(f"kilnproxy bench: logs and databases in {work}", flush=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    with Procs(work) as procs:
+        ports = {name: free_port() for name in ("nginx", "mock")}
+        conf = write_nginx_files(ports["nginx"], work)
+        pids = {}  # base URL -> pid, for the CPU time each spends
+        pids[f"http://127.0.0.1:{ports['nginx']}"] = procs.start(
+            "nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c", str(conf)], port=ports["nginx"]).pid
+        procs.start("mock", [PY, "-m", "kilnproxy", "mock-upstream", "--port", str(ports["mock"]),
+                             "--delay", "0.005"], port=ports["mock"])
+        nginx = f"http://127.0.0.1:{ports['nginx']}"
+        mock = f"http://127.0.0.1:{ports['mock']}"
+        upstreams = {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1", "bench-mock": f"{mock}/v1"}
+
+        def gateway(name: str, plugin: str | None = None, argv_head: list[str] | None = None,
+                    extra: dict[str, str] | None = None) -> str:
+            port = free_port()
+            cfg = gateway_config(work / f"{name}.toml", work / f"{name}.db", port, {**upstreams, **(extra or {})},
+                                 plugin)
+            head = argv_head or [PY, "-m", "kilnproxy", "serve"]
+            url = f"http://127.0.0.1:{port}"
+            pids[url] = procs.start(name, head + ["--config", str(cfg)], cpus=gw_cpus, port=port).pid
+            return url
+
+        def passthrough(name: str, upstream: str) -> str:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            pids[url] = procs.start(name, [PY, str(HERE / "passthrough.py"), "--port", str(port), "--upstream",
+                                           upstream], cpus=gw_cpus, port=port).pid
+            return url
+
+        bench = Bench(args, procs, KEY, pids, nginx=nginx, mock=mock, gateway=gateway, passthrough=passthrough)
+        try:
+            bench.check()
+            for name in ("M1", "M2", "M3", "M4", "M6", "M5"):
+                if name in only:
+                    print(f"\n{name} ...", flush=True)
+                    getattr(bench, name.lower())()
+                    print(bench.sections[-1], flush=True)
+        except LoadError as exc:
+            print(f"bench failed: {exc}", file=sys.stderr)
+            return 1
+    minutes = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60
+    text = render(bench, started, gw_cpus, load_cpus, minutes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{started:%Y-%m-%d}.md"
+    target.write_text(text)
+    print(f"\n{bench.summary()}\n\nwritten to {target} ({minutes:.1f} min)")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def render(bench: "Bench", started, gw_cpus, load_cpus, minutes: float) -> str:
+    pinning = (f"gateway / pass-through pinned to CPU {min(gw_cpus)}; wrk, clients and upstreams on CPU "
+               f"{min(load_cpus)}") if gw_cpus else "one CPU: nothing pinned"
+    pinning += f"; all at nice {bench.args.nice}"
+    return "\n\n".join([
+        f"# kilnproxy bench, {started:%Y-%m-%d %H:%M} UTC",
+        machine() + f"\n- {pinning}\n- `make bench` ({bench.args.rounds} rounds, {bench.args.seconds:g} s per "
+        f"wrk run, {minutes:.1f} min in all); figures are medians over rounds with (min–max)",
+        bench.summary(),
+        *bench.sections,
+    ]) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
