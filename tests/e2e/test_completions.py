@@ -82,6 +82,9 @@ async def test_non_streamed_answer_is_llamas_with_catalog_model_and_cost(stack, 
 @pytest.mark.parametrize("stream", [True, "true", 1])
 @pytest.mark.parametrize("include_usage", [False, True])
 async def test_streamed_answer_on_the_wire(stack, http, endpoint, stream, include_usage):
+    if stream is not True:  # llama.cpp itself takes only a JSON boolean: the gateway must send one
+        async with http.post(f"{stack.llama_url}/v1/{endpoint}", json=body(endpoint, stream=stream)) as resp:
+            assert resp.status == 400 and "'stream'" in (await resp.json())["error"]["message"]
     upstream = await direct(http, stack, endpoint)
     extra = {"stream": stream}
     if include_usage:
@@ -168,3 +171,17 @@ async def test_cached_prompt_tokens_are_priced_at_the_cached_rate(stack, http):
     r = row(stack, generation_id)
     assert (r["cached_tokens"], r["cost"]) == (cached, usage["cost"])
     assert orjson.dumps(usage["prompt_tokens_details"]) == orjson.dumps({"cached_tokens": cached})
+
+
+async def test_token_id_prompt_is_forwarded_as_sent(stack, http):
+    """``prompt`` is never validated or re-encoded: llama.cpp's own token ids give the same answer."""
+    async with http.post(f"{stack.llama_url}/tokenize", json={"content": PROMPT, "add_special": True}) as resp:
+        ids = (await resp.json())["tokens"]
+    answers = []
+    for prompt in (PROMPT, ids):
+        async with http.post(f"{stack.url}/v1/completions", json=body("completions", prompt=prompt),
+                             headers=auth()) as resp:
+            assert resp.status == 200
+            answers.append(await resp.json())
+    assert answers[1]["choices"][0]["text"] == answers[0]["choices"][0]["text"]
+    assert answers[1]["usage"]["prompt_tokens"] == answers[0]["usage"]["prompt_tokens"] == len(ids)
