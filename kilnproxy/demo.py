@@ -13,13 +13,13 @@ DEMO_KEY = "sk-kiln-demo"
 DEMO_MODEL = "kiln-demo"
 
 
-def demo_config(mock_url: str, host: str, port: int) -> Config:
+def demo_config(upstream_url: str, host: str, port: int) -> Config:
     return parse_config({
         "server": {"host": host, "port": port},
         "storage": {"path": "kilnproxy.db"},
         "models": [{
             "id": DEMO_MODEL,
-            "upstreams": [mock_url],
+            "upstreams": [upstream_url],
             "upstream_model": "mock-vllm",
             "context_window": 4096,
             "pricing": {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05},

@@ -76,3 +76,13 @@ def test_readme_sdk_snippet_prints_text_then_usage(demo):
     assert re.fullmatch(r"CompletionUsage\(completion_tokens=\d+, prompt_tokens=\d+, total_tokens=\d+, .*"
                         r"cost=[0-9.e-]+\)", usage), usage
     assert orjson.dumps(out.stderr) == b'""'
+
+
+def test_upstream_is_for_the_demo_only(tmp_path):
+    config = tmp_path / "k.toml"
+    config.write_text('[[models]]\nid = "m"\nupstreams = ["http://127.0.0.1:9/v1"]\n')
+    out = subprocess.run([sys.executable, "-m", "kilnproxy", "serve", "--config", str(config),
+                          "--upstream", "http://127.0.0.1:9/v1"], capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == ("kilnproxy: error: --upstream only applies to the demo; "
+                          "set [[models]] upstreams in the config instead\n")
