@@ -136,3 +136,43 @@ async def test_llamas_validation_errors_pass_through(stack, http, endpoint, bad)
     async with http.post(f"{stack.url}/v1/{endpoint}", json={"model": MODEL, **bad}, headers=AUTH) as resp:
         assert (resp.status, await resp.read()) == (400, theirs)
         assert row(stack, resp.headers[GENERATION_HEADER])["error_code"] == "invalid_request_error"
+
+
+# A grammar that is complete after one token, with ``ignore_eos``: llama.cpp has no token left to sample
+# and fails with a 500 "server_error", before its first token (non-streamed) or after it (streamed).
+DEAD_END = {"grammar": 'root ::= "a"', "ignore_eos": True, "max_tokens": 5, "temperature": 0}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+async def test_llamas_mid_stream_error_gets_done_added(stack, http, endpoint):
+    source = {"prompt": "Say a"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Say a"}]}
+    body = {"model": MODEL, **source, **DEAD_END, "stream": True}
+    async with http.post(f"{stack.llama_url}/v1/{endpoint}", json={**body, "model": LLAMA_ALIAS}) as resp:
+        theirs = await resp.read()
+    # The quirk: the error event ends llama.cpp's stream, without [DONE].
+    error_frame = theirs.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert orjson.loads(error_frame[6:])["error"]["type"] == "server_error"
+    assert b"[DONE]" not in theirs
+
+    async with http.post(f"{stack.url}/v1/{endpoint}", json=body, headers=AUTH) as resp:
+        assert resp.status == 200
+        parts = frames(await resp.read())
+        generation_id = resp.headers[GENERATION_HEADER]
+    assert parts[-2:] == [error_frame, b"data: [DONE]"]  # llama.cpp's own error event, then [DONE]
+    assert [c["choices"][0].get("text", c["choices"][0].get("delta", {}).get("content")) for c in events(parts)
+            if "choices" in c][-1] == "a"
+    r = row(stack, generation_id)
+    # status 200 was sent before the error; llama.cpp's code is a number, so the row has the gateway's own code
+    assert (r["status"], r["error_code"], r["finish_reason"], r["disconnected"]) == (200, "upstream_error", None, 0)
+
+
+async def test_llamas_500_before_streaming_is_a_502(stack, http):
+    body = {"model": MODEL, "prompt": "Say a", **DEAD_END}
+    async with http.post(f"{stack.llama_url}/v1/completions", json={**body, "model": LLAMA_ALIAS}) as resp:
+        assert resp.status == 500
+    async with http.post(f"{stack.url}/v1/completions", json=body, headers=AUTH) as resp:
+        assert resp.status == 502
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        assert (await resp.text()).startswith("Bad gateway: ")
+        generation_id = resp.headers[GENERATION_HEADER]
+    assert row(stack, generation_id)["status"] == 502
