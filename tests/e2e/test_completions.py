@@ -1,8 +1,8 @@
 """Completions and chat, streamed and not, through the gateway in front of a real llama.cpp.
 
-Every request runs at temperature 0 with ``cache_prompt: false`` (llama.cpp's
-own switch: no prompt-cache hits, so ``cached_tokens`` is 0 and the counts do
-not depend on what ran before). What the gateway answers is compared with what
+Requests run at temperature 0 with ``cache_prompt: false`` (llama.cpp's own
+switch: no prompt-cache hits, so ``cached_tokens`` is 0 and the counts do not
+depend on what ran before), except the one test of cached-token pricing. What the gateway answers is compared with what
 llama.cpp answers to the same body directly: same text, same token counts, and
 the cost is the model's pricing applied to those counts, in the answer and in
 the usage row.
