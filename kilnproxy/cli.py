@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override [server] host")
     serve.add_argument("--port", type=int, help="override [server] port")
     serve.add_argument("--pidfile", help="write the process id here (for `reload --pidfile`)")
+    serve.add_argument("--upstream", metavar="URL",
+                       help="demo only: serve the demo model from this OpenAI-compatible base URL "
+                            "(e.g. a llama.cpp server's http://127.0.0.1:8000/v1) instead of the embedded mock")
     serve.set_defaults(func=cmd_serve)
 
     mock = sub.add_parser("mock-upstream", help="run the fake vLLM-like model server")
@@ -82,23 +85,27 @@ def load_or_none(path: str | None) -> Config | None:
 def cmd_serve(args) -> int:
     from . import server
     config = load_or_none(args.config)
+    if config is not None and args.upstream:
+        raise KilnError("--upstream only applies to the demo; set [[models]] upstreams in the config instead")
     if args.pidfile:
         Path(args.pidfile).write_text(f"{os.getpid()}\n")
     try:
-        server.run(lambda: _serve(config, args.host, args.port))
+        server.run(lambda: _serve(config, args.host, args.port, args.upstream))
     finally:
         if args.pidfile:
             Path(args.pidfile).unlink(missing_ok=True)
     return 0
 
 
-async def _serve(config: Config | None, host: str | None, port: int | None) -> None:
+async def _serve(config: Config | None, host: str | None, port: int | None, upstream: str | None = None) -> None:
     from . import server
     from .demo import banner, demo_config
     mock = None
-    if config is None:
-        mock = await server.start_mock()
-        config = demo_config(f"{mock.url}/v1", host or "127.0.0.1", 8080 if port is None else port)
+    demo = config is None
+    if demo:
+        if upstream is None:
+            mock = await server.start_mock()
+        config = demo_config(upstream or f"{mock.url}/v1", host or "127.0.0.1", 8080 if port is None else port)
     try:
         gateway = await server.start_gateway(config, host, port)
     except BaseException as exc:
@@ -108,7 +115,7 @@ async def _serve(config: Config | None, host: str | None, port: int | None) -> N
             where = f"{host or config.server.host}:{config.server.port if port is None else port}"
             raise KilnError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         raise
-    text = (banner(gateway.url) if mock is not None else
+    text = (banner(gateway.url, upstream) if demo else
             f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})")
     from .admin import RELOADER, SHUTDOWN
     from .lifecycle import serve_until_stopped

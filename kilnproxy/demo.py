@@ -1,4 +1,7 @@
-"""The built-in demo: a gateway in front of the embedded mock model (SPEC section 1)."""
+"""The built-in demo: a gateway in front of the embedded mock model (SPEC section 1).
+
+``serve --upstream URL`` puts the same demo in front of a real model server instead.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +13,13 @@ DEMO_KEY = "sk-kiln-demo"
 DEMO_MODEL = "kiln-demo"
 
 
-def demo_config(mock_url: str, host: str, port: int) -> Config:
+def demo_config(upstream_url: str, host: str, port: int) -> Config:
     return parse_config({
         "server": {"host": host, "port": port},
         "storage": {"path": "kilnproxy.db"},
         "models": [{
             "id": DEMO_MODEL,
-            "upstreams": [mock_url],
+            "upstreams": [upstream_url],
             "upstream_model": "mock-vllm",
             "context_window": 4096,
             "pricing": {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05},
@@ -27,8 +30,9 @@ def demo_config(mock_url: str, host: str, port: int) -> Config:
     }, source="<demo>", base_dir=Path.cwd())
 
 
-def banner(url: str) -> str:
-    return f"""kilnproxy demo on {url}  (no config given: an embedded mock model, usage in ./kilnproxy.db)
+def banner(url: str, upstream: str | None = None) -> str:
+    model = f"the model server at {upstream}" if upstream else "an embedded mock model"
+    return f"""kilnproxy demo on {url}  (no config given: {model}, usage in ./kilnproxy.db)
 
   dev key: {DEMO_KEY}   model: {DEMO_MODEL}   inspector: {url}/ui/
 

@@ -2,6 +2,9 @@ import pytest
 
 from kilnproxy.testing import Harness
 
+# tests/e2e needs a real model server: `make e2e` runs it (`pytest tests/e2e`), `make test` does not.
+collect_ignore = ["e2e"]
+
 
 @pytest.fixture
 async def gw(tmp_path):

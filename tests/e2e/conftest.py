@@ -1,0 +1,45 @@
+"""Fixtures of the end-to-end tests: one llama.cpp server and one kilnproxy for the whole run.
+
+``make e2e`` installs the two packages and runs ``pytest tests/e2e``; the main
+``make test`` does not collect this folder (``tests/conftest.py``). Both
+servers are stopped when the session ends, whatever way it ends.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from .stack import GatewayProcess, LlamaServer
+from .support import KEY, Stack, gateway_toml
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    workdir = tmp_path_factory.mktemp("e2e")
+    db = workdir / "usage.db"
+    llama = LlamaServer(workdir)
+    gateway = None
+    try:
+        config = workdir / "kilnproxy.toml"
+        config.write_text(gateway_toml(llama.url, db))
+        gateway = GatewayProcess(workdir, ["--config", str(config)])
+        yield Stack(llama, gateway, db, workdir)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        llama.stop()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+async def client(stack):
+    """The official SDK, pointed at the gateway."""
+    async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0) as c:
+        yield c

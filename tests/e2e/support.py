@@ -1,0 +1,168 @@
+"""What the end-to-end tests share: the gateway's config, the stack, and readers of its state.
+
+The usage rows are read straight from the gateway's SQLite file; llama.cpp's
+own state from its ``/metrics``, ``/slots`` and ``/tokenize`` endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sqlite3
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
+
+MODEL = "gemma-e2e"  # the catalog id; llama.cpp calls it LLAMA_ALIAS, so every chunk's model is rewritten
+KEY = "sk-e2e-acme"
+TIGHT_KEY = "sk-e2e-tight"  # org "tight": max_in_flight = TIGHT_LIMIT
+TIGHT_LIMIT = 3
+PRICING = {"prompt": 0.5, "completion": 1.5, "cached_prompt": 0.25}  # USD per million tokens
+
+
+def gateway_toml(llama_url: str, db: Path) -> str:
+    return textwrap.dedent(f"""\
+        [server]
+        host = "127.0.0.1"
+        port = 0
+
+        [storage]
+        path = "{db}"
+
+        [[models]]
+        id = "{MODEL}"
+        upstreams = ["{llama_url}/v1"]
+        upstream_model = "{LLAMA_ALIAS}"
+        context_window = {N_CTX_PER_SLOT}
+        [models.pricing]
+        prompt = {PRICING["prompt"]}
+        completion = {PRICING["completion"]}
+        cached_prompt = {PRICING["cached_prompt"]}
+
+        [[orgs]]
+        id = "acme"
+        credits = 100.0
+        max_in_flight = 16
+
+        [[orgs]]
+        id = "tight"
+        credits = 100.0
+        max_in_flight = {TIGHT_LIMIT}
+
+        [[keys]]
+        key = "{KEY}"
+        org = "acme"
+        id = "acme-key"
+
+        [[keys]]
+        key = "{TIGHT_KEY}"
+        org = "tight"
+        id = "tight-key"
+
+        [plugins]
+        modules = []
+        entry_points = false
+        """)
+
+
+@dataclass
+class Stack:
+    llama: LlamaServer
+    gateway: GatewayProcess
+    db: Path
+    workdir: Path
+
+    @property
+    def llama_url(self) -> str:
+        return self.llama.url
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+
+def expected_cost(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
+    """The model's pricing applied to token counts, as the gateway must compute it."""
+    micro = (prompt_tokens - cached_tokens) * PRICING["prompt"] + cached_tokens * PRICING["cached_prompt"]
+    micro += completion_tokens * PRICING["completion"]
+    return micro / 1_000_000
+
+
+def rows(stack: Stack, **where) -> list[dict]:
+    """The gateway's usage rows, read straight from its SQLite file."""
+    db = sqlite3.connect(stack.db)
+    db.row_factory = sqlite3.Row
+    try:
+        sql = "SELECT * FROM usage_events"
+        if where:
+            sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)
+        return [dict(r) for r in db.execute(sql, tuple(where.values()))]
+    finally:
+        db.close()
+
+
+def row(stack: Stack, generation_id: str) -> dict:
+    found = rows(stack, id=generation_id)
+    assert len(found) == 1, f"expected one usage row for {generation_id}, found {len(found)}"
+    return found[0]
+
+
+async def wait_for_row(stack: Stack, generation_id: str, seconds: float = 30.0) -> dict:
+    """The row of a request whose client left early: it is written once the gateway has seen it go."""
+    async with asyncio.timeout(seconds):
+        while not rows(stack, id=generation_id):
+            await asyncio.sleep(0.05)
+    return row(stack, generation_id)
+
+
+async def llama_metric(http: aiohttp.ClientSession, stack: Stack, name: str) -> float:
+    async with http.get(f"{stack.llama_url}/metrics") as resp:
+        text = await resp.text()
+    match = re.search(rf"^llamacpp:{name} (\S+)$", text, re.M)
+    assert match, f"llama.cpp's /metrics has no {name}"
+    return float(match.group(1))
+
+
+async def wait_llama_idle(http: aiohttp.ClientSession, stack: Stack, seconds: float = 60.0) -> None:
+    """Until no llama.cpp slot is processing (read from its /slots)."""
+    async with asyncio.timeout(seconds):
+        while True:
+            async with http.get(f"{stack.llama_url}/slots") as resp:
+                slots = await resp.json()
+            if not any(s["is_processing"] for s in slots):
+                return
+            await asyncio.sleep(0.05)
+
+
+async def prompt_tokens(http: aiohttp.ClientSession, stack: Stack, text: str) -> int:
+    """How many tokens llama.cpp makes of ``text`` as a prompt (with its BOS), from its /tokenize."""
+    async with http.post(f"{stack.llama_url}/tokenize", json={"content": text, "add_special": True}) as resp:
+        return len((await resp.json())["tokens"])
+
+
+GENERATION_HEADER = "X-Neocloud-Generation-Id"
+
+
+def frames(raw: bytes) -> list[bytes]:
+    """Split a raw SSE body into its frames, checking the gateway's framing on the way.
+
+    Every frame is one ``data: ...`` line or one comment line, each followed by
+    a blank line; the body ends right after ``data: [DONE]``.
+    """
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    parts = raw[:-2].split(b"\n\n")
+    for part in parts:
+        assert b"\n" not in part and b"\r" not in part, part
+        assert part.startswith(b"data: ") or part.startswith(b":"), part
+    assert parts.count(b"data: [DONE]") == 1
+    return parts
+
+
+def events(parts: list[bytes]) -> list[dict]:
+    """The JSON events among ``frames()``, without comments and ``[DONE]``."""
+    return [orjson.loads(p[6:]) for p in parts if p.startswith(b"data: {")]
