@@ -79,7 +79,7 @@ class EventRelay:
             return self.feed(parser.feed(chunk))
         if self.rename:
             head = head.replace(self.route.upstream_model_bytes, self.route.model_bytes)
-        self.record.streamed_chunks += n
+        self.record.streamed_chunks += n - head.count(ROLE)  # as _event: a role-only chunk is no token
         return head if end == len(chunk) else head + self.feed(parser.feed(chunk[end:]))
 
     def _unchanged(self, head: bytes, n: int) -> bool:

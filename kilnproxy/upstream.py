@@ -4,9 +4,9 @@
 ``Route.open(...)`` sends the body to the least busy upstream that is not
 marked down and returns the ``aiohttp.ClientResponse`` once its status line
 and headers have arrived. An upstream that refuses the connection, times out,
-or answers 5xx before sending anything is skipped and the next one tried;
-nothing has reached the client yet, so this is safe. Statuses other than 5xx
-come back to the caller as they are.
+or answers 502/503/504 before sending anything is skipped and the next one
+tried, and counts toward marking it down; nothing has reached the client yet,
+so this is safe. Every other status comes back to the caller as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ import orjson
 
 from .config import ModelConfig, ServerConfig
 from .errors import UpstreamFailure, no_backend_available
+
+# Statuses that say the server, not the request, is in trouble: skip to the next replica and count
+# toward marking it down. A plain 500 is often caused by the request itself (llama.cpp answers 500
+# for a grammar that dead-ends), so it fails that request only and says nothing of the server's health.
+SERVER_DOWN_STATUSES = frozenset((502, 503, 504))
 
 ENDPOINT_PATHS = {"completions": "/completions", "chat/completions": "/chat/completions"}
 
@@ -109,13 +114,13 @@ class Route:
             except BaseException:
                 upstream.in_flight -= 1
                 raise
-            if resp.status >= 500 and not last:
+            if resp.status in SERVER_DOWN_STATUSES and not last:
                 upstream.in_flight -= 1
                 upstream.failed()
                 last_problem = f"{upstream.base_url} answered HTTP {resp.status}"
                 resp.close()
                 continue
-            if resp.status >= 500:
+            if resp.status in SERVER_DOWN_STATUSES:
                 upstream.failed()
             else:
                 upstream.succeeded()

@@ -129,7 +129,7 @@ async def test_slot_is_released(harness, boom_plugin, case):
         assert inflight(h).snapshot() == {}
         row = await h.row(gen_id)
         expected = {"ok": 200, "ok_stream": 200, "rewrite_request": 500, "transform_response": 500,
-                    "bad_headers": 500, "upstream_500_stream": 502}.get(case, 502 if not stream else 200)
+                    "bad_headers": 500, "upstream_500_stream": 502, "garbage_stream": 502}.get(case, 502 if not stream else 200)
         assert (status, row["status"]) == (expected, expected)
         if stream and status == 200:
             assert raw.endswith(b"data: [DONE]\n\n")

@@ -147,3 +147,20 @@ async def test_json_error_bodies_never_leak_tracebacks(gw):
         text = await r.text()
         assert "Traceback" not in text
         assert orjson.loads(text)["error"]["code"] == "invalid_request"
+
+
+async def test_a_plain_500_fails_the_request_but_never_marks_the_server_down(harness):
+    # llama.cpp answers 500 for failures the request itself causes: one client must not
+    # take the model offline for everyone
+    async with harness(overrides={"server": {"upstream_max_failures": 2}}) as h:
+        for _ in range(4):
+            async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "mock": {"fail": "500"}}) as r:
+                assert r.status == 502
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 200
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "mock": {"fail": "503"}}) as r:
+            assert r.status == 502
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "mock": {"fail": "503"}}) as r:
+            assert r.status == 502
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 503  # two 503s in a row: marked down
