@@ -6,7 +6,9 @@ status, error code, tokens, cost, duration, time to first token, upstream and
 whether the client left early. The request body (prompt or messages, as sent
 upstream) is added only with ``[log] bodies = true``; completions are never logged.
 
-Lines finished in the same turn of the event loop go out in one write. When
+Lines are written in batches, at most ``FLUSH_SECONDS`` after the request
+ended (one write for many requests under load; usage rows are in SQLite
+already, so a crash can only cost that moment's log lines). When
 stdout is a pipe or a socket, writes never block the event loop: what the
 reader has not taken yet waits in memory, up to ``MAX_PENDING`` bytes; lines
 beyond that are dropped and counted (``dropped``), with one line on stderr, so
@@ -28,6 +30,8 @@ import orjson
 from .record import RequestRecord
 
 log = logging.getLogger("kilnproxy")
+
+FLUSH_SECONDS = 0.05
 
 
 class AccessLog:
@@ -62,7 +66,7 @@ class AccessLog:
         if self.bodies:
             line["body"] = record.body
         if not self._lines:
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_later(FLUSH_SECONDS, self.flush)
         self._lines.append(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))
 
     def flush(self) -> None:

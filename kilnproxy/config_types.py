@@ -1,0 +1,160 @@
+"""The config as frozen dataclasses: what every part of the gateway reads.
+
+Built and validated only by ``kilnproxy.config`` (``load_config``); defaults
+here are the documented defaults of ``config.example.toml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_request_bytes: int = 4 * 1024 * 1024
+    keepalive_seconds: float = 15.0
+    upstream_connect_timeout: float = 10.0
+    upstream_idle_timeout: float = 600.0
+    upstream_max_failures: int = 3
+    upstream_down_seconds: float = 10.0
+    shutdown_grace_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    path: str = "kilnproxy.db"
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_in_flight_per_org: int = 8
+
+
+@dataclass(frozen=True)
+class MaintenanceConfig:
+    enabled: bool = False
+    retry_after: str = "Mon, 30 Nov 2026 06:00:00 GMT"
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """USD per million tokens."""
+
+    prompt: float = 0.0
+    completion: float = 0.0
+    cached_prompt: float | None = None
+
+    def cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> float:
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        cached_rate = self.prompt if self.cached_prompt is None else self.cached_prompt
+        micro = (prompt_tokens - cached) * self.prompt + cached * cached_rate
+        micro += completion_tokens * self.completion
+        return micro / 1_000_000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    id: str
+    upstreams: tuple[str, ...]
+    upstream_model: str
+    upstream_api_key_env: str | None = None
+    context_window: int | None = None
+    reject_chat_params: tuple[str, ...] = ()
+    pricing: Pricing = Pricing()
+
+
+@dataclass(frozen=True)
+class OrgConfig:
+    id: str
+    credits: float = 0.0
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    key_sha256: str
+    org: str
+    id: str
+    models: tuple[str, ...] | None = None
+    disabled: bool = False
+
+
+@dataclass(frozen=True)
+class PluginsConfig:
+    modules: tuple[str, ...] = ()
+    entry_points: bool = True
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """Who may read /metrics and call /admin/*: the bearer ``token`` and/or loopback clients."""
+
+    token_sha256: str | None = None
+    allow_loopback: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    access: bool = True
+    bodies: bool = False
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval: float = 10.0  # seconds between active checks; 0: none
+    path: str = "/health"
+    timeout: float = 5.0
+
+
+@dataclass(frozen=True)
+class InspectorConfig:
+    """The web inspector at /ui (kilnproxy.inspector)."""
+
+    enabled: bool = True
+    capture: bool = False  # keep bodies and streams of the last requests in memory
+    capture_requests: int = 100
+    capture_bytes: int = 1024 * 1024  # per request; beyond it the capture is marked truncated
+    token: str | None = None  # None: loopback clients only
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = ServerConfig()
+    storage: StorageConfig = StorageConfig()
+    limits: LimitsConfig = LimitsConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
+    models: tuple[ModelConfig, ...] = ()
+    orgs: tuple[OrgConfig, ...] = ()
+    keys: tuple[KeyConfig, ...] = ()
+    plugins: PluginsConfig = PluginsConfig()
+    admin: AdminConfig = AdminConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    log: LogConfig = LogConfig()
+    health: HealthConfig = HealthConfig()
+    inspector: InspectorConfig = InspectorConfig()
+    base_dir: Path = Path(".")
+    source: str = "<built-in>"
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the config, relative to the config file's folder."""
+        p = Path(relative)
+        return p if p.is_absolute() else self.base_dir / p
+
+    @property
+    def db_path(self) -> Path:
+        return self.resolve(self.storage.path)
+
+
+def sha256_hex(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
