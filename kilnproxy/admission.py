@@ -1,9 +1,8 @@
-"""The request rules of SPEC section 4, steps 1 to 7, in order.
+"""The request rules of SPEC section 4, steps 1 to 7, one function each, called in order
+by ``completions.handle``.
 
 Each check raises ``GatewayError`` with the status and code the SPEC fixes;
-the first that fails answers the request. ``admit_body`` returns the parsed
-body once every rule has passed; the in-flight slot (step 5) is taken by the
-caller between the model and the stream checks, as the order demands.
+the first that fails answers the request.
 """
 
 from __future__ import annotations
@@ -17,12 +16,35 @@ import orjson
 from aiohttp import web
 
 from .call import Call
-from .config import KeyConfig
+from .auth import key_disabled
+from .config import KeyConfig, MaintenanceConfig
+from .limits import Credits, InFlight
 from .errors import GatewayError, bad_request, forbidden, model_not_found
 from .upstream import Route
 
 _TRUE = ("true",)
 _FALSE = ("false",)
+
+
+def check_account(key: KeyConfig, credits: Credits, maintenance: MaintenanceConfig) -> None:
+    """Steps 1 and 2, once the key is known: 403 disabled, 402 no credits, 503 maintenance."""
+    if key.disabled:
+        raise key_disabled()
+    if credits.remaining(key.org) <= 0:
+        raise GatewayError(402, "insufficient_credits",
+                           f"Org `{key.org}` has no credits left. Ask the gateway's operator to raise its grant.",
+                           type="insufficient_credits")
+    if maintenance.enabled:
+        raise GatewayError(503, "maintenance", "The gateway is in maintenance mode.",
+                           type="service_unavailable", headers={"Retry-After": maintenance.retry_after})
+
+
+async def take_slot(inflight: InFlight, org: str, limit: int) -> None:
+    """Step 5: 429 when the org already has ``limit`` requests in flight (no rate-limit headers).
+    From here on the caller must release the slot, whatever happens."""
+    if not await inflight.try_acquire(org, limit):
+        raise GatewayError(429, "rate_limit_exceeded", f"Org `{org}` already has {limit} requests in flight.",
+                           type="rate_limit_error")
 
 
 async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:

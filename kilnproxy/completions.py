@@ -19,7 +19,6 @@ from aiohttp import web
 
 from . import admission
 from .appkeys import GATEWAY
-from .auth import key_disabled
 from .call import Call
 from .errors import GatewayError, UpstreamFailure
 from .gateway import Gateway
@@ -64,39 +63,22 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
     headers = {GENERATION_HEADER: call.generation_id}
     slot = False
     try:
-        if key.disabled:
-            raise key_disabled()
-        if gw.credits.remaining(key.org) <= 0:
-            raise GatewayError(402, "insufficient_credits",
-                               f"Org `{key.org}` has no credits left. Ask the gateway's operator to raise "
-                               "its grant.", type="insufficient_credits")
-        maintenance = gw.config.maintenance
-        if maintenance.enabled:
-            raise GatewayError(503, "maintenance", "The gateway is in maintenance mode.",
-                               type="service_unavailable", headers={"Retry-After": maintenance.retry_after})
-        body = await admission.read_json_body(request, gw.config.server.max_request_bytes)
-        record.model = body["model"]
-        record.body = body
+        admission.check_account(key, gw.credits, gw.config.maintenance)  # steps 1-2
+        body = await admission.read_json_body(request, gw.config.server.max_request_bytes)  # step 3
+        record.model, record.body = body["model"], body
         if gw.capture is not None:
             record.tap = gw.capture.tap(record, body)
-        route = admission.check_model(body, key, gw.routes)
+        route = admission.check_model(body, key, gw.routes)  # step 4
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
-        if not await gw.inflight.try_acquire(key.org, gw.limit_for(key.org)):
-            raise GatewayError(429, "rate_limit_exceeded",
-                               f"Org `{key.org}` already has {gw.limit_for(key.org)} requests in flight.",
-                               type="rate_limit_error")
+        await admission.take_slot(gw.inflight, key.org, gw.limit_for(key.org))  # step 5
         slot = True
-        admission.check_stream(body, call)
-        admission.check_chat_params(body, call, route)
-        await run_request_hooks(gw.hooks, call, body)
+        admission.check_stream(body, call)  # step 6
+        admission.check_chat_params(body, call, route)  # step 7
+        await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
         return await forward(request, gw, call, route, record, body, headers)
-    except GatewayError as err:
+    except (GatewayError, UpstreamFailure) as err:
         record.fail(err.status, err.code)
-        await gw.submit(record)
-        return err.response(headers)
-    except UpstreamFailure as err:
-        record.fail(502, err.code)
-        await gw.submit(record)
+        await gw.submit(record)  # the row is on disk before the response ends
         return err.response(headers)
     except (asyncio.CancelledError, ConnectionResetError):
         record.disconnected = True
@@ -114,7 +96,7 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         await gw.submit(record)
         return err.response(headers)
     finally:
-        gw.submit(record)
+        gw.submit(record)  # once only: a no-op when already submitted, the row of a cancelled request otherwise
         if slot:
             gw.inflight.release(key.org)
 

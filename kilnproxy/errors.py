@@ -78,6 +78,8 @@ class GatewayError(Exception):
 class UpstreamFailure(Exception):
     """The upstream could not give a usable answer; the client gets 502 text/plain."""
 
+    status = 502
+
     def __init__(self, message: str, code: str = "upstream_error"):
         super().__init__(message)
         self.code = code
