@@ -35,6 +35,7 @@ has been through the ``record_usage`` plugins, and ``h.gw`` is the running
 from __future__ import annotations
 
 import copy
+import socket
 import sqlite3
 from pathlib import Path
 from typing import Any, Callable
@@ -71,6 +72,35 @@ def base_config(mock_url: str, db: Path) -> dict[str, Any]:
         "plugins": {"modules": [], "entry_points": False},
         "health": {"interval": 0},  # no active checks: a test decides when an upstream is down
     }
+
+
+def usage_rows(db: Path, **where: Any) -> list[dict[str, Any]]:
+    """The usage rows in the SQLite file ``db`` whose columns equal ``where``, oldest first."""
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    try:
+        sql = "SELECT * FROM usage_events"
+        if where:
+            sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)
+        return [dict(r) for r in conn.execute(sql + " ORDER BY created_at, rowid", tuple(where.values()))]
+    finally:
+        conn.close()
+
+
+def completion_body(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    """A /v1/completions body for the test model; streamed ones ask for the usage chunk."""
+    out = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
+    if stream:
+        out.update(stream=True, stream_options={"include_usage": True})
+    out.update(extra)
+    return out
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (for a dead upstream or a process to start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Harness:
@@ -165,15 +195,7 @@ class Harness:
         return self.session.post(f"{self.url}{path}", json=json, headers=headers, **kwargs)
 
     async def rows(self, **where: Any) -> list[dict[str, Any]]:
-        db = sqlite3.connect(self.db)
-        db.row_factory = sqlite3.Row
-        try:
-            sql = "SELECT * FROM usage_events"
-            if where:
-                sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)
-            return [dict(r) for r in db.execute(sql + " ORDER BY created_at, rowid", tuple(where.values()))]
-        finally:
-            db.close()
+        return usage_rows(self.db, **where)
 
     async def row(self, generation_id: str) -> dict[str, Any]:
         rows = await self.rows(id=generation_id)

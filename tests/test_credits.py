@@ -7,18 +7,11 @@ import sqlite3
 import pytest
 
 from kilnproxy.appkeys import GATEWAY
-from kilnproxy.testing import KEY, MODEL, OTHER_KEY
+from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"
 ONE_REQUEST = (5 * 0.10 + 4 * 0.30) / 1_000_000  # the default test body: 5 prompt + 4 completion tokens
 
-
-def body(stream=False, **extra):
-    out = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
-    if stream:
-        out.update(stream=True, stream_options={"include_usage": True})
-    out.update(extra)
-    return out
 
 
 def orgs(acme: float, globex: float = 100.0) -> dict:

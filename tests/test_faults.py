@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kilnproxy.appkeys import GATEWAY
 from kilnproxy.server import start_app
-from kilnproxy.testing import KEY, MODEL, UPSTREAM_MODEL
+from kilnproxy.testing import completion_body, KEY, MODEL, UPSTREAM_MODEL
 
 GEN = "X-Neocloud-Generation-Id"
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2  # <linux/prctl.h>, <linux/capability.h>
@@ -121,11 +121,7 @@ async def test_database_path_that_is_a_folder_stops_start_up(tmp_path):
 
 
 def body(stream=False, **extra):
-    out = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6}
-    if stream:
-        out.update(stream=True, stream_options={"include_usage": True})
-    out.update(extra)
-    return out
+    return completion_body(stream, **{"max_tokens": 6, **extra})
 
 
 @pytest.mark.parametrize("stream", [False, True])

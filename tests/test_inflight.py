@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from kilnproxy.appkeys import GATEWAY
-from kilnproxy.testing import KEY, MODEL, OTHER_KEY
+from kilnproxy.testing import completion_body as body, KEY, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"
 
@@ -41,13 +41,6 @@ BOOM_PLUGIN = textwrap.dedent('''
             return "not a mapping"  # a plugin bug the gateway did not foresee
 ''')
 
-
-def body(stream=False, **extra):
-    out = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
-    if stream:
-        out.update(stream=True, stream_options={"include_usage": True})
-    out.update(extra)
-    return out
 
 
 def inflight(h):

@@ -9,7 +9,7 @@ import pytest
 
 from kilnproxy.appkeys import GATEWAY
 from kilnproxy.record import COLUMNS
-from kilnproxy.testing import KEY, MODEL, OTHER_KEY
+from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"
 PRICE = {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05}  # the Harness model, USD per million
@@ -19,13 +19,6 @@ def price(prompt, completion, cached=0):
     return ((prompt - cached) * PRICE["prompt"] + cached * PRICE["cached_prompt"]
             + completion * PRICE["completion"]) / 1_000_000
 
-
-def body(stream=False, **extra):
-    out = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
-    if stream:
-        out.update(stream=True, stream_options={"include_usage": True})
-    out.update(extra)
-    return out
 
 
 async def read_stream(resp) -> list:

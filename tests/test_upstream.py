@@ -1,21 +1,14 @@
 """SPEC section 5 for non-streamed answers and upstream failures: pass-through, 502, failover, 503."""
 
-import socket
 
 import orjson
 import pytest
 
 from kilnproxy.mock_upstream import OPTIONS
 from kilnproxy.server import start_mock
-from kilnproxy.testing import MODEL
+from kilnproxy.testing import MODEL, free_port
 
 GEN = "X-Neocloud-Generation-Id"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_json_answer_gets_catalog_model_and_cost(gw):

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sqlite3
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import orjson
+
+from kilnproxy.testing import usage_rows
 
 from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
 
@@ -95,15 +96,7 @@ def expected_cost(prompt_tokens: int, completion_tokens: int, cached_tokens: int
 
 def rows(stack: Stack, **where) -> list[dict]:
     """The gateway's usage rows, read straight from its SQLite file."""
-    db = sqlite3.connect(stack.db)
-    db.row_factory = sqlite3.Row
-    try:
-        sql = "SELECT * FROM usage_events"
-        if where:
-            sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)
-        return [dict(r) for r in db.execute(sql, tuple(where.values()))]
-    finally:
-        db.close()
+    return usage_rows(stack.db, **where)
 
 
 def row(stack: Stack, generation_id: str) -> dict:
