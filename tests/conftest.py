@@ -1,6 +1,10 @@
+import itertools
+import re
+
 import pytest
 
 from kilnproxy.testing import Harness
+from kilnproxy.testing_postgres import PostgresServer
 
 # tests/e2e needs a real model server: `make e2e` runs it (`pytest tests/e2e`), `make test` does not.
 collect_ignore = ["e2e"]
@@ -42,3 +46,29 @@ def eventually():
             await asyncio.sleep(0.005)
 
     return wait
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One throw-away PostgreSQL server for the whole run (``kilnproxy.testing_postgres``).
+
+    Shared: a test that stops it must start it again (``pg_url``'s teardown does, if not);
+    a test that wants to break the server in other ways starts its own ``PostgresServer()``.
+    """
+    with PostgresServer() as server:
+        yield server
+
+
+_database_numbers = itertools.count()
+
+
+@pytest.fixture
+def pg_url(postgres, request):
+    """The URL of a new, empty database owned by ``kiln`` for this test, dropped after it."""
+    test_name = re.sub(r"[^a-z0-9_]", "_", request.node.name.lower())
+    name = f"t{next(_database_numbers)}_{test_name}"[:63]
+    url = postgres.create_database(name)
+    yield url
+    if not postgres.running:
+        postgres.start()
+    postgres.drop_database(name)
