@@ -159,7 +159,11 @@ def cmd_check_config(args) -> int:
     build_plugin_manager(config)
     print(f"{args.file}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
-    print(f"  storage  {config.db_path}")
+    if config.storage.url:
+        from .pg_store import redacted
+        print(f"  storage  {redacted(config.storage.url)} (spool {config.spool_path})")
+    else:
+        print(f"  storage  {config.db_path}")
     for m in config.models:
         print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
     for o in config.orgs:
