@@ -19,7 +19,8 @@ Tables:
   row needs should its replica die.
 * ``kiln_replicas``: each replica's last heartbeat.
 
-The functions keep each of admission, settlement and reaping to one round trip.
+The functions keep each of admission, settlement and reaping to one round trip
+for a whole batch of requests.
 """
 
 from __future__ import annotations
@@ -84,41 +85,51 @@ CREATE TABLE kiln_holds (
 CREATE INDEX kiln_holds_org ON kiln_holds (org);
 CREATE INDEX kiln_holds_replica ON kiln_holds (replica);
 
--- Step 5 in one transaction: lock the org's row, count its live holds, check its credits,
--- place the hold. Holds of a replica silent for p_timeout seconds no longer count.
-CREATE FUNCTION kiln_admit(p_id TEXT, p_org TEXT, p_replica TEXT, p_limit INTEGER, p_granted DOUBLE PRECISION,
-                           p_amount DOUBLE PRECISION, p_prompt_cost DOUBLE PRECISION, p_prompt_tokens BIGINT,
-                           p_created_at TEXT, p_key_id TEXT, p_model TEXT, p_endpoint TEXT, p_stream INTEGER,
-                           p_timeout DOUBLE PRECISION)
-RETURNS TABLE (r_verdict TEXT, r_spent DOUBLE PRECISION) LANGUAGE plpgsql AS $$
+-- Step 5 for a batch of requests in one transaction, in their order: for each, count its org's live
+-- holds, check the org's credits, place the hold. Admissions of one org queue on an advisory lock
+-- (held until commit, taken in one global order), never on the org's row, so they do not wait for a
+-- settlement's disk flush. Spending and holds are read in one statement, one snapshot: a settlement
+-- committing meanwhile is seen whole (cost in, hold out) or not at all. Holds of a replica silent
+-- for p_timeout seconds no longer count. The commit need not wait for the disk: a hold lost in a
+-- crash of the database only frees a slot early.
+CREATE FUNCTION kiln_admit(p_holds JSONB, p_replica TEXT, p_timeout DOUBLE PRECISION)
+RETURNS TABLE (r_id TEXT, r_verdict TEXT, r_spent DOUBLE PRECISION) LANGUAGE plpgsql AS $$
 DECLARE
-    v_spent DOUBLE PRECISION;
+    h RECORD;
     v_count INTEGER;
     v_held DOUBLE PRECISION;
 BEGIN
-    SELECT o.spent INTO v_spent FROM kiln_orgs o WHERE o.org = p_org FOR UPDATE;
-    IF NOT FOUND THEN
-        INSERT INTO kiln_orgs (org) VALUES (p_org) ON CONFLICT (org) DO NOTHING;
-        SELECT o.spent INTO v_spent FROM kiln_orgs o WHERE o.org = p_org FOR UPDATE;
-    END IF;
-    SELECT count(*), coalesce(sum(h.amount), 0) INTO v_count, v_held
-      FROM kiln_holds h JOIN kiln_replicas r ON r.id = h.replica
-     WHERE h.org = p_org AND r.seen_at > now() - make_interval(secs => p_timeout);
-    IF v_count >= p_limit THEN
-        RETURN QUERY SELECT 'rate_limited'::TEXT, v_spent;
-    ELSIF p_granted - v_spent - v_held <= 0 THEN
-        RETURN QUERY SELECT 'insufficient_credits'::TEXT, v_spent;
-    ELSE
-        INSERT INTO kiln_holds (id, org, replica, amount, prompt_cost, prompt_tokens, created_at, key_id, model,
-                                endpoint, stream)
-        VALUES (p_id, p_org, p_replica, p_amount, p_prompt_cost, p_prompt_tokens, p_created_at, p_key_id, p_model,
-                p_endpoint, p_stream);
-        RETURN QUERY SELECT 'ok'::TEXT, v_spent;
-    END IF;
+    SET LOCAL synchronous_commit = off;
+    PERFORM pg_advisory_xact_lock(1263, k)
+       FROM (SELECT DISTINCT hashtext(x.org) AS k FROM jsonb_to_recordset(p_holds) AS x(org TEXT) ORDER BY 1) o;
+    FOR h IN SELECT * FROM jsonb_to_recordset(p_holds) AS x(
+            id TEXT, org TEXT, "limit" INTEGER, granted DOUBLE PRECISION, amount DOUBLE PRECISION,
+            prompt_cost DOUBLE PRECISION, prompt_tokens BIGINT, created_at TEXT, key_id TEXT, model TEXT,
+            endpoint TEXT, stream INTEGER) LOOP
+        SELECT coalesce((SELECT o.spent FROM kiln_orgs o WHERE o.org = h.org), 0), count(*),
+               coalesce(sum(k.amount), 0)
+          INTO r_spent, v_count, v_held
+          FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
+         WHERE k.org = h.org AND r.seen_at > now() - make_interval(secs => p_timeout);
+        r_id := h.id;
+        IF v_count >= h."limit" THEN
+            r_verdict := 'rate_limited';
+        ELSIF h.granted - r_spent - v_held <= 0 THEN
+            r_verdict := 'insufficient_credits';
+        ELSE
+            INSERT INTO kiln_holds (id, org, replica, amount, prompt_cost, prompt_tokens, created_at, key_id,
+                                    model, endpoint, stream)
+            VALUES (h.id, h.org, p_replica, h.amount, h.prompt_cost, h.prompt_tokens, h.created_at, h.key_id,
+                    h.model, h.endpoint, h.stream);
+            r_verdict := 'ok';
+        END IF;
+        RETURN NEXT;
+    END LOOP;
 END $$;
 
 -- Settlement of a batch in one transaction: delete the rows' holds, insert the rows, add their cost
--- to the orgs' spending. Idempotent by id: a row already there is skipped (a retried batch charges
+-- to the orgs' spending. Its commit waits for the disk as the database is set to (synchronous_commit,
+-- on by default: rows are money). Idempotent by id: a row already there is skipped (a retried batch charges
 -- nothing twice), except a replica_lost row, which the real row replaces (charging the difference).
 -- The holds go first, in a statement of their own: should a reaper be turning one of them into a
 -- replica_lost row right now, this waits for it, and the next statement sees that row and replaces it.

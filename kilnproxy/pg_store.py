@@ -3,8 +3,9 @@
 Every replica started with the same ``[storage] url`` shares, through it, the
 in-flight slots, the credit holds, the spending and the usage rows (SPEC 9).
 
-* Admission (``admit``) is one round trip: ``kiln_admit`` locks the org's
-  row, counts its live holds, checks its credits and inserts the hold.
+* Admission (``admit``) is one round trip, shared by the requests admitted
+  at the same moment: ``kiln_admit`` takes the org's admission lock, counts
+  its live holds, checks its credits and inserts the hold, for each in turn.
 * Settlement is a group commit, as the SQLite writer does: one task takes
   every row submitted meanwhile and calls ``kiln_settle`` once, which deletes
   their holds, inserts them and adds their cost to the orgs' spending in one
@@ -88,6 +89,9 @@ class PostgresStore:
         self.heartbeat = Heartbeat(self)
         self._counts: dict[str, int] = {}
         self._pending: list[tuple[dict[str, Any], asyncio.Future, Any]] = []
+        self._admitting: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._admit_wake = asyncio.Event()
+        self._admitter: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._writer: asyncio.Task | None = None
         self._closing = False
@@ -114,8 +118,9 @@ class PostgresStore:
             raise StorageError(f"cannot set up the schema in {redacted(self.url)}: {self._reason(exc)}") from None
         finally:
             await conn.close()
-        self.pool = await asyncpg.create_pool(self.url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT,
-                                              server_settings={"application_name": f"kilnproxy {self.replica}"})
+        self.pool = await asyncpg.create_pool(
+            self.url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT, reset=_nothing_to_reset,
+            server_settings={"application_name": f"kilnproxy {self.replica}"})
         await self.heartbeat.beat()
         try:
             self.spooled = await asyncio.to_thread(self.spool.open)
@@ -124,6 +129,7 @@ class PostgresStore:
             raise StorageError(f"cannot open the spool {str(self.spool.path)!r}: {exc}"
                                " (check [storage] spool_path and its permissions)") from None
         self._writer = asyncio.create_task(self._write_loop(), name="kilnproxy-ledger-writer")
+        self._admitter = asyncio.create_task(self._admit_loop(), name="kilnproxy-admitter")
         self.heartbeat.start()
         if self.spooled:
             log.warning("%d usage rows spooled by an earlier run; settling them now", self.spooled)
@@ -137,6 +143,13 @@ class PostgresStore:
             await self._writer
             self._writer = None
         await self.heartbeat.stop()
+        if self._admitter is not None:
+            self._admitter.cancel()
+            try:
+                await self._admitter
+            except asyncio.CancelledError:
+                pass
+            self._admitter = None
         if self.available:
             await self.flush_spool()
             await self.attempt("execute", "DELETE FROM kiln_replicas WHERE id = $1 AND NOT EXISTS"
@@ -155,23 +168,51 @@ class PostgresStore:
     # -- admission (SPEC 4 step 5) -------------------------------------------------
 
     async def admit(self, hold: Hold, limit: int) -> None:
+        """Queued for the admitter, which sends everything queued meanwhile in one ``kiln_admit``."""
         if not self.available:
             raise store_unavailable()
-        try:
-            verdict, spent = await self.run(
-                "fetchrow", "SELECT * FROM kiln_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
-                hold.id, hold.org, self.replica, limit, self.credits.granted.get(hold.org, 0.0), hold.amount,
-                hold.prompt_cost, hold.prompt_tokens, hold.created_at, hold.key_id, hold.model, hold.endpoint,
-                hold.stream, self.timeout)
-        except UNREACHABLE as exc:
-            self.lost(exc)
-            raise store_unavailable() from None
+        future = asyncio.get_running_loop().create_future()
+        self._admitting.append(({"id": hold.id, "org": hold.org, "limit": limit,
+                                 "granted": self.credits.granted.get(hold.org, 0.0), "amount": hold.amount,
+                                 "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
+                                 "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model,
+                                 "endpoint": hold.endpoint, "stream": hold.stream}, future))
+        self._admit_wake.set()
+        verdict, spent = await future
         self.credits.spent[hold.org] = spent
         if verdict == "rate_limited":
             raise rate_limited(hold.org, limit)
         if verdict == "insufficient_credits":
             raise insufficient_credits(hold.org, holding=True)
         self._counts[hold.org] = self._counts.get(hold.org, 0) + 1
+
+    async def _admit_loop(self) -> None:
+        """One ``kiln_admit`` at a time, for every hold queued since the last. A request cancelled
+        while waiting may still get its hold; its row, submitted as always, deletes it."""
+        while True:
+            await self._admit_wake.wait()
+            self._admit_wake.clear()
+            batch, self._admitting = self._admitting, []
+            if not batch:
+                continue
+            try:
+                verdicts = await self.run("fetch", "SELECT * FROM kiln_admit($1::jsonb, $2, $3)",
+                                          orjson.dumps([h for h, _ in batch]).decode(), self.replica, self.timeout)
+            except UNREACHABLE as exc:
+                self.lost(exc)
+                verdicts = None
+            except Exception:  # a bug or a deadlock: these requests get 503, the next batch is tried anew
+                log.exception("admission of %d requests failed", len(batch))
+                verdicts = None
+            for i, (_, future) in enumerate(batch):
+                if future.done():
+                    continue
+                if verdicts is None:
+                    future.set_exception(store_unavailable())
+                else:
+                    future.set_result((verdicts[i]["r_verdict"], verdicts[i]["r_spent"]))
+            if self._admitting:
+                self._admit_wake.set()
 
     def release(self, hold: Hold) -> None:
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
@@ -338,6 +379,11 @@ class PostgresStore:
         return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
                 "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds,
                 "spooled": self.spooled, "store_up": int(self.available)}
+
+
+async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
+    """The pool's check-in: the store changes no session state (only ``SET LOCAL``), so the
+    round trip of asyncpg's default reset (``RESET ALL; UNLISTEN *; ...``) is saved."""
 
 
 def numbered(sql: str) -> str:
