@@ -1,0 +1,70 @@
+"""Two gateways on one PostgreSQL database read the same ledger (SPEC 9): each one's inspector,
+``/v1/generations/{id}`` and ``/v1/credits`` see the rows the other wrote."""
+
+import contextlib
+
+import orjson
+import pytest
+
+from kilnproxy.testing import OTHER_KEY, completion_body
+
+GEN = "X-Neocloud-Generation-Id"
+
+
+@pytest.fixture
+async def pair(harness, pg_url, tmp_path):
+    """Gateways A and B, each with its own mock upstream, on one database."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(harness(overrides={
+            "storage": {"url": pg_url, "spool_path": str(tmp_path / f"spool-{name}.db")}})) for name in "ab"]
+
+
+async def complete(h, key=None, **extra) -> str:
+    async with h.post("/v1/completions", completion_body(**extra), key=key) as resp:
+        await resp.read()
+        return resp.headers[GEN]
+
+
+async def get_json(h, path, key=None):
+    headers = h.headers(key) if path.startswith("/v1/") else {}
+    async with h.session.get(f"{h.url}{path}", headers=headers) as resp:
+        return resp.status, orjson.loads(await resp.read())
+
+
+async def test_each_inspector_lists_the_other_ones_rows(pair):
+    a, b = pair
+    ids = [await complete(a), await complete(b, stream=True), await complete(a, key=OTHER_KEY),
+           await complete(b, model="no-such-model")]
+    for h in pair:
+        status, page = await get_json(h, "/ui/api/requests")
+        assert status == 200 and [r["id"] for r in page["data"]] == ids[::-1]
+        status, page = await get_json(h, "/ui/api/requests?status=error")
+        assert [r["id"] for r in page["data"]] == [ids[3]]
+        for gen in ids:
+            status, detail = await get_json(h, f"/ui/api/requests/{gen}")
+            assert (status, detail["row"]["id"], detail["in_flight"]) == (200, gen, False)
+        status, usage = await get_json(h, "/ui/api/usage?bucket=day")
+        assert sum(s["requests"] for s in usage["series"]) == 4
+
+
+async def test_a_generation_written_by_one_is_served_by_the_other(pair):
+    a, b = pair
+    gen = await complete(a)
+    [row] = await a.rows(id=gen)
+    assert await get_json(b, f"/v1/generations/{gen}") == (200, row)
+    status, answer = await get_json(b, f"/v1/generations/{gen}", key=OTHER_KEY)
+    assert (status, answer["error"]["code"]) == (404, "generation_not_found")  # another org's row stays hidden
+
+
+async def test_credits_are_the_same_on_both_and_the_sum_of_the_rows(pair):
+    a, b = pair
+    for h, key, n in ((a, None, 3), (b, None, 2), (b, OTHER_KEY, 1)):
+        for i in range(n):
+            await complete(h, key=key, stream=bool(i % 2))
+    rows = await a.rows()
+    assert len(rows) == 6
+    for key, org in ((None, "acme"), (OTHER_KEY, "globex")):
+        (_, on_a), (_, on_b) = await get_json(a, "/v1/credits", key), await get_json(b, "/v1/credits", key)
+        assert on_a == on_b
+        assert on_a["spent"] == pytest.approx(sum(r["cost"] for r in rows if r["org"] == org), rel=1e-12)
+        assert on_a["spent"] > 0 and on_a["remaining"] == on_a["granted"] - on_a["spent"]
