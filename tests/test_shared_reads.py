@@ -68,3 +68,22 @@ async def test_credits_are_the_same_on_both_and_the_sum_of_the_rows(pair):
         assert on_a == on_b
         assert on_a["spent"] == pytest.approx(sum(r["cost"] for r in rows if r["org"] == org), rel=1e-12)
         assert on_a["spent"] > 0 and on_a["remaining"] == on_a["granted"] - on_a["spent"]
+
+
+async def test_reads_answer_503_while_the_database_is_out_of_reach(harness, postgres, pg_url, tmp_path, eventually):
+    """A JSON 503 ``store_unavailable`` at once, never a 500 or a hang. The inspector's list first:
+    the first read after the server went away meets a pooled connection it ended. Served again once
+    the database is back."""
+    async with harness(overrides={"storage": {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}}) as h:
+        gen = await complete(h)
+        postgres.stop()
+        try:
+            for path, key in (("/ui/api/requests", None), (f"/ui/api/requests/{gen}", None),
+                              ("/ui/api/usage", None), (f"/v1/generations/{gen}", h.key), ("/v1/credits", h.key)):
+                status, answer = await get_json(h, path, key)
+                assert (status, answer["error"]["code"]) == (503, "store_unavailable"), path
+        finally:
+            postgres.start()
+        await eventually(lambda: h.gw.ledger.available)  # the heartbeat reaches it again
+        status, page = await get_json(h, "/ui/api/requests")
+        assert (status, [r["id"] for r in page["data"]]) == (200, [gen])
