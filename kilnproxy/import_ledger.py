@@ -27,7 +27,7 @@ import orjson
 
 from .config import load_config
 from .errors import KilnError, StorageError
-from .ledger_reads import pg_connect, reason
+from .ledger_reads import pg_close, pg_connect, reason
 from .record import COLUMNS
 
 BATCH_ROWS = 1000  # rows per kiln_settle call: one transaction, about 400 kB of JSON
@@ -56,12 +56,11 @@ def _positive(text: str) -> int:
 def cmd_import(args) -> int:
     if not args.config:
         raise KilnError("import-ledger needs --config: the config whose [storage] url names the database")
-    source = SQLiteSource(Path(args.file))
-    config = load_config(args.config)
-    url = config.storage.url
+    url = load_config(args.config).storage.url
     if not url:
         raise KilnError(f"{args.config}: no [storage] url (or url_env): import-ledger copies into the"
                         " PostgreSQL database a config names, e.g. url = \"postgresql://user:pass@host/db\"")
+    source = SQLiteSource(Path(args.file))
     show = args.progress or (sys.stderr.isatty() and source.count > args.batch)
     try:
         added, present = asyncio.run(import_rows(source, url, args.batch, show))
@@ -141,8 +140,5 @@ async def import_rows(source: SQLiteSource, url: str, batch: int, show_progress:
         raise StorageError(f"import into {redacted(url)} stopped {where} ({added} rows added): "
                            f"{reason(exc, url)}; run it again to go on (rows already there are skipped)") from None
     finally:
-        try:
-            await asyncio.wait_for(conn.close(), 5.0)
-        except (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresError):
-            conn.terminate()  # nothing is lost: every batch was its own transaction
+        await pg_close(conn)  # nothing to commit: every batch was its own transaction
     return added, present

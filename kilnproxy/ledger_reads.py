@@ -42,7 +42,16 @@ async def pg_fetch(url: str, sql: str, params: Iterable[Any] = ()) -> list[dict[
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise StorageError(f"cannot read the usage rows in {redacted(url)}: {reason(exc, url)}") from None
     finally:
-        await conn.close()
+        await pg_close(conn)
+
+
+async def pg_close(conn) -> None:
+    """Close ``conn``; one the server or the network already ended is just dropped."""
+    import asyncpg
+    try:
+        await asyncio.wait_for(conn.close(), 5.0)
+    except (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresError):
+        conn.terminate()
 
 
 def fetch(url: str | None, db: Path, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:

@@ -23,8 +23,10 @@ table holds:
   requests, nearly all of them, pay no write for it);
 * ``status=ok`` or a status below 400: the time index, as nearly every row matches.
 
-Pages are newest first, ordered by ``(created_at, rowid)``; the cursor of a
-page's last row (``<created_at>~<rowid>`` in base64url) asks for the rows before it.
+Pages are newest first, ordered by ``(created_at, rowid)`` (on PostgreSQL,
+whose indexes hold no rowid, rows of one same ``created_at`` are put in order
+by an incremental sort, a few rows at a time); the cursor of a page's last row
+(``<created_at>~<rowid>`` in base64url) asks for the rows before it.
 """
 
 from __future__ import annotations
