@@ -1,12 +1,19 @@
 """Two gateways on one PostgreSQL database read the same ledger (SPEC 9): each one's inspector,
-``/v1/generations/{id}`` and ``/v1/credits`` see the rows the other wrote."""
+``/v1/generations/{id}``, ``/v1/credits`` and ``python -m kilnproxy usage`` see the rows the
+other wrote. In-process gateways (``Harness``) for the details, real processes for the whole."""
 
+import asyncio
 import contextlib
+import json
+import sys
 
+import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.testing import OTHER_KEY, completion_body
+from kilnproxy.server import start_mock
+from kilnproxy.testing import KEY, OTHER_KEY, completion_body, pg_usage_rows
+from processes import GatewayProcess, gateway_config
 
 GEN = "X-Neocloud-Generation-Id"
 
@@ -87,3 +94,43 @@ async def test_reads_answer_503_while_the_database_is_out_of_reach(harness, post
         await eventually(lambda: h.gw.ledger.available)  # the heartbeat reaches it again
         status, page = await get_json(h, "/ui/api/requests")
         assert (status, [r["id"] for r in page["data"]]) == (200, [gen])
+
+
+async def test_two_gateway_processes_read_each_others_rows(pg_url, tmp_path):
+    """``python -m kilnproxy`` twice on one database, as replicas run: a row written by A is
+    served by B (generation, inspector), credits agree, and ``usage`` sees both replicas' rows."""
+    mock = await start_mock()
+    replicas = []
+    try:
+        for name in "ab":
+            (tmp_path / name).mkdir()
+            config = gateway_config([f"{mock.url}/v1"], storage={"url": pg_url, "spool_path": "spool.db"})
+            replicas.append(await GatewayProcess(tmp_path / name, config).start())
+        a, b = replicas
+        async with aiohttp.ClientSession() as http:
+            async def call(method, base, path, key=KEY, **kwargs):
+                async with http.request(method, f"{base}{path}", headers={"Authorization": f"Bearer {key}"},
+                                        **kwargs) as resp:
+                    return resp.status, await resp.json(), resp.headers
+
+            ids = []
+            for base, key in ((a.url, KEY), (b.url, KEY), (b.url, OTHER_KEY)):
+                status, _, headers = await call("POST", base, "/v1/completions", key, json=completion_body())
+                assert status == 200
+                ids.append(headers[GEN])
+            rows = await pg_usage_rows(pg_url)
+            assert sorted(r["id"] for r in rows) == sorted(ids)
+            for base in (a.url, b.url):
+                assert (await call("GET", base, f"/v1/generations/{ids[0]}"))[:2] == (200, rows[0])
+                _, page, _ = await call("GET", base, "/ui/api/requests")
+                assert [r["id"] for r in page["data"]] == ids[::-1]
+            (_, on_a, _), (_, on_b, _) = [await call("GET", base, "/v1/credits") for base in (a.url, b.url)]
+            assert on_a == on_b and on_a["spent"] == pytest.approx(rows[0]["cost"] + rows[1]["cost"], rel=1e-12)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kilnproxy", "usage", "--json",
+                                                    "--config", str(a.config_path), stdout=asyncio.subprocess.PIPE)
+        totals = json.loads((await proc.communicate())[0])
+        assert [(t["org"], t["requests"]) for t in totals] == [("acme", 2), ("globex", 1)]
+    finally:
+        for replica in replicas:
+            await replica.stop()
+        await mock.stop()
