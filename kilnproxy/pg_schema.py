@@ -24,6 +24,8 @@ The functions keep each of admission, settlement and reaping to one round trip.
 
 from __future__ import annotations
 
+from .errors import StorageError
+
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
 _V1 = """
@@ -203,7 +205,7 @@ async def migrate(conn) -> int:
         await conn.execute("CREATE TABLE IF NOT EXISTS kiln_schema (version INTEGER NOT NULL)")
         found = await conn.fetchval("SELECT max(version) FROM kiln_schema") or 0
         if found > len(MIGRATIONS):
-            raise RuntimeError(f"the database's schema is version {found}, newer than this kilnproxy knows "
+            raise StorageError(f"the database's schema is version {found}, newer than this kilnproxy knows "
                                f"({len(MIGRATIONS)}): upgrade kilnproxy")
         for version in range(found, len(MIGRATIONS)):
             async with conn.transaction():

@@ -48,8 +48,10 @@ POOL_SIZE = 5
 STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
 CONNECT_TIMEOUT = 5.0
 FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
+# What a lost connection raises. InternalClientError: asyncpg's protocol state after a session was
+# terminated mid-statement (MagicStack/asyncpg#1069); the pool's connections are then replaced.
 UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
-               asyncpg.OperatorInterventionError)
+               asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
 
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
 
@@ -137,7 +139,7 @@ class PostgresStore:
         await self.heartbeat.stop()
         if self.available:
             await self.flush_spool()
-            await self.attempt(self.pool.execute, "DELETE FROM kiln_replicas WHERE id = $1 AND NOT EXISTS"
+            await self.attempt("execute", "DELETE FROM kiln_replicas WHERE id = $1 AND NOT EXISTS"
                                " (SELECT 1 FROM kiln_holds WHERE replica = $1)", self.replica)
         if self.pool is not None:
             try:
@@ -156,11 +158,11 @@ class PostgresStore:
         if not self.available:
             raise store_unavailable()
         try:
-            verdict, spent = await self.pool.fetchrow(
-                "SELECT * FROM kiln_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+            verdict, spent = await self.run(
+                "fetchrow", "SELECT * FROM kiln_admit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
                 hold.id, hold.org, self.replica, limit, self.credits.granted.get(hold.org, 0.0), hold.amount,
                 hold.prompt_cost, hold.prompt_tokens, hold.created_at, hold.key_id, hold.model, hold.endpoint,
-                hold.stream, self.timeout, timeout=STATEMENT_TIMEOUT)
+                hold.stream, self.timeout)
         except UNREACHABLE as exc:
             self.lost(exc)
             raise store_unavailable() from None
@@ -227,14 +229,18 @@ class PostgresStore:
         if not self.available:
             return False
         try:
-            spent = await self.pool.fetch("SELECT * FROM kiln_settle($1::jsonb, $2)",
-                                          orjson.dumps(rows).decode(), self.replica, timeout=STATEMENT_TIMEOUT)
+            spent = await self.run("fetch", "SELECT * FROM kiln_settle($1::jsonb, $2)",
+                                   orjson.dumps(rows).decode(), self.replica)
         except UNREACHABLE as exc:
             self.lost(exc)
             return False
         except asyncpg.PostgresError as exc:  # a deadlock, a constraint: kept in the spool and retried
             self.commit_failures += 1
             log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
+            return False
+        except Exception:  # a bug must not stop the writer: the rows are spooled, the responses go on
+            self.commit_failures += 1
+            log.exception("usage settlement of %d rows failed, spooled for a retry", len(rows))
             return False
         self._load_spent(spent)
         return True
@@ -274,10 +280,19 @@ class PostgresStore:
             self.available = False
             self.heartbeat.poke()
 
-    async def attempt(self, method, sql: str, *args):
-        """``method(sql, *args)`` on the pool, or ``None`` when the database is out of reach (marked so)."""
+    async def run(self, method: str, sql: str, *args):
+        """``conn.<method>(sql, *args)`` on a pooled connection; borrowing it, the statement and giving
+        it back all bounded by ``STATEMENT_TIMEOUT`` (raises one of ``UNREACHABLE`` past it)."""
+        async def call():
+            async with self.pool.acquire(timeout=STATEMENT_TIMEOUT) as conn:
+                return await getattr(conn, method)(sql, *args, timeout=STATEMENT_TIMEOUT)
+
+        return await asyncio.wait_for(call(), 2 * STATEMENT_TIMEOUT)
+
+    async def attempt(self, method: str, sql: str, *args):
+        """``run``, or ``None`` when the database is out of reach (marked so)."""
         try:
-            return await method(sql, *args, timeout=STATEMENT_TIMEOUT)
+            return await self.run(method, sql, *args)
         except UNREACHABLE as exc:
             self.lost(exc)
             return None
@@ -294,27 +309,27 @@ class PostgresStore:
     # -- reads -------------------------------------------------------------------------
 
     async def spent_by_org(self) -> dict[str, float]:
-        return dict(await self.pool.fetch("SELECT org, spent FROM kiln_orgs"))
+        return dict(await self.run("fetch", "SELECT org, spent FROM kiln_orgs"))
 
     async def org_spent(self, org: str) -> float:
         """Every replica's spending of ``org`` (``SUM(cost)`` of its rows); 503 when out of reach."""
-        value = await self._read(self.pool.fetchval, "SELECT spent FROM kiln_orgs WHERE org = $1", org)
+        value = await self._read("fetchval", "SELECT spent FROM kiln_orgs WHERE org = $1", org)
         self.credits.spent[org] = value or 0.0
         return value or 0.0
 
     async def get(self, generation_id: str) -> dict[str, Any] | None:
-        row = await self._read(self.pool.fetchrow, SELECT_ROW, generation_id)
+        row = await self._read("fetchrow", SELECT_ROW, generation_id)
         return dict(row) if row is not None else None
 
     async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         """Rows of a read query written with ``?`` placeholders (the SQLite style)."""
-        return [dict(r) for r in await self._read(self.pool.fetch, numbered(sql), *params)]
+        return [dict(r) for r in await self._read("fetch", numbered(sql), *params)]
 
-    async def _read(self, method, sql: str, *args):
+    async def _read(self, method: str, sql: str, *args):
         if not self.available:
             raise store_unavailable()
         try:
-            return await method(sql, *args, timeout=STATEMENT_TIMEOUT)
+            return await self.run(method, sql, *args)
         except UNREACHABLE as exc:
             self.lost(exc)
             raise store_unavailable() from None

@@ -64,7 +64,9 @@ class Heartbeat:
     async def beat(self) -> None:
         """One heartbeat; marks the store reachable or not. Never raises for an unreachable database."""
         store = self.store
-        rows = await store.attempt(store.pool.fetch, BEAT, store.replica)
+        if not store.available:
+            await store.pool.expire_connections()  # after a failure, none of them is to be trusted
+        rows = await store.attempt("fetch", BEAT, store.replica)
         if rows is None:
             return
         if self.in_touch_since is None:
@@ -74,7 +76,7 @@ class Heartbeat:
 
     async def reap(self) -> None:
         store = self.store
-        for org, spent, lost in await store.attempt(store.pool.fetch, "SELECT * FROM kiln_reap($1)",
+        for org, spent, lost in await store.attempt("fetch", "SELECT * FROM kiln_reap($1)",
                                                     store.timeout) or ():
             store.credits.spent[org] = spent
             self.reaped += lost
