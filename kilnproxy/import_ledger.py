@@ -121,10 +121,7 @@ async def import_rows(source: SQLiteSource, url: str, batch: int, show_progress:
     added = present = 0
     done_until = None
     try:
-        try:
-            await migrate(conn)  # a database no gateway has used yet gets its schema first
-        except RuntimeError as exc:  # a schema newer than this kilnproxy
-            raise StorageError(f"{redacted(url)}: {exc}") from None
+        await migrate(conn)  # a database no gateway has used yet gets its schema first
         with tqdm(total=source.count, unit="rows", unit_scale=True, disable=not show_progress,
                   file=sys.stderr, desc="import-ledger") as bar:
             for rows in source.batches(batch):

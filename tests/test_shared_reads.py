@@ -78,9 +78,8 @@ async def test_credits_are_the_same_on_both_and_the_sum_of_the_rows(pair):
 
 
 async def test_reads_answer_503_while_the_database_is_out_of_reach(harness, postgres, pg_url, tmp_path, eventually):
-    """A JSON 503 ``store_unavailable`` at once, never a 500 or a hang. The inspector's list first:
-    the first read after the server went away meets a pooled connection it ended. Served again once
-    the database is back."""
+    """A JSON 503 ``store_unavailable`` at once, never a 500 or a hang, from the first read after
+    the server went away (on a pooled connection it ended); served again once it is back."""
     async with harness(overrides={"storage": {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}}) as h:
         gen = await complete(h)
         postgres.stop()

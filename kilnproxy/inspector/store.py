@@ -164,28 +164,17 @@ class SQLiteReader:
 
 
 class SharedReader:
-    """The shared store's pool (``PostgresStore``): opened and closed with the gateway, not here."""
+    """The shared store's pool (``PostgresStore.fetch``): opened and closed with the gateway, not here.
+    A database out of reach is its 503 ``store_unavailable``."""
 
     def __init__(self, store: Any):
-        from asyncpg import InternalClientError  # only when PostgreSQL is configured
-        self.store = store
-        self.broken = InternalClientError
+        self.fetch = store.fetch
 
     async def open(self) -> None:
         pass
 
     async def close(self) -> None:
         pass
-
-    async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        try:
-            return await self.store.fetch(sql, params)
-        except self.broken as exc:
-            # asyncpg's answer on a pooled connection the server ended while it was idle (a stopped
-            # or restarted database; MagicStack/asyncpg#784): out of reach, as a refused connection is.
-            from ..pg_store import store_unavailable
-            self.store.lost(exc)
-            raise store_unavailable() from None
 
 
 class InspectorStore:
