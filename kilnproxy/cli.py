@@ -15,7 +15,7 @@ from pathlib import Path
 from .config import Config, load_config
 from .errors import KilnError
 
-COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload")
+COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload", "import-ledger")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
 
     from .reload_command import add_reload_command
     add_reload_command(sub)
+
+    from .import_ledger import add_import_command
+    add_import_command(sub)
     return p
 
 

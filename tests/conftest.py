@@ -23,6 +23,22 @@ def harness(tmp_path):
     return lambda **kwargs: Harness(tmp_path, **kwargs)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """Config overrides that put a Harness on each store in turn: ``{}`` (SQLite), then a fresh
+    PostgreSQL database (``pg_url``). Merge them with a test's own: ``harness(overrides={**store, ...})``."""
+    if request.param == "sqlite":
+        return {}
+    return {"storage": {"url": request.getfixturevalue("pg_url"), "spool_path": str(tmp_path / "spool.db")}}
+
+
+@pytest.fixture
+async def any_gw(harness, store):
+    """``gw`` on each store in turn (``store``)."""
+    async with harness(overrides=store) as h:
+        yield h
+
+
 @pytest.fixture
 def eventually():
     """``await eventually(predicate)``: wait, a few ms at a time and 20 s at most, until it is true.
