@@ -176,9 +176,14 @@ END $$;
 
 -- The holds of replicas silent for p_timeout seconds (or never seen) become replica_lost rows,
 -- charged the prompt part of the hold. A hold a live replica settles meanwhile is not reaped.
+-- Replicas silent ten times that long, with no hold left, are forgotten.
 CREATE FUNCTION kiln_reap(p_timeout DOUBLE PRECISION)
 RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
-    WITH dead AS (
+    WITH forgotten AS (
+        DELETE FROM kiln_replicas r
+         WHERE r.seen_at < now() - make_interval(secs => 10 * p_timeout)
+           AND NOT EXISTS (SELECT 1 FROM kiln_holds h WHERE h.replica = r.id)
+    ), dead AS (
         DELETE FROM kiln_holds h
          WHERE NOT EXISTS (SELECT 1 FROM kiln_replicas r
                             WHERE r.id = h.replica AND r.seen_at > now() - make_interval(secs => p_timeout))

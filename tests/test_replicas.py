@@ -13,7 +13,8 @@ import pytest
 
 from kilnproxy.server import start_mock
 from kilnproxy.testing import KEY, OTHER_KEY, completion_body
-from replicas import TIMEOUT, Ledger, open_stream, replica, stalled, stop_all
+from kilnproxy.pg_schema import migrate
+from replicas import Ledger, open_stream, replica, stalled, stop_all
 
 GEN = "X-Neocloud-Generation-Id"
 ORGS = [{"id": "acme", "credits": 100.0, "max_in_flight": 8}, {"id": "globex", "credits": 100.0}]
@@ -204,3 +205,19 @@ async def test_a_settlement_retried_after_its_commit_charges_nothing_twice(pg_ur
             assert await db.rows() == rows
     finally:
         await stop_all(a)
+
+
+async def test_replicas_long_silent_and_holding_nothing_are_forgotten(pg_url):
+    async with Ledger(pg_url) as db:
+        await migrate(db.conn)
+        await db.conn.execute("INSERT INTO kiln_replicas (id, seen_at) VALUES ('gone', now() - interval '1 hour'),"
+                              " ('recent', now() - interval '5 seconds'), ('live', now())")
+        await db.conn.execute(
+            "INSERT INTO kiln_holds (id, org, replica, amount, prompt_cost, prompt_tokens, created_at, key_id,"
+            " endpoint, stream) VALUES ('gen-x', 'acme', 'gone', 0.01, 0.001, 10, 't', 'k', 'completions', 1)")
+        lost = await db.conn.fetch("SELECT * FROM kiln_reap(2)")
+        assert [tuple(r) for r in lost] == [("acme", 0.001, 1)]  # its hold first becomes a replica_lost row
+        assert {r["id"] for r in await db.conn.fetch("SELECT id FROM kiln_replicas")} == {"gone", "recent", "live"}
+        await db.conn.fetch("SELECT * FROM kiln_reap(2)")
+        assert {r["id"] for r in await db.conn.fetch("SELECT id FROM kiln_replicas")} == {"recent", "live"}
+        assert [r["error_code"] for r in await db.rows()] == ["replica_lost"]
