@@ -37,6 +37,7 @@ import orjson
 
 from .config import Config
 from .errors import GatewayError, StorageError
+from .batches import Batches
 from .limits import Credits, Hold, insufficient_credits, rate_limited
 from .pg_schema import migrate
 from .record import COLUMNS
@@ -88,19 +89,11 @@ class PostgresStore:
         self.available = False  # the last statement reached the database
         self.heartbeat = Heartbeat(self)
         self._counts: dict[str, int] = {}
-        self._pending: list[tuple[dict[str, Any], asyncio.Future, Any]] = []
-        self._admitting: list[tuple[dict[str, Any], asyncio.Future]] = []
-        self._admit_wake = asyncio.Event()
-        self._admitter: asyncio.Task | None = None
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task | None = None
-        self._closing = False
+        self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
+        self.admissions = Batches(self._admit, "kilnproxy-admitter")
         self._flushing = asyncio.Lock()
         self.spooled = 0
-        self.commits = 0
-        self.rows_committed = 0
         self.commit_failures = 0
-        self.last_commit_seconds = 0.0
 
     # -- life cycle -------------------------------------------------------------
 
@@ -128,8 +121,8 @@ class PostgresStore:
             await self.pool.close()
             raise StorageError(f"cannot open the spool {str(self.spool.path)!r}: {exc}"
                                " (check [storage] spool_path and its permissions)") from None
-        self._writer = asyncio.create_task(self._write_loop(), name="kilnproxy-ledger-writer")
-        self._admitter = asyncio.create_task(self._admit_loop(), name="kilnproxy-admitter")
+        self.rows.start()
+        self.admissions.start()
         self.heartbeat.start()
         if self.spooled:
             log.warning("%d usage rows spooled by an earlier run; settling them now", self.spooled)
@@ -137,19 +130,9 @@ class PostgresStore:
 
     async def close(self) -> None:
         """Settle everything submitted (into the spool if the database is out of reach), then disconnect."""
-        if self._writer is not None:
-            self._closing = True
-            self._wake.set()
-            await self._writer
-            self._writer = None
+        await self.rows.close()
         await self.heartbeat.stop()
-        if self._admitter is not None:
-            self._admitter.cancel()
-            try:
-                await self._admitter
-            except asyncio.CancelledError:
-                pass
-            self._admitter = None
+        await self.admissions.close()
         if self.available:
             await self.flush_spool()
             await self.attempt("execute", "DELETE FROM kiln_replicas WHERE id = $1 AND NOT EXISTS"
@@ -168,17 +151,15 @@ class PostgresStore:
     # -- admission (SPEC 4 step 5) -------------------------------------------------
 
     async def admit(self, hold: Hold, limit: int) -> None:
-        """Queued for the admitter, which sends everything queued meanwhile in one ``kiln_admit``."""
+        """One ``kiln_admit`` for every request admitted at the same moment. A request cancelled
+        while waiting may still get its hold; its row, submitted as always, deletes it."""
         if not self.available:
             raise store_unavailable()
-        future = asyncio.get_running_loop().create_future()
-        self._admitting.append(({"id": hold.id, "org": hold.org, "limit": limit,
-                                 "granted": self.credits.granted.get(hold.org, 0.0), "amount": hold.amount,
-                                 "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
-                                 "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model,
-                                 "endpoint": hold.endpoint, "stream": hold.stream}, future))
-        self._admit_wake.set()
-        verdict, spent = await future
+        verdict, spent = await self.admissions.add({
+            "id": hold.id, "org": hold.org, "limit": limit, "granted": self.credits.granted.get(hold.org, 0.0),
+            "amount": hold.amount, "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
+            "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model, "endpoint": hold.endpoint,
+            "stream": hold.stream})
         self.credits.spent[hold.org] = spent
         if verdict == "rate_limited":
             raise rate_limited(hold.org, limit)
@@ -186,33 +167,17 @@ class PostgresStore:
             raise insufficient_credits(hold.org, holding=True)
         self._counts[hold.org] = self._counts.get(hold.org, 0) + 1
 
-    async def _admit_loop(self) -> None:
-        """One ``kiln_admit`` at a time, for every hold queued since the last. A request cancelled
-        while waiting may still get its hold; its row, submitted as always, deletes it."""
-        while True:
-            await self._admit_wake.wait()
-            self._admit_wake.clear()
-            batch, self._admitting = self._admitting, []
-            if not batch:
-                continue
-            try:
-                verdicts = await self.run("fetch", "SELECT * FROM kiln_admit($1::jsonb, $2, $3)",
-                                          orjson.dumps([h for h, _ in batch]).decode(), self.replica, self.timeout)
-            except UNREACHABLE as exc:
-                self.lost(exc)
-                verdicts = None
-            except Exception:  # a bug or a deadlock: these requests get 503, the next batch is tried anew
-                log.exception("admission of %d requests failed", len(batch))
-                verdicts = None
-            for i, (_, future) in enumerate(batch):
-                if future.done():
-                    continue
-                if verdicts is None:
-                    future.set_exception(store_unavailable())
-                else:
-                    future.set_result((verdicts[i]["r_verdict"], verdicts[i]["r_spent"]))
-            if self._admitting:
-                self._admit_wake.set()
+    async def _admit(self, holds: list[dict[str, Any]]) -> list[tuple[str, float]]:
+        try:
+            verdicts = await self.run("fetch", "SELECT * FROM kiln_admit($1::jsonb, $2, $3)",
+                                      orjson.dumps(holds).decode(), self.replica, self.timeout)
+        except UNREACHABLE as exc:
+            self.lost(exc)
+            raise store_unavailable() from None
+        except asyncpg.PostgresError as exc:  # a deadlock: these requests get 503, the next batch is tried anew
+            log.error("admission of %d requests failed: %s", len(holds), exc)
+            raise store_unavailable() from None
+        return [(v["r_verdict"], v["r_spent"]) for v in verdicts]
 
     def release(self, hold: Hold) -> None:
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
@@ -232,38 +197,26 @@ class PostgresStore:
 
     def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
         """Queue ``row``; the future resolves once it is committed in PostgreSQL or in the spool."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((row, future, tag))
-        self._wake.set()
-        return future
+        return self.rows.add(row, tag)
 
     def queue_depth(self) -> int:
-        return len(self._pending)
+        return self.rows.queue_depth()
 
-    async def _write_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if not self._pending:
-                if self._closing:
-                    return
-                continue
-            batch, self._pending = self._pending, []
-            rows = [row for row, _, _ in batch]
-            started = loop.time()
-            if not await self._settle(rows):
-                await self._spool(rows)
-            self.commits += 1
-            self.rows_committed += len(batch)
-            self.last_commit_seconds = loop.time() - started
-            for _, future, _ in batch:
-                if not future.done():
-                    future.set_result(None)
-            if self.on_commit is not None:
-                self.on_commit([(row, tag) for row, _, tag in batch])
-            if self._pending:
-                self._wake.set()
+    @property
+    def commits(self) -> int:
+        return self.rows.batches
+
+    @property
+    def last_commit_seconds(self) -> float:
+        return self.rows.last_batch_seconds
+
+    async def _commit(self, rows: list[dict[str, Any]]) -> None:
+        if not await self._settle(rows):
+            await self._spool(rows)
+
+    def _committed(self, batch: list[tuple[dict[str, Any], Any]]) -> None:
+        if self.on_commit is not None:
+            self.on_commit(batch)
 
     async def _settle(self, rows: list[dict[str, Any]]) -> bool:
         """One ``kiln_settle`` transaction; False when it did not commit (the rows must be kept)."""
@@ -376,9 +329,10 @@ class PostgresStore:
             raise store_unavailable() from None
 
     def stats(self) -> dict[str, float]:
-        return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
-                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds,
-                "spooled": self.spooled, "store_up": int(self.available)}
+        return {"queue_depth": self.rows.queue_depth(), "commits": self.rows.batches,
+                "rows_committed": self.rows.items_done, "commit_failures": self.commit_failures,
+                "last_commit_seconds": self.rows.last_batch_seconds, "spooled": self.spooled,
+                "store_up": int(self.available)}
 
 
 async def _nothing_to_reset(conn: asyncpg.Connection) -> None:

@@ -1,0 +1,87 @@
+"""``Batches``: work of many requests queued, done together by one task, one batch at a time.
+
+Used for the usage rows (SPEC 7's group commit, SQLite and PostgreSQL) and for
+admission on PostgreSQL. The request path calls ``add(item, tag)``, which never
+blocks and never raises, and awaits the returned future. One task takes
+everything queued and calls ``process(items)`` once; each future gets its
+item's result (or, if ``process`` raised, that exception); then ``done`` is
+told of the batch, each item with its tag. While a batch is processed, new
+items queue for the next one: the more requests arrive at once, the larger and
+fewer the round trips.
+
+For rows, ``process`` returns only once they are durable and never raises (it
+retries, or keeps them somewhere durable, itself): no row is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Sequence
+
+Process = Callable[[list[Any]], Awaitable[Sequence[Any] | None]]
+
+
+class Batches:
+    def __init__(self, process: Process, name: str,
+                 done: Callable[[list[tuple[Any, Any]]], None] | None = None):
+        self._process = process
+        self._done = done
+        self._name = name
+        self._pending: list[tuple[Any, asyncio.Future, Any]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.batches = 0
+        self.items_done = 0
+        self.last_batch_seconds = 0.0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self._name)
+
+    def add(self, item: Any, tag: Any = None) -> asyncio.Future:
+        """Queue ``item``; the future resolves with its result once its batch is processed."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future, tag))
+        self._wake.set()
+        return future
+
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    async def close(self) -> None:
+        """Process everything queued, then stop."""
+        if self._task is not None:
+            self._closing = True
+            self._wake.set()
+            await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                if self._closing:
+                    return
+                continue
+            batch, self._pending = self._pending, []
+            started = loop.time()
+            try:
+                results = await self._process([item for item, _, _ in batch])
+            except Exception as exc:  # every request of the batch is told; the next batch is tried anew
+                for _, future, _ in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            finally:
+                if self._pending or self._closing:
+                    self._wake.set()
+            self.batches += 1
+            self.items_done += len(batch)
+            self.last_batch_seconds = loop.time() - started
+            for i, (_, future, _) in enumerate(batch):
+                if not future.done():
+                    future.set_result(None if results is None else results[i])
+            if self._done is not None:
+                self._done([(item, tag) for item, _, tag in batch])
