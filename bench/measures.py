@@ -9,7 +9,7 @@ from pathlib import Path
 from statistics import median
 
 from loads import LoadError, hold_streams, post, stream_latency, wrk
-from peers import LITELLM, PORTKEY, portkey_headers
+from peers import PORTKEY, litellm_headers, portkey_headers
 from procs import free_port, peak_rss_kib
 from report import ratio, spread, table
 from upstreams import CHUNKS, request_body
@@ -42,7 +42,7 @@ class Bench:
         LiteLLM by the request's model name (its config maps each bench model to its upstream)."""
         out = {}
         for name, base in (base_urls or self.peers).items():
-            headers = portkey_headers(upstream_base) if name == PORTKEY else None
+            headers = portkey_headers(upstream_base) if name == PORTKEY else litellm_headers()
             out[name] = (f"{base}/v1/completions", headers)
         return out
 

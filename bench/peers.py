@@ -6,7 +6,8 @@
   (``peers/loopback.mjs``) makes it bind 127.0.0.1. It routes by headers:
   ``x-portkey-provider: openai`` and ``x-portkey-custom-host: <upstream base URL>``.
 - LiteLLM proxy (pip ``litellm[proxy]``, in a virtualenv of its own), DB-less, one worker,
-  one model entry per bench model name.
+  one model entry per bench model name; a master key made up per run (it refuses to start
+  without one), sent by the bench's clients as their bearer.
 
 Each is optional: when it cannot be installed (no node/npm, no network), ``install_*``
 prints one line saying so and returns ``None``, and the bench goes on without it.
@@ -16,7 +17,7 @@ Installs are kept in ``bench/.peers/`` for the next run.
 from __future__ import annotations
 
 import json
-import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,10 @@ def portkey_headers(upstream_base: str) -> dict[str, str]:
     return {"x-portkey-provider": "openai", "x-portkey-custom-host": upstream_base}
 
 
+def litellm_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {LITELLM_KEY}"}
+
+
 def install_litellm() -> list[str] | None:
     """argv of the LiteLLM proxy (without ``--config``/``--port``), or None when it cannot be installed."""
     folder = CACHE / "litellm"
@@ -94,7 +99,10 @@ def litellm_config(path: Path, models: dict[str, str], upstream_model: str) -> P
     return path
 
 
-LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no download of the price list at start-up
+# LiteLLM refuses to start without a strong master key; the bench's clients send it as their bearer.
+LITELLM_KEY = "sk-" + secrets.token_hex(32)
+LITELLM_ENV = {"LITELLM_MASTER_KEY": LITELLM_KEY,
+               "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no download of the price list at start-up
                "LITELLM_LOG": "ERROR", "LITELLM_MODE": "PRODUCTION", "NO_DOCS": "True",
                "DISABLE_SCHEMA_UPDATE": "True"}
 
