@@ -97,12 +97,16 @@ async def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--body", required=True, type=str.encode)
     parser.add_argument("--key", default="")
+    parser.add_argument("--header", action="append", default=[], help="'Name: value', repeatable")
     parser.add_argument("-n", type=int, required=True)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
     headers = {"Content-Type": "application/json"}
     if args.key:
         headers["Authorization"] = f"Bearer {args.key}"
+    for line in args.header:
+        name, _, value = line.partition(":")
+        headers[name.strip()] = value.strip()
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

@@ -25,10 +25,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wrk(url: str, body: bytes, key: str, connections: int, seconds: float, pid: int | None = None) -> dict:
+def wrk(url: str, body: bytes, key: str, connections: int, seconds: float, pid: int | None = None,
+        headers: dict[str, str] | None = None) -> dict:
     """One wrk run (one thread, on the CPUs this process is pinned to): its summary as a dict,
     with the CPU time the process ``pid`` spent per request (``cpu_us``) and its share of a core."""
-    env = {**os.environ, "BENCH_BODY": body.decode(), "BENCH_KEY": key}
+    env = {**os.environ, "BENCH_BODY": body.decode(), "BENCH_KEY": key,
+           "BENCH_HEADERS": "\n".join(f"{k}: {v}" for k, v in (headers or {}).items())}
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s", "-s", str(LUA), url]
     cpu = cpu_seconds(pid) if pid else 0.0
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=seconds + 30)
@@ -44,22 +46,28 @@ def wrk(url: str, body: bytes, key: str, connections: int, seconds: float, pid: 
     return summary
 
 
-def stream_latency(url: str, body: bytes, key: str, n: int, concurrency: int) -> dict:
+def stream_latency(url: str, body: bytes, key: str, n: int, concurrency: int,
+                   headers: dict[str, str] | None = None) -> dict:
     """M4: per-stream time to first byte and total time, in ms (lists)."""
     argv = [sys.executable, str(HERE / "clients.py"), "latency", "--url", url, "--body", body.decode(),
-            "--key", key, "-n", str(n), "--concurrency", str(concurrency)]
+            "--key", key, "-n", str(n), "--concurrency", str(concurrency)] + _header_args(headers)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise LoadError(f"stream client failed on {url}: {out.stderr[-1500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def hold_streams(url: str, body: bytes, key: str, n: int, processes: int, at_open, timeout: float) -> dict:
+def _header_args(headers: dict[str, str] | None) -> list[str]:
+    return [a for k, v in (headers or {}).items() for a in ("--header", f"{k}: {v}")]
+
+
+def hold_streams(url: str, body: bytes, key: str, n: int, processes: int, at_open, timeout: float,
+                 headers: dict[str, str] | None = None) -> dict:
     """M5: ``n`` streams held open by ``processes`` clients. ``at_open()`` runs once all are
     open (or have failed) and must end them; returns ok/failed counts and what at_open returned."""
     share = [n // processes + (1 if i < n % processes else 0) for i in range(processes)]
     argv = [sys.executable, str(HERE / "clients.py"), "hold", "--url", url, "--body", body.decode(),
-            "--key", key, "--concurrency", "64"]
+            "--key", key, "--concurrency", "64"] + _header_args(headers)
     procs = [subprocess.Popen(argv + ["-n", str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for k in share]
     deadline = time.monotonic() + timeout

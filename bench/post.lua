@@ -1,10 +1,14 @@
--- wrk script: POST the body in $BENCH_BODY with $BENCH_KEY as bearer; print one JSON line at the end.
+-- wrk script: POST the body in $BENCH_BODY with $BENCH_KEY as bearer and the "Name: value" lines of
+-- $BENCH_HEADERS as headers; print one JSON line at the end.
 wrk.method = "POST"
 wrk.body = os.getenv("BENCH_BODY")
 wrk.headers["Content-Type"] = "application/json"
 local key = os.getenv("BENCH_KEY")
 if key and key ~= "" then
   wrk.headers["Authorization"] = "Bearer " .. key
+end
+for name, value in string.gmatch(os.getenv("BENCH_HEADERS") or "", "([^:\n]+):%s*([^\n]*)") do
+  wrk.headers[name] = value
 end
 
 done = function(summary, latency, requests)

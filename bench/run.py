@@ -1,14 +1,17 @@
 """``make bench``: what kilnproxy adds to a request, measured against the thinnest pass-through.
 
 Starts, on 127.0.0.1 only, nginx with canned answers, the mock upstream, a
-slow upstream, the pass-through of ``passthrough.py`` and kilnproxy with every
-feature on (auth, in-flight limit, SQLite usage ledger, cost), runs M1-M6
-alternating the targets round by round, prints the tables and writes them to
-``bench/results/<date>.md``. Every process it started is stopped on the way
-out. The gateway (or the pass-through) runs on CPU 0; load generators and
-upstreams on CPU 1.
+slow upstream, the pass-through of ``passthrough.py``, kilnproxy with every
+feature on (auth, in-flight limit, SQLite usage ledger, cost) and the peers of
+``peers.py`` that can be installed (Portkey, LiteLLM), runs M1-M6 alternating
+the targets round by round, prints the tables and writes them to a file of the
+run's own: ``bench/results/<date>-<time>.md`` for a full run,
+``bench/results/partial/<date>-<time>-<measures>.md`` for a partial one (which
+so never replaces the last full table). Every process it started is stopped on
+the way out. The gateway, the pass-through and the peers run on CPU 0; load
+generators and upstreams on CPU 1.
 
-    python bench/run.py [--rounds 3] [--seconds 3] [--streams 10000] [--only M1,M5]
+    python bench/run.py [--rounds 3] [--seconds 3] [--streams 10000] [--only M1,M5] [--peers portkey]
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import measure_pg
 from kilnproxy.testing_postgres import PostgresServer
 from loads import LoadError, post
 from measures import Bench
+import peers
 from procs import Procs, free_port, raise_fd_limit
 from report import machine
 from upstreams import UPSTREAM_MODEL, request_body, write_nginx_files
 
 HERE = Path(__file__).resolve().parent
+ALL = ("M1", "M2", "M3", "M4", "M5", "M6", "PG")
 PY = sys.executable
 KEY = "sk-bench"
 
@@ -77,13 +82,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of A/B alternation per measurement")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one wrk run")
     parser.add_argument("--streams", type=int, default=10000, help="M5: streams held open at once")
-    parser.add_argument("--only", default="M1,M2,M3,M4,M5,M6,PG", help="comma-separated measurements")
-    parser.add_argument("--out", default=str(HERE / "results"), help="folder for <date>.md")
+    parser.add_argument("--only", default=",".join(ALL), help="comma-separated measurements")
+    parser.add_argument("--peers", default="portkey,litellm", help="peers to measure beside kilnproxy ('' for none)")
+    parser.add_argument("--out", default=str(HERE / "results"), help="folder of the results files")
     parser.add_argument("--nice", type=int, default=-10,
                         help="scheduling priority of everything the bench starts (a shared machine's other "
                              "work then takes less of the pinned cores)")
     args = parser.parse_args()
     only = set(args.only.upper().split(","))
+    full = set(ALL) <= only
     cpus = sorted(os.sched_getaffinity(0))
     gw_cpus, load_cpus = ({cpus[0]}, {cpus[1]}) if len(cpus) >= 2 else (None, None)
     if load_cpus:
@@ -125,10 +132,33 @@ def main() -> int:
                                            upstream], cpus=gw_cpus, port=port).pid
             return url
 
-        bench = Bench(args, procs, KEY, pids, nginx=nginx, mock=mock, gateway=gateway, passthrough=passthrough)
+        installers = {"portkey": (peers.PORTKEY, peers.install_portkey), "litellm": (peers.LITELLM, peers.install_litellm)}
+        commands = {}
+        for wanted in filter(None, args.peers.lower().split(",")):
+            name, install = installers[wanted]
+            argv = install()
+            if argv:
+                commands[name] = argv
+
+        def peer(name: str, models: dict[str, str]) -> str:
+            """A new process of peer ``name`` on the gateway's CPU; its base URL."""
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            slug = name.lower() + (f"-{len(pids)}" if models else "")
+            if name == peers.PORTKEY:
+                argv, env = commands[name] + [f"--port={port}"], {"NODE_ENV": "production"}
+            else:
+                cfg = peers.litellm_config(work / f"{slug}.yaml", {**litellm_models, **models}, UPSTREAM_MODEL)
+                argv, env = commands[name] + ["--config", str(cfg), "--port", str(port)], peers.LITELLM_ENV
+            pids[url] = procs.start(slug, argv, cpus=gw_cpus, port=port, env=env, timeout=180).pid
+            return url
+
+        litellm_models = {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1", "bench-mock": f"{mock}/v1"}
+        bench = Bench(args, procs, KEY, pids, nginx=nginx, mock=mock, gateway=gateway, passthrough=passthrough,
+                      peer=peer, peers=list(commands))
         try:
             bench.check()
-            for name in ("M1", "M2", "M3", "M4", "M6", "M5"):
+            for name in ("M1", "M2", "M3", "M4", "M6", "M5"):  # M5 last: it restarts what it measures
                 if name in only:
                     print(f"\n{name} ...", flush=True)
                     getattr(bench, name.lower())()
@@ -143,9 +173,9 @@ def main() -> int:
             return 1
     minutes = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60
     text = render(bench, started, gw_cpus, load_cpus, minutes)
-    out = Path(args.out)
+    out = Path(args.out) if full else Path(args.out) / "partial"
     out.mkdir(parents=True, exist_ok=True)
-    target = out / f"{started:%Y-%m-%d}.md"
+    target = out / (f"{started:%Y-%m-%d-%H%M}.md" if full else f"{started:%Y-%m-%d-%H%M}-{'-'.join(sorted(only))}.md")
     target.write_text(text)
     print(f"\n{bench.summary()}\n\nwritten to {target} ({minutes:.1f} min)")
     shutil.rmtree(work, ignore_errors=True)
@@ -156,6 +186,8 @@ def render(bench: "Bench", started, gw_cpus, load_cpus, minutes: float) -> str:
     pinning = (f"gateway / pass-through pinned to CPU {min(gw_cpus)}; wrk, clients and upstreams on CPU "
                f"{min(load_cpus)}") if gw_cpus else "one CPU: nothing pinned"
     pinning += f"; all at nice {bench.args.nice}"
+    pinning += f"; load average at the end {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    pinning += "; peers: " + (", ".join(f"{n} {peers.version(n)}" for n in bench.peers) or "none")
     return "\n\n".join([
         f"# kilnproxy bench, {started:%Y-%m-%d %H:%M} UTC",
         machine() + f"\n- {pinning}\n- `make bench` ({bench.args.rounds} rounds, {bench.args.seconds:g} s per "

@@ -14,8 +14,8 @@ from typing import Any, Iterable
 from aiohttp import web
 
 from . import admin, handlers
-from .appkeys import GATEWAY
-from .completions import chat_completions, completions
+from .appkeys import GATEWAY, HOT_ROUTES
+from .completions import chat_completions, completions, hot_routes
 from .config import Config
 from .errors import GatewayError
 from .gateway import Gateway
@@ -31,7 +31,9 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     gateway = Gateway(config, build_plugin_manager(config, extra_plugins))
     app = web.Application(middlewares=[json_errors], client_max_size=config.server.max_request_bytes)
     app[GATEWAY] = gateway
+    app[HOT_ROUTES] = hot_routes(gateway)  # answered by the server's own route table (kilnproxy.fastpath)
     app.cleanup_ctx.append(_gateway_ctx)
+    # also here: a path with a query string or an escape, or an Expect header, comes through the router
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", handlers.list_models)

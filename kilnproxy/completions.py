@@ -12,6 +12,8 @@ import asyncio
 import logging
 import os
 import time
+from functools import partial
+from typing import Callable
 
 import aiohttp
 import orjson
@@ -49,15 +51,21 @@ new_generation_id = _generation_ids().__next__
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await handle(request, "completions")
+    return await handle(request, request.app[GATEWAY], "completions")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await handle(request, "chat/completions")
+    return await handle(request, request.app[GATEWAY], "chat/completions")
 
 
-async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
-    gw = request.app[GATEWAY]
+def hot_routes(gw: Gateway) -> dict[tuple[str, str], Callable]:
+    """The endpoints of this module for the server's own route table (``fastpath``)."""
+    return {("POST", "/v1/completions"): partial(handle, gw=gw, endpoint="completions"),
+            ("POST", "/v1/chat/completions"): partial(handle, gw=gw, endpoint="chat/completions")}
+
+
+async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.StreamResponse:
+    """The request's whole path (a plain ``BaseRequest`` from the route table, or the app's ``Request``)."""
     key = gw.keys.authenticate(request.headers.get("Authorization"))  # 401: no org, no row
     call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
     record = RequestRecord(call)
@@ -100,7 +108,7 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         gw.submit(record)  # once only: a no-op when already submitted, the row of a cancelled request otherwise
 
 
-async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
+async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Route, record: RequestRecord,
                   body: dict, headers: dict) -> web.StreamResponse:
     payload = orjson.dumps(body)
     if record.tap is not None:

@@ -24,6 +24,9 @@ plugins should only ever see rows that are on disk (what ``GET
 store at start-up, so the store is chosen by the gateway (``Gateway(ledger=...)``),
 not by whichever plugins happen to load.
 
+WAL checkpoints run in the background (``checkpoint.Checkpointer``): a
+commit is one group commit and never a checkpoint's copy and fsyncs.
+
 ``stats()`` gives ops metrics for free: rows queued, transactions and rows
 committed, failed attempts, and the last commit's duration.
 """
@@ -40,6 +43,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import aiosqlite
 
+from .checkpoint import Checkpointer
 from .errors import StorageError
 from .record import COLUMNS
 
@@ -115,9 +119,11 @@ class Ledger(Protocol):
 class SQLiteLedger:
     RETRY_SECONDS = 0.2
 
-    def __init__(self, path: Path, on_commit: CommitListener | None = None):
+    def __init__(self, path: Path, on_commit: CommitListener | None = None,
+                 checkpointer: Checkpointer | None = None):
         self.path = Path(path)
         self.on_commit = on_commit
+        self.checkpointer = checkpointer or Checkpointer(self.path)
         self._db: aiosqlite.Connection | None = None
         self._pending: list[tuple[dict[str, Any], asyncio.Future, Any]] = []
         self._wake = asyncio.Event()
@@ -134,7 +140,9 @@ class SQLiteLedger:
             await asyncio.to_thread(_prepare, self.path)
             # autocommit: one INSERT of many rows is one transaction and one trip to the db thread
             self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
-            await self._db.execute("PRAGMA synchronous=NORMAL")
+            for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0"):  # checkpoints: the Checkpointer's job
+                # fetchall: a statement left unfinished holds a read snapshot, and no checkpoint could end
+                await self._db.execute_fetchall(f"PRAGMA {pragma}")
         except (sqlite3.Error, OSError) as exc:
             if self._db is not None:
                 await self._db.close()
@@ -143,6 +151,7 @@ class SQLiteLedger:
                                " (check [storage] path, its permissions, and that no other program"
                                " holds a lock on it)") from None
         self._db.row_factory = sqlite3.Row
+        await self.checkpointer.start()
         self._writer = asyncio.create_task(self._write_loop(), name="kilnproxy-ledger-writer")
 
     def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
@@ -167,7 +176,10 @@ class SQLiteLedger:
                 continue
             batch, self._pending = self._pending, []
             started = loop.time()
+            if self.checkpointer.over_bound():
+                await self._truncate_wal()
             await self._commit([row for row, _, _ in batch])
+            self.checkpointer.committed()
             self.commits += 1
             self.rows_committed += len(batch)
             self.last_commit_seconds = loop.time() - started
@@ -198,6 +210,14 @@ class SQLiteLedger:
                 pass
             await asyncio.sleep(self.RETRY_SECONDS)
 
+    async def _truncate_wal(self) -> None:
+        try:
+            async with self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
+                busy, _, _ = await cur.fetchone()
+            self.checkpointer.truncations += 1 - busy
+        except sqlite3.Error as exc:  # readers in the way: the commit goes on, the next batch tries again
+            log.warning("usage ledger: WAL checkpoint at its size bound failed: %s", exc)
+
     async def _insert(self, values: list[tuple]) -> None:
         if len(values) <= ROWS_PER_INSERT:
             await self._db.execute(_insert_rows(len(values)), [v for row in values for v in row])
@@ -221,6 +241,7 @@ class SQLiteLedger:
             self._wake.set()
             await self._writer
             self._writer = None
+            await self.checkpointer.stop()
         if self._db is not None:
             await self._db.close()
             self._db = None

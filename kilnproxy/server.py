@@ -17,6 +17,8 @@ from typing import Callable
 from aiohttp import web
 
 from .app import create_app
+from .appkeys import HOT_ROUTES
+from .fastpath import FastRunner
 from .config import Config
 from .mock_upstream import create_mock_app
 
@@ -45,8 +47,12 @@ class Running:
 
 
 async def start_app(app: web.Application, host: str, port: int) -> Running:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_SECONDS)
+    """A gateway app's hot endpoints (``HOT_ROUTES``) go to the server's own route table."""
+    options = dict(handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS)
+    if HOT_ROUTES in app:
+        runner = FastRunner(app, app[HOT_ROUTES], **options)
+    else:
+        runner = web.AppRunner(app, **options)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
     try:

@@ -18,6 +18,7 @@ from typing import Mapping
 
 import aiohttp
 import orjson
+from aiohttp.payload import BytesPayload
 
 from .config import ModelConfig, ServerConfig
 from .errors import UpstreamFailure, no_backend_available
@@ -105,7 +106,8 @@ class Route:
             last = i == len(candidates) - 1
             upstream.in_flight += 1
             try:
-                resp = await session.post(upstream.urls[endpoint], data=body, headers=self.headers)
+                # a BytesPayload: aiohttp then skips its search of the payload registry
+                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=self.headers)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 upstream.in_flight -= 1
                 upstream.failed()
@@ -144,5 +146,8 @@ def client_session(server: ServerConfig) -> aiohttp.ClientSession:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=server.upstream_connect_timeout,
                                     sock_read=server.upstream_idle_timeout)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=False)
+    # No cookie jar: a cookie an upstream sets must never ride along on other clients' requests
+    # (and matching cookies costs every request a pass through the jar).
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                 skip_auto_headers=("User-Agent",), raise_for_status=False)
+                                 skip_auto_headers=("User-Agent",), raise_for_status=False,
+                                 cookie_jar=aiohttp.DummyCookieJar())

@@ -157,3 +157,35 @@ async def test_a_plain_500_fails_the_request_but_never_marks_the_server_down(har
             assert r.status == 502
         async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}) as r:
             assert r.status == 503  # two 503s in a row: marked down
+
+
+async def test_a_cookie_an_upstream_sets_is_never_sent_back(harness):
+    """The upstream session keeps no cookies: one client's answer must not shape another's request
+    (by host name: aiohttp's jar ignores cookies of a bare IP address anyway)."""
+    from aiohttp import web
+
+    from kilnproxy.server import start_app
+
+    seen = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        body = await request.json()
+        resp = web.json_response({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+                                  "choices": [{"index": 0, "text": " x", "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        resp.set_cookie("session", f"client-{len(seen)}")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    upstream = await start_app(app, "127.0.0.1", 0)
+    try:
+        by_name = f"http://localhost:{upstream.port}/v1"
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[by_name])) as h:
+            for _ in range(3):
+                async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi"}) as resp:
+                    assert resp.status == 200
+    finally:
+        await upstream.stop()
+    assert seen == [None, None, None]

@@ -1,0 +1,112 @@
+"""SQLite WAL checkpoints off the commit path.
+
+By default SQLite checkpoints inside whichever commit pushes the WAL past
+1000 pages: that commit copies the WAL into the database and fsyncs both
+files (about 10 ms on an ordinary disk), and the response waiting for its row
+waits for all of it. The ledger's writer turns that off
+(``PRAGMA wal_autocheckpoint=0``) and starts a ``Checkpointer``:
+
+- In the background: after a commit, at most once per ``interval`` seconds,
+  a PASSIVE checkpoint on a connection of its own, in a thread of its own at
+  the lowest CPU priority (on a gateway pinned to one core it must not take
+  the core from the event loop). PASSIVE never waits for the writer or for
+  readers; it copies what it can, and a commit running beside it is not held.
+- The bound: SQLite starts the WAL again from its beginning only at a write
+  that finds every frame copied, which a load that never pauses may not give.
+  So when the WAL file has grown past ``max_wal_bytes``, the writer itself
+  checkpoints (TRUNCATE) between two commits. The background has copied most
+  frames by then, so this is rare (once per ``max_wal_bytes`` written) and
+  short; the WAL file never grows much past ``max_wal_bytes``.
+
+Durability is unchanged: a checkpoint moves committed rows from one file to
+the other, and SQLite fsyncs before it lets the WAL be overwritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sqlite3
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+log = logging.getLogger("kilnproxy.ledger")
+
+LOWEST_PRIORITY = 19
+
+
+class Checkpointer:
+    def __init__(self, path: Path, interval: float = 1.0, max_wal_bytes: int = 64 << 20):
+        self.path = Path(path)
+        self.wal = Path(f"{self.path}-wal")
+        self.interval = interval
+        self.max_wal_bytes = max_wal_bytes
+        self.checkpoints = 0          # background checkpoints run
+        self.truncations = 0          # checkpoints the writer ran because the WAL reached its bound
+        self.last = (0, 0)            # (frames in the WAL, frames copied) at the last background checkpoint
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kilnproxy-checkpoint")
+        self._db: sqlite3.Connection | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._thread, self._connect)
+        self._task = asyncio.create_task(self._loop(), name="kilnproxy-checkpoint")
+
+    def committed(self) -> None:
+        """Called by the writer after each commit: cheap, never blocks."""
+        self._wake.set()
+
+    def over_bound(self) -> bool:
+        """True when the WAL file has grown past ``max_wal_bytes`` (the writer then truncates it)."""
+        try:
+            return os.stat(self.wal).st_size > self.max_wal_bytes
+        except FileNotFoundError:
+            return False
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._thread, self._close)
+        self._thread.shutdown(wait=True)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await loop.run_in_executor(self._thread, self._checkpoint)
+            if self.interval:
+                await asyncio.sleep(self.interval)
+
+    def _connect(self) -> None:
+        try:  # Linux: a thread's nice value is its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        except (OSError, AttributeError):
+            pass
+        self._db = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA synchronous=NORMAL")
+
+    def _checkpoint(self) -> None:
+        try:
+            # fetchall: a statement left unfinished would hold a read snapshot, and no checkpoint could end
+            (busy, frames, copied), = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as exc:  # e.g. the writer is truncating right now: the next one will do
+            log.debug("background checkpoint skipped: %s", exc)
+            return
+        self.checkpoints += 1
+        self.last = (frames, copied)
+
+    def _close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None

@@ -1,0 +1,82 @@
+"""WAL checkpoints never run inside a commit: a background checkpointer copies the WAL back, and
+the WAL file stays within its bound however many commits come without a pause."""
+
+import sqlite3
+
+from kilnproxy.checkpoint import Checkpointer
+from kilnproxy.ledger import SQLiteLedger
+from kilnproxy.record import COLUMNS
+
+PAGE = 4096
+COMMITS = 1500  # each commit appends a few pages: far past SQLite's own 1000-page checkpoint
+
+
+def row(i: int) -> dict:
+    values = dict.fromkeys(COLUMNS, 0)
+    values.update(id=f"gen-{i:024x}", created_at=f"2026-11-30T10:00:{i % 60:02d}.000+00:00", org="acme",
+                  key_id="acme-key", model="m", endpoint="completions", error_code=None, finish_reason="stop")
+    return values
+
+
+async def commit_one_by_one(ledger: SQLiteLedger, n: int) -> list[int]:
+    """Commit ``n`` rows one transaction each; the WAL file's size after each."""
+    sizes = []
+    for i in range(n):
+        await ledger.submit(row(i))
+        sizes.append(ledger.checkpointer.wal.stat().st_size)
+    return sizes
+
+
+def count_rows(path) -> int:
+    db = sqlite3.connect(path)
+    try:
+        return db.execute("SELECT COUNT(*) FROM usage_events").fetchone()[0]
+    finally:
+        db.close()
+
+
+async def test_commits_run_no_checkpoint_of_their_own(tmp_path):
+    """The background checkpointer runs once (after the first commit) and then waits an hour:
+    the WAL keeps every later frame, which SQLite's own checkpoint would have copied back at 1000 pages."""
+    checkpointer = Checkpointer(tmp_path / "usage.db", interval=3600)
+    ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
+    await ledger.open()
+    try:
+        sizes = await commit_one_by_one(ledger, COMMITS)
+        assert checkpointer.checkpoints == 1 and checkpointer.truncations == 0
+        assert sizes[-1] > 1200 * PAGE
+    finally:
+        await ledger.close()
+    assert count_rows(tmp_path / "usage.db") == COMMITS
+
+
+async def test_the_background_checkpoint_copies_every_frame_back(tmp_path, eventually):
+    checkpointer = Checkpointer(tmp_path / "usage.db", interval=0)
+    ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
+    await ledger.open()
+    try:
+        await commit_one_by_one(ledger, 300)
+        await eventually(lambda: checkpointer.last[0] > 0 and checkpointer.last[0] == checkpointer.last[1])
+        assert checkpointer.truncations == 0
+    finally:
+        await ledger.close()
+    assert count_rows(tmp_path / "usage.db") == 300
+
+
+async def test_the_wal_stays_within_its_bound(tmp_path, eventually):
+    """Commits without a pause and a checkpointer that does not keep up (it runs once, after the
+    first commit, then waits an hour): the writer truncates the WAL whenever it has grown past its
+    bound, so it never gets past it by more than a commit's pages."""
+    bound = 64 * PAGE
+    checkpointer = Checkpointer(tmp_path / "usage.db", interval=3600, max_wal_bytes=bound)
+    ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
+    await ledger.open()
+    try:
+        await ledger.submit(row(-1))
+        await eventually(lambda: checkpointer.checkpoints == 1)  # done: it holds no lock from here on
+        sizes = await commit_one_by_one(ledger, COMMITS)
+    finally:
+        await ledger.close()
+    assert max(sizes) <= bound + 16 * PAGE, max(sizes)
+    assert checkpointer.truncations >= 10
+    assert count_rows(tmp_path / "usage.db") == COMMITS + 1
