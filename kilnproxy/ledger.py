@@ -1,11 +1,13 @@
 """The usage ledger: one SQLite row per request, written by group commit.
 
 ``Ledger`` is the interface the request path uses; ``SQLiteLedger`` is the
-store shipped today (a PostgreSQL one can slot in behind the same methods).
+store of one gateway process (``kilnproxy.pg_store.PostgresStore`` the one
+of several replicas).
 
 The request path calls ``submit(row)``, which never blocks and never raises:
-the row goes on a queue and a future is returned. One writer task takes
-everything queued, inserts it in one transaction and resolves the futures.
+the row goes on a queue and a future is returned. One writer task
+(``kilnproxy.batches``) takes everything queued, inserts it in one
+transaction and resolves the futures.
 The request awaits its future before the response ends, so a response a client
 saw end always has its row on disk (WAL, ``synchronous=NORMAL``: a committed
 transaction survives the gateway being killed; only a power cut could lose the
@@ -43,6 +45,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import aiosqlite
 
+from .batches import Batches
 from .checkpoint import Checkpointer
 from .errors import StorageError
 from .record import COLUMNS
@@ -91,7 +94,7 @@ CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
 
 
 class Ledger(Protocol):
-    """What the gateway needs of a usage store (SQLite today, PostgreSQL next)."""
+    """What the gateway needs of a usage store (SQLite, or PostgreSQL for several replicas)."""
 
     async def open(self) -> None:
         """Connect and prove the store can be written; ``StorageError`` (one line) if not."""
@@ -125,14 +128,8 @@ class SQLiteLedger:
         self.on_commit = on_commit
         self.checkpointer = checkpointer or Checkpointer(self.path)
         self._db: aiosqlite.Connection | None = None
-        self._pending: list[tuple[dict[str, Any], asyncio.Future, Any]] = []
-        self._wake = asyncio.Event()
-        self._writer: asyncio.Task | None = None
-        self._closing = False
-        self.commits = 0
-        self.rows_committed = 0
+        self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
         self.commit_failures = 0
-        self.last_commit_seconds = 0.0
 
     async def open(self) -> None:
         try:
@@ -152,47 +149,33 @@ class SQLiteLedger:
                                " holds a lock on it)") from None
         self._db.row_factory = sqlite3.Row
         await self.checkpointer.start()
-        self._writer = asyncio.create_task(self._write_loop(), name="kilnproxy-ledger-writer")
+        self.rows.start()
 
     def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
         """Queue ``row``; the future resolves once it is committed. ``tag`` is handed
         back to ``on_commit`` with the row."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((row, future, tag))
-        self._wake.set()
-        return future
+        return self.rows.add(row, tag)
 
     def queue_depth(self) -> int:
-        return len(self._pending)
+        return self.rows.queue_depth()
 
-    async def _write_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if not self._pending:
-                if self._closing:
-                    return
-                continue
-            batch, self._pending = self._pending, []
-            started = loop.time()
-            if self.checkpointer.over_bound():
-                await self._truncate_wal()
-            await self._commit([row for row, _, _ in batch])
-            self.checkpointer.committed()
-            self.commits += 1
-            self.rows_committed += len(batch)
-            self.last_commit_seconds = loop.time() - started
-            for _, future, _ in batch:
-                if not future.done():
-                    future.set_result(None)
-            if self.on_commit is not None:
-                self.on_commit([(row, tag) for row, _, tag in batch])
-            if self._pending:
-                self._wake.set()
+    @property
+    def commits(self) -> int:
+        return self.rows.batches
+
+    @property
+    def last_commit_seconds(self) -> float:
+        return self.rows.last_batch_seconds
+
+    def _committed(self, batch: list[tuple[dict[str, Any], Any]]) -> None:
+        self.checkpointer.committed()
+        if self.on_commit is not None:
+            self.on_commit(batch)
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
+        if self.checkpointer.over_bound():
+            await self._truncate_wal()
         params = [_values(r) for r in rows]
         while True:
             try:
@@ -231,18 +214,15 @@ class SQLiteLedger:
     def stats(self) -> dict[str, float]:
         """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,
         failed commit attempts, and how long the last commit took (seconds)."""
-        return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
-                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds}
+        return {"queue_depth": self.rows.queue_depth(), "commits": self.rows.batches,
+                "rows_committed": self.rows.items_done, "commit_failures": self.commit_failures,
+                "last_commit_seconds": self.rows.last_batch_seconds}
 
     async def close(self) -> None:
         """Commit everything queued, then close the database."""
-        if self._writer is not None:
-            self._closing = True
-            self._wake.set()
-            await self._writer
-            self._writer = None
-            await self.checkpointer.stop()
+        await self.rows.close()
         if self._db is not None:
+            await self.checkpointer.stop()
             await self._db.close()
             self._db = None
 
