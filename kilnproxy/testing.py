@@ -30,6 +30,15 @@ the usage table as dicts, ``h.mock_requests()`` what the mock received (what
 ``rewrite_request`` left), ``h.usage_recorded()`` waits until every row so far
 has been through the ``record_usage`` plugins, and ``h.gw`` is the running
 ``Gateway``.
+
+Against a recorded real model server instead of the mock: ``replay=`` takes
+a fixture file, a folder of them, a list, or ``Replay(*sources, timing=True)``
+(docs/fixtures.md). The model's ``upstream_model`` becomes the fixtures'
+model, so a request built with ``h.client_body()`` reaches the upstream with
+the recorded body; ``h.fixtures`` are the loaded fixtures. ``RECORDINGS`` is
+the folder of the fixtures shipped with kilnproxy (``llamacpp/``: llama.cpp
+serving Gemma 3 270M), and ``sse_frames`` / ``sse_events`` read what a
+client got.
 """
 
 from __future__ import annotations
@@ -41,17 +50,41 @@ from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp
+import orjson
 
 from .app import create_app
 from .appkeys import GATEWAY
 from .config import parse_config
+from .fixture import Fixture, load_all
 from .gateway import Gateway
+from .replay import create_replay_app
 from .server import Running, start_app, start_mock
+from .sse import COMMENT, DONE, SSEParser
 
 KEY = "sk-test-acme"
 OTHER_KEY = "sk-test-globex"
 MODEL = "test-model"
 UPSTREAM_MODEL = "org/Test-Model-7B"
+RECORDINGS = Path(__file__).parent / "recordings"
+
+
+class Replay:
+    """A replaying upstream: the fixtures of ``sources`` (files, folders or ``Fixture`` objects),
+    with their recorded delays when ``timing`` is true, else as fast as possible."""
+
+    def __init__(self, *sources: Any, timing: bool = False):
+        self.fixtures = [s for s in sources if isinstance(s, Fixture)]
+        self.fixtures += load_all(*(s for s in sources if not isinstance(s, Fixture)))
+        self.timing = timing
+
+    @classmethod
+    def of(cls, replay: Any) -> "Replay":
+        if isinstance(replay, Replay):
+            return replay
+        return cls(*replay) if isinstance(replay, (list, tuple)) else cls(replay)
+
+    async def start(self) -> Running:
+        return await start_app(create_replay_app(self.fixtures, timing=self.timing), "127.0.0.1", 0)
 
 
 def base_config(mock_url: str, db: Path) -> dict[str, Any]:
@@ -96,6 +129,51 @@ def completion_body(stream: bool = False, **extra: Any) -> dict[str, Any]:
     return out
 
 
+class Recorder:
+    """``async with Recorder(upstream_url, out_dir) as rec``: the recording pass-through of
+    ``python -m kilnproxy record`` on a free port; send requests to ``rec.url``; ``rec.saved``
+    lists the fixture files written so far."""
+
+    def __init__(self, upstream: str, out: Path, secrets: tuple[str, ...] = ()):
+        from .recorder import create_recorder_app
+        self.app = create_recorder_app(upstream, out, secrets)
+        self.running: Running | None = None
+
+    async def __aenter__(self) -> "Recorder":
+        self.running = await start_app(self.app, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.running.stop()
+
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def saved(self) -> list[Path]:
+        from .recorder import SAVED
+        return self.app[SAVED]
+
+
+def sse_frames(raw: bytes) -> list[bytes]:
+    """A gateway's SSE body as its frames, checked: one ``data:`` or comment line and a blank line
+    each, and the body ends right after its one ``data: [DONE]``."""
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    parts = raw[:-2].split(b"\n\n")
+    for part in parts:
+        assert b"\n" not in part and b"\r" not in part and (part[:6] == b"data: " or part[:1] == b":"), part
+    assert parts.count(b"data: [DONE]") == 1, parts
+    return parts
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """The JSON events of an SSE body (comments and ``[DONE]`` left out)."""
+    parser = SSEParser()
+    items = parser.feed(raw) + parser.close()
+    return [orjson.loads(p) for kind, p in items if kind != COMMENT and p != DONE]
+
+
 def free_port() -> int:
     """A loopback port nobody listens on (for a dead upstream or a process to start)."""
     with socket.socket() as s:
@@ -112,7 +190,8 @@ class Harness:
     def __init__(self, tmp_path: Path, *, plugins: list[Any] | None = None,
                  settings: dict[str, dict] | None = None, overrides: dict[str, Any] | None = None,
                  mock_options: dict[str, Any] | None = None, entry_points: bool = False,
-                 base_dir: Path | None = None, configure: Callable[[dict], None] | None = None):
+                 base_dir: Path | None = None, configure: Callable[[dict], None] | None = None,
+                 replay: Any = None):
         self.tmp_path = Path(tmp_path)
         self.db = self.tmp_path / "usage.db"
         self.plugins = plugins or []
@@ -122,6 +201,8 @@ class Harness:
         self.entry_points = entry_points
         self.base_dir = base_dir or Path.cwd()
         self.configure = configure
+        self.replay = Replay.of(replay) if replay is not None else None
+        self.fixtures: list[Fixture] = self.replay.fixtures if self.replay is not None else []
         self.mock: Running | None = None
         self.gateway: Running | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -129,8 +210,11 @@ class Harness:
         self._clients: list = []
 
     async def __aenter__(self) -> "Harness":
-        self.mock = await start_mock(**self.mock_options)
+        self.mock = await (self.replay.start() if self.replay else start_mock(**self.mock_options))
         self.config = base_config(f"{self.mock.url}/v1", self.db)
+        recorded = [f.model for f in self.fixtures if isinstance(f.model, str)]
+        if recorded:
+            self.config["models"][0]["upstream_model"] = recorded[0]
         modules = [str(p) for p in self.plugins if isinstance(p, (str, Path))]
         objects = [p for p in self.plugins if not isinstance(p, (str, Path))]
         self.config["plugins"] = {"modules": modules, "entry_points": self.entry_points,
@@ -193,6 +277,11 @@ class Harness:
         """``aiohttp`` POST to the gateway with the test key (use as ``async with``)."""
         headers = {**self.headers(key), **kwargs.pop("headers", {})}
         return self.session.post(f"{self.url}{path}", json=json, headers=headers, **kwargs)
+
+    def client_body(self, fixture: Fixture | int = 0) -> Any:
+        """A fixture's request body as a client of this gateway sends it (``model``: the catalog id)."""
+        fixture = self.fixtures[fixture] if isinstance(fixture, int) else fixture
+        return {**fixture.body, "model": self.model} if isinstance(fixture.body, dict) else fixture.body
 
     async def rows(self, **where: Any) -> list[dict[str, Any]]:
         return usage_rows(self.db, **where)
