@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from .fixture import Fixture, truthy
-from .mock_upstream import CHANGED, LOG, STATS, _bump, _make_condition, requests_seen, stats, wait
+from .mock_upstream import CHANGED, LOG, STATS, _bump, _make_condition, health, requests_seen, stats, wait
 
 FIXTURES = web.AppKey("replay_fixtures", list)
 SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
@@ -73,7 +73,7 @@ def create_replay_app(fixtures: list[Fixture], *, timing: bool = False) -> web.A
         return await play(request, fixture, timing)
 
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", lambda request: web.Response(text="ok"))
+    app.router.add_get("/health", health)
     app.router.add_get("/mock/requests", requests_seen)
     app.router.add_get("/mock/stats", stats)
     app.router.add_get("/mock/wait", wait)
