@@ -115,3 +115,17 @@ def test_load_refuses_other_versions_and_names_the_file(tmp_path):
         load_all(tmp_path / "bad.json")
     with pytest.raises(FixtureError, match="no such fixture"):
         load_all(tmp_path / "missing")
+
+
+async def test_harness_takes_fixture_objects_and_the_sdk_matches_by_model_and_stream(harness):
+    answer = {"id": "cmpl-1", "object": "text_completion", "model": "served-name", "choices": [
+        {"index": 0, "text": " recorded", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    recorded = fixture("x", {"model": "served-name", "prompt": "p", "max_tokens": 1}, [orjson.dumps(answer)],
+                       headers={"Content-Type": "application/json"})
+    async with harness(replay=[recorded]) as h:
+        out = await h.openai().completions.create(model=h.model, prompt="something else", max_tokens=2)
+        [seen] = await h.mock_requests()
+        assert h.client_body() == {"model": h.model, "prompt": "p", "max_tokens": 1}
+    assert (out.model, out.choices[0].text, out.usage.completion_tokens) == (h.model, " recorded", 1)
+    assert seen["body"]["model"] == "served-name" and seen["body"]["prompt"] == "something else"
