@@ -22,7 +22,7 @@ FIXTURES = RECORDINGS / "llamacpp"
 UPSTREAM_MODEL = b'"model":"gemma3-270m"'
 PRICING = {"prompt": 0.10, "completion": 0.30}  # kilnproxy.testing's test model
 NON_STREAMED = ["completions", "chat", "chat-n2"]
-STREAMED = ["completions-stream", "chat-stream", "completions-stream-n2"]
+STREAMED = ["completions-stream", "chat-stream", "completions-stream-n2", "completions-stream-pings"]
 
 
 def fixture_path(name: str):
@@ -119,6 +119,8 @@ async def test_streamed_answer_on_the_wire(harness, name, include_usage):
     assert (row["prompt_tokens"], row["completion_tokens"], row["cost"]) == (
         usage["prompt_tokens"], usage["completion_tokens"], cost(usage))
     assert row["finish_reason"] == "length"
+    if name == "completions-stream-pings":  # llama.cpp's ":" while it read the prompt, passed through
+        assert b":" in frames and "prompt_progress" in events[0]
 
 
 async def test_prompt_over_the_context_window_gets_llamas_400_unchanged(harness):

@@ -114,3 +114,14 @@ async def test_an_unreachable_upstream_is_a_502(tmp_path):
         async with http.post(f"{rec.url}/v1/completions", json={"model": "m"}) as resp:
             assert resp.status == 502 and (await resp.text()).startswith("Bad gateway: ")
     assert rec.saved == [] and list(tmp_path.iterdir()) == []
+
+
+async def test_the_pytest_fixture_records_into_the_tests_folder(kilnproxy_recorder, tmp_path):
+    mock = await start_mock()
+    try:
+        async with kilnproxy_recorder(f"{mock.url}/v1") as rec, aiohttp.ClientSession() as http:
+            async with http.post(f"{rec.url}/v1/chat/completions", json={"model": "m", "messages": []}) as resp:
+                assert resp.status == 200
+    finally:
+        await mock.stop()
+    assert rec.saved == [tmp_path / "recorded" / "0001-chat-completions-json-200.json"]

@@ -25,7 +25,7 @@ from kilnproxy.replay import create_replay_app
 from kilnproxy.testing import usage_rows
 
 from .support import GENERATION_HEADER, KEY, MODEL, gateway_toml
-from .test_llama_quirks import DEAD_END, OVERFLOW_PROMPT
+from .test_llama_quirks import DEAD_END, LONG_PROMPT, OVERFLOW_PROMPT
 
 SAMPLING = {"temperature": 0, "seed": 7, "cache_prompt": False}
 PROMPT = {"prompt": "The capital of France is"}
@@ -38,6 +38,8 @@ SCENARIOS = {
     "completions": ("completions", {**PROMPT, "max_tokens": 4, **SAMPLING}),
     "completions-stream": ("completions", {**PROMPT, "max_tokens": 4, **SAMPLING, "stream": True,
                                            "stream_options": {"include_usage": True}}),
+    "completions-stream-pings": ("completions", {"prompt": LONG_PROMPT, "max_tokens": 2, **SAMPLING,
+                                                 "stream": True, "return_progress": True, "sse_ping_interval": 1}),
     "completions-stream-n2": ("completions", {**PROMPT, "max_tokens": 3, "n": 2, **SAMPLING, "stream": True}),
     "chat": ("chat/completions", {**CHAT, "max_tokens": 4, **SAMPLING}),
     "chat-stream": ("chat/completions", {**CHAT, "max_tokens": 4, **SAMPLING, "stream": True}),
