@@ -135,6 +135,8 @@ def cmd_mock(args) -> int:
     if args.replay:
         from .fixture_cli import serve_replay
         return serve_replay(args)
+    if args.timing:
+        raise KilnError("--timing only applies with --replay DIR")
 
     async def main() -> None:
         running = await server.start_mock(args.host, args.port, delay=args.delay,

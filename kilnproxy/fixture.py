@@ -99,7 +99,7 @@ class Fixture:
 
 def truthy(value: Any) -> bool:
     """``stream``'s truth value as SPEC section 4 step 6 reads it."""
-    return value is True or value == "true" or (value == 1 and value is not False)
+    return value is True or value == "true" or (type(value) is int and value == 1)
 
 
 def load(path: Path | str) -> Fixture:

@@ -8,6 +8,7 @@ before its response ends: after the upstream's last byte, before the end of the
 body goes to the client; when the client leaves first, as it leaves
 (``end: client_gone``).
 
+The upstream is asked for an uncompressed body (``Accept-Encoding: identity``).
 A request may name its fixture with the ``X-Kilnproxy-Fixture`` header (not
 forwarded); otherwise the file is ``NNNN-<endpoint>-<stream|json>-<status>.json``
 with the next free number. Nothing secret is written (``kilnproxy.scrub``).
@@ -62,6 +63,7 @@ def create_recorder_app(upstream: str, out: Path, secrets: Iterable[str] = ()) -
         name = request.headers.get(NAME_HEADER)
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in HOP_BY_HOP and k.lower() != NAME_HEADER.lower()}
+        headers["Accept-Encoding"] = "identity"  # readable bytes, and no secret hidden in compressed data
         started = time.perf_counter()
         try:
             up = await app[SESSION].request(request.method, origin + request.path_qs, data=body,

@@ -54,6 +54,7 @@ async def test_bad_arguments_are_one_line_errors(tmp_path):
          "kilnproxy: error: --secret-env KILNPROXY_NO_SUCH_VAR: that variable is not set"),
         (["mock-upstream", "--replay", "empty"], "kilnproxy: error: --replay empty: no *.json fixture in that folder"),
         (["mock-upstream", "--replay", "nowhere"], "kilnproxy: error: nowhere: no such fixture file or folder"),
+        (["mock-upstream", "--timing"], "kilnproxy: error: --timing only applies with --replay DIR"),
         (["replay", "nowhere.json", "--against", "http://127.0.0.1:1/v1"], "kilnproxy: error: nowhere.json: cannot read"),
     ]:
         process = Process(args, tmp_path)

@@ -94,6 +94,7 @@ async def test_no_secret_is_written_in_any_encoding(tmp_path):
         await mock.stop()
     assert bearer.encode() in got  # the client gets what the server sent: only the file is scrubbed
     assert upstream_headers["Authorization"] == f"Bearer {bearer}"
+    assert upstream_headers["Accept-Encoding"] == "identity"  # no secret can hide in a compressed body
     raw = rec.saved[0].read_bytes()
     text = json.dumps(orjson.loads(raw))  # also the JSON-escaped forms
     for secret in (bearer, api_key, in_body, from_env, basic_pass, basic, "cookie-value-99", "p4ssw0rd-nested",
