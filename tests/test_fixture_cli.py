@@ -34,6 +34,11 @@ async def test_record_then_replay_gives_the_same_bytes(tmp_path):
             async with http.post(f"{url}/v1/completions", json=BODY) as resp:
                 live = await resp.read()
             [saved] = out.iterdir()  # written before the response ended
+            big = {**BODY, "mock": {"pad_bytes": 4_000_000}}  # a file that takes a while to write
+            async with http.post(f"{url}/v1/completions", json=big, headers={"X-Kilnproxy-Fixture": "big"}) as resp:
+                assert len(await resp.read()) > 4_000_000
+            assert (out / "big.json").exists()
+            (out / "big.json").unlink()
             url = await started(replayer, "replaying 1 fixture(s)")
             async with http.post(f"{url}/v1/completions", json=BODY) as resp:
                 assert (resp.status, resp.headers["Content-Type"]) == (200, "text/event-stream; charset=utf-8")
