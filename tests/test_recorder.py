@@ -8,6 +8,7 @@ import json
 from urllib.parse import quote
 
 import aiohttp
+import pytest
 import orjson
 
 from kilnproxy.fixture import FORMAT, load
@@ -126,3 +127,17 @@ async def test_the_pytest_fixture_records_into_the_tests_folder(kilnproxy_record
     finally:
         await mock.stop()
     assert rec.saved == [tmp_path / "recorded" / "0001-chat-completions-json-200.json"]
+
+
+async def test_an_upstream_that_breaks_mid_stream_is_recorded_as_reset(tmp_path):
+    mock = await start_mock()
+    body = {"model": "m", "prompt": "p", "max_tokens": 8, "stream": True, "mock": {"fail": "drop", "after": 2}}
+    try:
+        async with Recorder(f"{mock.url}/v1", tmp_path) as rec, aiohttp.ClientSession() as http:
+            async with http.post(f"{rec.url}/v1/completions", json=body) as resp:
+                with pytest.raises(aiohttp.ClientPayloadError):  # the client sees the break too
+                    await resp.read()
+    finally:
+        await mock.stop()
+    fixture = load(rec.saved[0])
+    assert fixture.end == "reset" and fixture.content.count(b"\n\n") == 2
