@@ -8,8 +8,8 @@ import json
 from urllib.parse import quote
 
 import aiohttp
-import pytest
 import orjson
+import pytest
 
 from kilnproxy.fixture import FORMAT, load
 from kilnproxy.server import start_mock
