@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test e2e fixtures bench clean browser
+.PHONY: install run test e2e bench clean browser
 
 $(STAMP): setup.cfg pyproject.toml tests/entrypoint_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,7 @@ $(E2E_STAMP): $(STAMP)
 e2e: $(E2E_STAMP)  ## kilnproxy in front of llama.cpp serving Gemma 3 270M (model cached in .cache/models)
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
+.PHONY: fixtures
 FIXTURES_DIR := kilnproxy/recordings/llamacpp
 
 fixtures: $(E2E_STAMP)  ## re-record the shipped llama.cpp fixtures (make test replays them) from make e2e's server
