@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from .fixture import Fixture, truthy
-from .mock_upstream import CHANGED, LOG, STATS, _bump, _make_condition, health, requests_seen, stats, wait
+from .mock_upstream import CHANGED, LOG, STATS, bump, make_condition, health, requests_seen, stats, wait
 
 FIXTURES = web.AppKey("replay_fixtures", list)
 SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
@@ -51,7 +51,7 @@ def create_replay_app(fixtures: list[Fixture], *, timing: bool = False) -> web.A
     app[FIXTURES] = list(fixtures)
     app[STATS] = {"requests": 0, "open": 0, "hangups": 0, "completed": 0}
     app[LOG] = []
-    app.on_startup.append(_make_condition)
+    app.on_startup.append(make_condition)
 
     async def models(request: web.Request) -> web.Response:
         ids = dict.fromkeys(f.model for f in app[FIXTURES] if isinstance(f.model, str))
@@ -88,7 +88,7 @@ async def play(request: web.Request, fixture: Fixture, timing: bool) -> web.Stre
     response = web.StreamResponse(status=fixture.status, headers={
         k: v for k, v in fixture.headers.items() if k.lower() not in SKIP_HEADERS})
     await response.prepare(request)
-    await _bump(app, "open")
+    await bump(app, "open")
     try:
         for chunk in fixture.chunks:
             if timing and chunk.ms:
@@ -100,10 +100,10 @@ async def play(request: web.Request, fixture: Fixture, timing: bool) -> web.Stre
         if fixture.end == "client_gone":
             await asyncio.Event().wait()  # until the client hangs up and this handler is cancelled
         await response.write_eof()
-        await _bump(app, "completed")
+        await bump(app, "completed")
         return response
     except (asyncio.CancelledError, ConnectionResetError):
-        await _bump(app, "hangups")
+        await bump(app, "hangups")
         raise
     finally:
         app[STATS]["open"] -= 1
