@@ -27,7 +27,7 @@ def shape(status: int, content_type: str, chunks: list[bytes]) -> dict[str, Any]
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
             return {**out, "body": "not JSON"}
-        out["fields"] = sorted(_fields(doc))
+        out["fields"] = _merged([_fields(doc)])
         out["finish reasons"] = _finish_reasons(doc)
         out["usage"] = "in the answer" if isinstance(doc, dict) and doc.get("usage") else "none"
         return out
@@ -45,7 +45,7 @@ def shape(status: int, content_type: str, chunks: list[bytes]) -> dict[str, Any]
         "error event": _error_at(events),
     }
     out["usage"] = _usage_placement(events)
-    out["fields"] = sorted(set().union(*(_fields(e) for e in events if isinstance(e, dict))) if events else set())
+    out["fields"] = _merged(_fields(e) for e in events if isinstance(e, dict))
     out["finish reasons"] = [r for e in events for r in _finish_reasons(e)]
     return out
 
@@ -85,6 +85,15 @@ def _fields(value: Any, path: str = "") -> set[str]:
         return inner or {f"{path}: array"}
     kind = {bool: "bool", int: "number", float: "number", str: "string", type(None): "null"}.get(type(value), "?")
     return {f"{path}: {kind}"}
+
+
+def _merged(field_sets) -> list[str]:
+    """The fields of all events; an empty array or object where other events have contents is not
+    a field of its own (``choices: []`` beside ``choices[].text``)."""
+    fields = set().union(set(), *field_sets)
+    paths = {f.split(": ")[0] for f in fields}
+    return sorted(f for f in fields if not (f.endswith((": array", ": object")) and any(
+        p.startswith(f.split(": ")[0] + c) for p in paths for c in ("[]", "."))))
 
 
 def _finish_reasons(doc: Any) -> list[str]:
