@@ -82,16 +82,21 @@ def cmd_replay(args) -> int:
     from .shape import differences, shape
     fixture = load(args.fixture)
     recorded = shape(fixture.status, fixture.headers.get("Content-Type", ""), [c.data for c in fixture.chunks])
-    status, content_type, chunks = asyncio.run(ask(fixture, args.against, args.model))
+    frames = fixture.content.count(b"\n\n") if fixture.end == "client_gone" else None
+    status, content_type, chunks = asyncio.run(ask(fixture, args.against, args.model, frames))
     lines = differences(recorded, shape(status, content_type, chunks))
+    if frames is not None:
+        print(f"(its client left after {frames} frames: those are compared)")
     for line in lines:
         print(line)
     print(f"{args.fixture}: {len(lines)} difference(s) in shape against {args.against}")
     return 1 if lines else 0
 
 
-async def ask(fixture: Fixture, url: str, model: str | None) -> tuple[int, str, list[bytes]]:
-    """Send the fixture's request to ``url``; the answer's status, content type and chunks."""
+async def ask(fixture: Fixture, url: str, model: str | None,
+              frames: int | None = None) -> tuple[int, str, list[bytes]]:
+    """Send the fixture's request to ``url``; the answer's status, content type and chunks (only its
+    first ``frames`` SSE frames when given, as the recording's client did)."""
     body = fixture.body
     if model is not None and isinstance(body, dict):
         body = {**body, "model": model}
@@ -100,6 +105,13 @@ async def ask(fixture: Fixture, url: str, model: str | None) -> tuple[int, str, 
         async with aiohttp.ClientSession(auto_decompress=True) as session:
             send = {"data": body.encode()} if isinstance(body, str) else {"json": body}
             async with session.request(fixture.method, origin + fixture.path, **send) as resp:
-                return resp.status, resp.headers.get("Content-Type", ""), [c async for c in resp.content.iter_any()]
+                chunks = []
+                async for chunk in resp.content.iter_any():
+                    chunks.append(chunk)
+                    if frames is not None and b"".join(chunks).count(b"\n\n") >= frames:
+                        kept = b"".join(chunks).split(b"\n\n")[:frames]
+                        chunks = [b"".join(f + b"\n\n" for f in kept)]
+                        break
+                return resp.status, resp.headers.get("Content-Type", ""), chunks
     except aiohttp.ClientError as exc:
         raise KilnError(f"{url}: {type(exc).__name__}: {exc}") from None

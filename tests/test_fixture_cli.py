@@ -95,3 +95,27 @@ async def test_replay_against_shows_what_differs_in_shape(tmp_path):
     assert "finish reasons: ['length'] -> ['length']" not in lines
     assert lines[-1] == f"{fixture}: {len(lines) - 1} difference(s) in shape against {vllm.url}/v1"
     assert orjson.loads(fixture.read_bytes())["request"]["body"] == BODY
+
+
+async def test_replay_against_compares_only_what_a_leaving_client_read(tmp_path, eventually):
+    from kilnproxy.testing import Recorder
+    mock = await start_mock(flavor="llamacpp")
+    body = {**BODY, "max_tokens": 200, "mock": {"delay": 0.01}}
+    try:
+        async with Recorder(f"{mock.url}/v1", tmp_path) as rec, aiohttp.ClientSession() as http:
+            resp = await http.post(f"{rec.url}/v1/completions", json=body)
+            got = b""
+            while got.count(b"\n\n") < 3:
+                got += await resp.content.readany()
+            resp.close()
+            await eventually(lambda: rec.saved)
+        process = Process(["replay", str(rec.saved[0]), "--against", f"{mock.url}/v1"], tmp_path)
+        await process.start()
+        code = await process.wait()
+    finally:
+        await mock.stop()
+    frames = orjson.loads(rec.saved[0].read_bytes())
+    n = "".join(c["text"] for c in frames["response"]["chunks"]).count("\n\n")
+    assert (code, process.lines["stdout"]) == (0, [
+        f"(its client left after {n} frames: those are compared)",
+        f"{rec.saved[0]}: 0 difference(s) in shape against {mock.url}/v1"])
