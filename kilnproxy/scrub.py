@@ -10,8 +10,8 @@ header values, the values of secret-named fields of its JSON body, and any
 * replaces the value of every secret-named field of a JSON body with
   ``[REDACTED]``, at any depth;
 * masks every occurrence of a secret, as is, base64 (standard and URL-safe,
-  padded or not), hex, URL-encoded or JSON-escaped, and every ``Bearer <token>``,
-  with ``*`` of the same length, so that the response's chunk boundaries stay
+  padded or not), hex, URL-encoded or JSON-escaped, and every ``Bearer <token>``
+  (a token with a digit) and ``Basic <user:password in base64>``, with ``*`` of the same length, so that the response's chunk boundaries stay
   where they were.
 """
 
@@ -27,7 +27,9 @@ import orjson
 REDACTED = "[REDACTED]"
 MIN_SECRET = 4  # shorter values would mask ordinary text
 SECRET_NAME = re.compile(r"auth|cookie|key|token|secret|passw|credential|session", re.I)
-BEARER = re.compile(rb"(?i)\b(bearer|basic)\s+([A-Za-z0-9._~+/=:-]{4,})")
+# "Bearer <token>" / "Basic <base64 of user:password>" in a body: a token has a digit, which keeps
+# ordinary prose ("the bearer of good news") out.
+CREDENTIAL = re.compile(rb"\b([Bb]earer|[Bb]asic|BEARER|BASIC)\s+([A-Za-z0-9._~+/=-]{8,})")
 
 
 class Scrubber:
@@ -85,8 +87,7 @@ class Scrubber:
 
     def data(self, data: bytes) -> bytes:
         """``data`` with every secret masked; the same length as ``data``."""
-        data = BEARER.sub(lambda m: m.group(1) + m.group(0)[len(m.group(1)):-len(m.group(2))]
-                          + b"*" * len(m.group(2)), data)
+        data = CREDENTIAL.sub(_mask_credential, data)
         pattern = self.pattern()
         return data if pattern is None else pattern.sub(lambda m: b"*" * len(m.group(0)), data)
 
@@ -115,6 +116,20 @@ HARMLESS = {"prompt_cache_key"}
 
 def _secret_name(name: str) -> bool:
     return bool(SECRET_NAME.search(name)) and name not in HARMLESS and not name.endswith("tokens")
+
+
+def _mask_credential(match: re.Match) -> bytes:
+    scheme, token = match.group(1), match.group(2)
+    if scheme.lower() == b"basic":
+        try:
+            credential = b":" in base64.b64decode(token, validate=True)
+        except ValueError:
+            credential = False
+    else:
+        credential = any(c in b"0123456789" for c in token)
+    if not credential:
+        return match.group(0)
+    return match.group(0)[:-len(token)] + b"*" * len(token)
 
 
 def _secret_values(body: Any) -> Iterable[str]:
