@@ -57,6 +57,7 @@ from .appkeys import GATEWAY
 from .config import parse_config
 from .fixture import Fixture, load_all
 from .gateway import Gateway
+from .recorder import SAVED, create_recorder_app
 from .replay import create_replay_app
 from .server import Running, start_app, start_mock
 from .sse import COMMENT, DONE, SSEParser
@@ -135,7 +136,6 @@ class Recorder:
     lists the fixture files written so far."""
 
     def __init__(self, upstream: str, out: Path, secrets: tuple[str, ...] = ()):
-        from .recorder import create_recorder_app
         self.app = create_recorder_app(upstream, out, secrets)
         self.running: Running | None = None
 
@@ -152,7 +152,6 @@ class Recorder:
 
     @property
     def saved(self) -> list[Path]:
-        from .recorder import SAVED
         return self.app[SAVED]
 
 
@@ -210,7 +209,7 @@ class Harness:
         self._clients: list = []
 
     async def __aenter__(self) -> "Harness":
-        self.mock = await (self.replay.start() if self.replay else start_mock(**self.mock_options))
+        self.mock = await (self.replay.start() if self.replay is not None else start_mock(**self.mock_options))
         self.config = base_config(f"{self.mock.url}/v1", self.db)
         recorded = [f.model for f in self.fixtures if isinstance(f.model, str)]
         if recorded:
