@@ -65,7 +65,8 @@ def create_replay_app(fixtures: list[Fixture], *, timing: bool = False) -> web.A
             body = raw.decode("utf-8", "replace")
         app[STATS]["requests"] += 1
         fixture = find(app[FIXTURES], request.method, request.path, body)
-        app[LOG].append({"path": request.path, "body": body, "headers": {str(k): v for k, v in request.headers.items()},
+        app[LOG].append({"path": request.path, "body": body,
+                         "headers": {str(k): v for k, v in request.headers.items()},
                          "fixture": fixture.file.name if fixture is not None and fixture.file else None})
         del app[LOG][:-200]
         if fixture is None:

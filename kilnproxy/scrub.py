@@ -1,8 +1,8 @@
 """What keeps secrets out of fixtures: no credential header, no known secret in any usual encoding.
 
 ``Scrubber`` learns the secrets of one exchange (the request's
-``Authorization``, ``Proxy-Authorization``, ``Cookie`` and ``*-Key`` / ``*-Token``
-header values, the values of secret-named fields of its JSON body, and any
+``Authorization`` (for ``Basic``, also the password alone), ``Proxy-Authorization``,
+``Cookie`` and ``*-Key`` / ``*-Token`` header values, the values of secret-named fields of its JSON body, and any
 ``extra`` value such as an upstream key read from the environment), then:
 
 * drops response headers whose name says credential (``Set-Cookie``,
@@ -11,8 +11,8 @@ header values, the values of secret-named fields of its JSON body, and any
   ``[REDACTED]``, at any depth;
 * masks every occurrence of a secret, as is, base64 (standard and URL-safe,
   padded or not), hex, URL-encoded or JSON-escaped, and every ``Bearer <token>``
-  (a token with a digit) and ``Basic <user:password in base64>``, with ``*`` of the same length, so that the response's chunk boundaries stay
-  where they were.
+  (a token with a digit) and ``Basic <user:password in base64>``, with ``*`` of
+  the same length, so that the response's chunk boundaries stay where they were.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class Scrubber:
                 except ValueError:
                     return
                 self._add(plain)
-                for part in plain.split(":", 1):
-                    self._add(part)
+                self._add(plain.partition(":")[2])  # the password; a user name is no secret
         for part in re.split(r"[;,]\s*", value):  # Cookie: a=1; b=2
             self._add(part.partition("=")[2])
 

@@ -60,7 +60,8 @@ async def test_bad_arguments_are_one_line_errors(tmp_path):
         (["mock-upstream", "--replay", "empty"], "kilnproxy: error: --replay empty: no *.json fixture in that folder"),
         (["mock-upstream", "--replay", "nowhere"], "kilnproxy: error: nowhere: no such fixture file or folder"),
         (["mock-upstream", "--timing"], "kilnproxy: error: --timing only applies with --replay DIR"),
-        (["replay", "nowhere.json", "--against", "http://127.0.0.1:1/v1"], "kilnproxy: error: nowhere.json: cannot read"),
+        (["replay", "nowhere.json", "--against", "http://127.0.0.1:1/v1"],
+         "kilnproxy: error: nowhere.json: cannot read"),
     ]:
         process = Process(args, tmp_path)
         await process.start()
