@@ -35,10 +35,9 @@ Against a recorded real model server instead of the mock: ``replay=`` takes
 a fixture file, a folder of them, a list, or ``Replay(*sources, timing=True)``
 (docs/fixtures.md). The model's ``upstream_model`` becomes the fixtures'
 model, so a request built with ``h.client_body()`` reaches the upstream with
-the recorded body; ``h.fixtures`` are the loaded fixtures. ``RECORDINGS`` is
-the folder of the fixtures shipped with kilnproxy (``llamacpp/``: llama.cpp
-serving Gemma 3 270M), and ``sse_frames`` / ``sse_events`` read what a
-client got.
+the recorded body; ``h.fixtures`` are the loaded fixtures. ``Replay``,
+``Recorder``, ``RECORDINGS`` (the recordings shipped with kilnproxy) and
+``sse_frames`` / ``sse_events`` come from ``kilnproxy.recorded``.
 """
 
 from __future__ import annotations
@@ -50,44 +49,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp
-import orjson
 
 from .app import create_app
 from .appkeys import GATEWAY
 from .config import parse_config
-from .fixture import Fixture, load_all
+from .fixture import Fixture
 from .gateway import Gateway
-from .recorder import SAVED, create_recorder_app
-from .replay import create_replay_app
+from .recorded import RECORDINGS, Recorder, Replay, sse_events, sse_frames  # re-exported for tests
 from .server import Running, start_app, start_mock
-from .sse import COMMENT, DONE, SSEParser
 
 KEY = "sk-test-acme"
 OTHER_KEY = "sk-test-globex"
 MODEL = "test-model"
 UPSTREAM_MODEL = "org/Test-Model-7B"
-RECORDINGS = Path(__file__).parent / "recordings"
-
-
-class Replay:
-    """A replaying upstream: the fixtures of ``sources`` (files, folders or ``Fixture`` objects),
-    with their recorded delays when ``timing`` is true, else as fast as possible."""
-
-    def __init__(self, *sources: Any, timing: bool = False):
-        self.fixtures = [s for s in sources if isinstance(s, Fixture)]
-        self.fixtures += load_all(*(s for s in sources if not isinstance(s, Fixture)))
-        self.timing = timing
-
-    @classmethod
-    def of(cls, replay: Any) -> "Replay":
-        if isinstance(replay, Replay):
-            return replay
-        return cls(*replay) if isinstance(replay, (list, tuple)) else cls(replay)
-
-    async def start(self) -> Running:
-        return await start_app(create_replay_app(self.fixtures, timing=self.timing), "127.0.0.1", 0)
-
-
 def base_config(mock_url: str, db: Path) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": 0, "keepalive_seconds": 15},
@@ -128,49 +102,6 @@ def completion_body(stream: bool = False, **extra: Any) -> dict[str, Any]:
         out.update(stream=True, stream_options={"include_usage": True})
     out.update(extra)
     return out
-
-
-class Recorder:
-    """``async with Recorder(upstream_url, out_dir) as rec``: the recording pass-through of
-    ``python -m kilnproxy record`` on a free port; send requests to ``rec.url``; ``rec.saved``
-    lists the fixture files written so far."""
-
-    def __init__(self, upstream: str, out: Path, secrets: tuple[str, ...] = ()):
-        self.app = create_recorder_app(upstream, out, secrets)
-        self.running: Running | None = None
-
-    async def __aenter__(self) -> "Recorder":
-        self.running = await start_app(self.app, "127.0.0.1", 0)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.running.stop()
-
-    @property
-    def url(self) -> str:
-        return self.running.url
-
-    @property
-    def saved(self) -> list[Path]:
-        return self.app[SAVED]
-
-
-def sse_frames(raw: bytes) -> list[bytes]:
-    """A gateway's SSE body as its frames, checked: one ``data:`` or comment line and a blank line
-    each, and the body ends right after its one ``data: [DONE]``."""
-    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
-    parts = raw[:-2].split(b"\n\n")
-    for part in parts:
-        assert b"\n" not in part and b"\r" not in part and (part[:6] == b"data: " or part[:1] == b":"), part
-    assert parts.count(b"data: [DONE]") == 1, parts
-    return parts
-
-
-def sse_events(raw: bytes) -> list[Any]:
-    """The JSON events of an SSE body (comments and ``[DONE]`` left out)."""
-    parser = SSEParser()
-    items = parser.feed(raw) + parser.close()
-    return [orjson.loads(p) for kind, p in items if kind != COMMENT and p != DONE]
 
 
 def free_port() -> int:

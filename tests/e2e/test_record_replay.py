@@ -19,10 +19,8 @@ import pytest
 
 from kilnproxy.config import parse_config
 from kilnproxy.fixture import load
-from kilnproxy.server import start_app, start_gateway
-from kilnproxy.replay import create_replay_app
-
-from kilnproxy.testing import usage_rows
+from kilnproxy.server import start_gateway
+from kilnproxy.testing import Replay, usage_rows
 
 from .support import GENERATION_HEADER, KEY, MODEL, gateway_toml
 from .test_llama_quirks import DEAD_END, LONG_PROMPT, OVERFLOW_PROMPT
@@ -99,12 +97,8 @@ async def test_replay_gives_the_client_what_llama_gave(stack, http, tmp_path, ki
     fixture = load(path)
     assert fixture.body["model"] == "gemma3-270m" and fixture.end == ("client_gone" if leave else "eof")
 
-    replayer = await start_app(create_replay_app([fixture]), "127.0.0.1", 0)
-    try:
-        async with gateway(replayer.url, tmp_path / "replay") as gw:
-            replayed = await exchange(http, gw.url, replayer.url, endpoint, body, leave)
-    finally:
-        await replayer.stop()
+    async with Replay(fixture) as replayer, gateway(replayer.url, tmp_path / "replay") as gw:
+        replayed = await exchange(http, gw.url, replayer.url, endpoint, body, leave)
     assert replayed[:3] == live[:3]
 
     [live_row], [replay_row] = [await eventually(lambda: usage_rows(tmp_path / side / "usage.db", id=r[3]))
