@@ -11,6 +11,7 @@ import pytest
 from kilnproxy.fixture import Chunk, Fixture, FixtureError, load, load_all
 from kilnproxy.replay import create_replay_app
 from kilnproxy.server import start_app
+from kilnproxy.testing import Replay
 
 SSE = {"Content-Type": "text/event-stream"}
 
@@ -79,10 +80,10 @@ async def test_same_chunks_and_with_timing_the_recorded_delays(serve):
     assert elapsed >= 0.2  # the headers' delay and three chunks' delays were waited
 
 
-async def test_a_reset_is_replayed_as_a_broken_connection(serve):
-    url = await serve([fixture("r", {"model": "m", "stream": True}, [b"data: {}\n\n"], end="reset")])
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"{url}/v1/completions", json={"model": "m", "stream": True}) as resp:
+async def test_a_reset_is_replayed_as_a_broken_connection():
+    broken = fixture("r", {"model": "m", "stream": True}, [b"data: {}\n\n"], end="reset")
+    async with Replay(broken) as upstream, aiohttp.ClientSession() as http:
+        async with http.post(f"{upstream.url}/v1/completions", json={"model": "m", "stream": True}) as resp:
             with pytest.raises(aiohttp.ClientPayloadError):
                 await resp.read()
 
