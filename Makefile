@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test e2e bench clean browser
+.PHONY: install run test e2e bench clean browser postgres
 
 $(STAMP): setup.cfg pyproject.toml tests/entrypoint_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,14 +19,18 @@ install: $(STAMP)
 run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--config my.toml"`
 	$(PY) -m kilnproxy $(ARGS)
 
-test: $(STAMP) browser  ## the whole test suite
+test: $(STAMP) browser postgres  ## the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 browser:  ## Debian's chromium, for the inspector's browser test (Playwright drives it; it downloads no browser)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y chromium chromium-driver; }
 
-bench: $(STAMP)  ## what the gateway adds over a bare pass-through (M1-M6, < 10 min): bench/results/<date>.md
+postgres:  ## Debian's PostgreSQL server binaries: the tests and the benchmark start their own throw-away server
+	test -x "$$(pg_config --bindir 2>/dev/null)/initdb" || \
+		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y postgresql; }
+
+bench: $(STAMP) postgres  ## what the gateway adds over a bare pass-through (M1-M6, < 10 min): bench/results/<date>.md
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || { \
 		command -v apt-get >/dev/null || { echo "make bench needs wrk and nginx"; exit 1; }; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq wrk nginx >/dev/null; }

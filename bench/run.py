@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import measure_pg
+from kilnproxy.testing_postgres import PostgresServer
 from loads import LoadError, post
 from measures import Bench
 from procs import Procs, free_port, raise_fd_limit
@@ -32,7 +34,8 @@ PY = sys.executable
 KEY = "sk-bench"
 
 
-def gateway_config(path: Path, db: Path, port: int, upstreams: dict[str, str], plugin: str | None = None) -> Path:
+def gateway_config(path: Path, db: Path, port: int, upstreams: dict[str, str], plugin: str | None = None,
+                   storage: str | None = None) -> Path:
     models = "".join(f"""
 [[models]]
 id = "{model}"
@@ -49,7 +52,7 @@ host = "127.0.0.1"
 port = {port}
 
 [storage]
-path = "{db}"
+{storage or f'path = "{db}"'}
 
 [limits]
 max_in_flight_per_org = 100000
@@ -74,7 +77,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of A/B alternation per measurement")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one wrk run")
     parser.add_argument("--streams", type=int, default=10000, help="M5: streams held open at once")
-    parser.add_argument("--only", default="M1,M2,M3,M4,M5,M6", help="comma-separated measurements")
+    parser.add_argument("--only", default="M1,M2,M3,M4,M5,M6,PG", help="comma-separated measurements")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for <date>.md")
     parser.add_argument("--nice", type=int, default=-10,
                         help="scheduling priority of everything the bench starts (a shared machine's other "
@@ -106,10 +109,10 @@ def main() -> int:
         upstreams = {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1", "bench-mock": f"{mock}/v1"}
 
         def gateway(name: str, plugin: str | None = None, argv_head: list[str] | None = None,
-                    extra: dict[str, str] | None = None) -> str:
+                    extra: dict[str, str] | None = None, storage: str | None = None) -> str:
             port = free_port()
             cfg = gateway_config(work / f"{name}.toml", work / f"{name}.db", port, {**upstreams, **(extra or {})},
-                                 plugin)
+                                 plugin, storage)
             head = argv_head or [PY, "-m", "kilnproxy", "serve"]
             url = f"http://127.0.0.1:{port}"
             pids[url] = procs.start(name, head + ["--config", str(cfg)], cpus=gw_cpus, port=port).pid
@@ -130,6 +133,11 @@ def main() -> int:
                     print(f"\n{name} ...", flush=True)
                     getattr(bench, name.lower())()
                     print(bench.sections[-1], flush=True)
+            if "PG" in only:
+                print("\nPG ...", flush=True)
+                with PostgresServer(fsync=True) as postgres:  # on the load CPU, as this process is
+                    measure_pg.measure(bench, postgres)
+                print(bench.sections[-1], flush=True)
         except LoadError as exc:
             print(f"bench failed: {exc}", file=sys.stderr)
             return 1

@@ -18,7 +18,7 @@ from aiohttp import web
 from .call import Call
 from .auth import key_disabled
 from .config import KeyConfig, MaintenanceConfig
-from .limits import Credits, InFlight
+from .limits import Admission, Credits, Hold, insufficient_credits
 from .errors import GatewayError, bad_request, forbidden, model_not_found
 from .upstream import Route
 
@@ -31,20 +31,18 @@ def check_account(key: KeyConfig, credits: Credits, maintenance: MaintenanceConf
     if key.disabled:
         raise key_disabled()
     if credits.remaining(key.org) <= 0:
-        raise GatewayError(402, "insufficient_credits",
-                           f"Org `{key.org}` has no credits left. Ask the gateway's operator to raise its grant.",
-                           type="insufficient_credits")
+        raise insufficient_credits(key.org)
     if maintenance.enabled:
         raise GatewayError(503, "maintenance", "The gateway is in maintenance mode.",
                            type="service_unavailable", headers={"Retry-After": maintenance.retry_after})
 
 
-async def take_slot(inflight: InFlight, org: str, limit: int) -> None:
-    """Step 5: 429 when the org already has ``limit`` requests in flight (no rate-limit headers).
-    From here on the caller must release the slot, whatever happens."""
-    if not await inflight.try_acquire(org, limit):
-        raise GatewayError(429, "rate_limit_exceeded", f"Org `{org}` already has {limit} requests in flight.",
-                           type="rate_limit_error")
+async def take_slot(admission: Admission, hold: Hold, limit: int) -> None:
+    """Step 5: the org's in-flight slot and the hold on its credits, in one step: 429 when the
+    org already has ``limit`` requests in flight (no rate-limit headers), 402 when its credits
+    minus its other holds are used up. From here on the slot and hold are released when the
+    request's row is submitted (``Gateway.submit``), whatever happens."""
+    await admission.admit(hold, limit)
 
 
 async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:

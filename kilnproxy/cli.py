@@ -15,7 +15,8 @@ from pathlib import Path
 from .config import Config, load_config
 from .errors import KilnError
 
-COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload", "record", "replay")
+COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload", "import-ledger", "record",
+            "replay")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
 
     from .reload_command import add_reload_command
     add_reload_command(sub)
+
+    from .import_ledger import add_import_command
+    add_import_command(sub)
     return p
 
 
@@ -167,7 +171,11 @@ def cmd_check_config(args) -> int:
     build_plugin_manager(config)
     print(f"{args.file}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
-    print(f"  storage  {config.db_path}")
+    if config.storage.url:
+        from .pg_store import redacted
+        print(f"  storage  {redacted(config.storage.url)} (spool {config.spool_path})")
+    else:
+        print(f"  storage  {config.db_path}")
     for m in config.models:
         print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
     for o in config.orgs:

@@ -22,6 +22,7 @@ from .appkeys import GATEWAY
 from .call import Call
 from .errors import GatewayError, UpstreamFailure
 from .gateway import Gateway
+from .limits import Hold
 from .plugins import plugin_headers, run_request_hooks, transformed_response
 from .record import RequestRecord
 from .stream import relay_stream
@@ -61,7 +62,6 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
     call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
     record = RequestRecord(call)
     headers = {GENERATION_HEADER: call.generation_id}
-    slot = False
     try:
         admission.check_account(key, gw.credits, gw.config.maintenance)  # steps 1-2
         body = await admission.read_json_body(request, gw.config.server.max_request_bytes)  # step 3
@@ -70,8 +70,9 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
             record.tap = gw.capture.tap(record, body)
         route = admission.check_model(body, key, gw.routes)  # step 4
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
-        await admission.take_slot(gw.inflight, key.org, gw.limit_for(key.org))  # step 5
-        slot = True
+        hold = Hold(call, record.created_at, body, route.model.context_window)
+        await admission.take_slot(gw.admission, hold, gw.limit_for(key.org))  # step 5
+        record.hold = hold  # released with the row, in Gateway.submit
         admission.check_stream(body, call)  # step 6
         admission.check_chat_params(body, call, route)  # step 7
         await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
@@ -97,8 +98,6 @@ async def handle(request: web.Request, endpoint: str) -> web.StreamResponse:
         return err.response(headers)
     finally:
         gw.submit(record)  # once only: a no-op when already submitted, the row of a cancelled request otherwise
-        if slot:
-            gw.inflight.release(key.org)
 
 
 async def forward(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,

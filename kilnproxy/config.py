@@ -101,9 +101,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     """Validate an already-parsed TOML document."""
     top = _Reader(source, "", dict(raw))
     server = _server(_Reader(source, "server", top.get("server", dict, {})))
-    storage_r = _Reader(source, "storage", top.get("storage", dict, {}))
-    storage = StorageConfig(path=storage_r.get("path", str, StorageConfig.path))
-    storage_r.done()
+    storage = _storage(_Reader(source, "storage", top.get("storage", dict, {})))
     limits_r = _Reader(source, "limits", top.get("limits", dict, {}))
     limits = LimitsConfig(limits_r.positive("max_in_flight_per_org", 8, integer=True))
     limits_r.done()
@@ -124,6 +122,26 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
                   admin=admin, metrics=metrics, log=log, health=health, inspector=inspector,
                   base_dir=base_dir, source=source)
+
+
+def _storage(r: _Reader) -> StorageConfig:
+    d = StorageConfig()
+    url, url_env = r.get("url", str, None), r.get("url_env", str, None)
+    if url is not None and url_env is not None:
+        r.fail(r.key("url"), "give url or url_env, not both")
+    if url_env is not None:
+        url = os.environ.get(url_env)
+        if not url:
+            r.fail(r.key("url_env"), f"the environment variable {url_env} is not set or empty")
+    if url is not None and urlparse(url).scheme not in ("postgresql", "postgres"):
+        r.fail(r.key("url_env" if url_env else "url"),
+               f"must be a postgresql:// URL, got scheme {urlparse(url).scheme or '(none)'!r}")
+    storage = StorageConfig(
+        path=r.get("path", str, d.path), url=url, url_env=url_env,
+        replica_timeout_seconds=float(r.positive("replica_timeout_seconds", d.replica_timeout_seconds)),
+        spool_path=r.get("spool_path", str, d.spool_path))
+    r.done()
+    return storage
 
 
 def _server(r: _Reader) -> ServerConfig:

@@ -27,7 +27,13 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class StorageConfig:
+    """SQLite at ``path`` (one process), or PostgreSQL at ``url`` shared by several replicas."""
+
     path: str = "kilnproxy.db"
+    url: str | None = None  # from ``url`` or the variable named by ``url_env``
+    url_env: str | None = None
+    replica_timeout_seconds: float = 15.0
+    spool_path: str = "kilnproxy-spool.db"
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,10 @@ class Config:
     @property
     def db_path(self) -> Path:
         return self.resolve(self.storage.path)
+
+    @property
+    def spool_path(self) -> Path:
+        return self.resolve(self.storage.spool_path)
 
 
 def sha256_hex(secret: str) -> str:

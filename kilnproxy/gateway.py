@@ -20,7 +20,7 @@ from .call import Call
 from .config import Config
 from .errors import PluginError
 from .ledger import Ledger, SQLiteLedger
-from .limits import Credits, InFlight, LocalInFlight
+from .limits import Admission, Credits, LocalAdmission
 from .plugins import Hooks, call_maybe_async
 from .record import RequestRecord
 from .upstream import Route, client_session, routes_from
@@ -30,16 +30,19 @@ log = logging.getLogger("kilnproxy")
 
 class Gateway:
     def __init__(self, config: Config, pm: pluggy.PluginManager, ledger: Ledger | None = None,
-                 inflight: InFlight | None = None):
+                 admission: Admission | None = None):
         self.config = config
         self.pm = pm
         self.hooks = Hooks(pm)
         self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
         self.keys = KeyRing(config.keys)
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
-        self.inflight: InFlight = inflight or LocalInFlight()
-        self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
+        if ledger is None and config.storage.url:
+            from .pg_store import PostgresStore  # asyncpg is imported only when PostgreSQL is configured
+            ledger = admission = PostgresStore(config, self.credits, on_commit=self._committed)
+        self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
+        self.admission: Admission = admission or LocalAdmission(self.credits)
         self.session: aiohttp.ClientSession | None = None
         self.started_at = int(time.time())
         # Called with (row, record) once per request, where its row is built (metrics, access log).
@@ -55,7 +58,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.ledger.open()
-        self.credits = Credits(self.credits.granted, await self.ledger.spent_by_org())
+        self.credits.load(await self.ledger.spent_by_org())
         self.session = client_session(self.config.server)
         if self.hooks.record_usage:
             self._usage_queue = asyncio.Queue()
@@ -88,6 +91,11 @@ class Gateway:
         """The ``[plugins.settings.<name>]`` table (empty when absent)."""
         return self.config.plugins.settings.get(name, {})
 
+    async def spent(self, org: str) -> float:
+        """The org's spending as the store has it: with a shared store, every replica's rows."""
+        org_spent = getattr(self.ledger, "org_spent", None)
+        return await org_spent(org) if org_spent is not None else self.credits.spent.get(org, 0.0)
+
     def limit_for(self, org: str) -> int:
         return self.org_limits.get(org, self.config.limits.max_in_flight_per_org)
 
@@ -100,6 +108,9 @@ class Gateway:
             row = record.row()
             self.credits.charge(row["org"], row["cost"])
             record.committed = self.ledger.submit(row, record.call)
+            if record.hold is not None:  # after the row is queued: a shared store frees both in one commit
+                self.admission.release(record.hold)
+                record.hold = None
             for observe in self.row_observers:
                 try:
                     observe(row, record)

@@ -61,9 +61,9 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def credits(request: web.Request) -> web.Response:
     key = authorized_key(request)
-    c = request.app[GATEWAY].credits
-    granted = c.granted.get(key.org, 0.0)
-    spent = c.spent.get(key.org, 0.0)
+    gw = request.app[GATEWAY]
+    granted = gw.credits.granted.get(key.org, 0.0)
+    spent = await gw.spent(key.org)
     return json_response({"org": key.org, "granted": granted, "spent": spent, "remaining": granted - spent})
 
 
@@ -78,4 +78,10 @@ async def generation(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return json_response({"status": "ok"})
+    """Liveness: always 200 while the process serves. ``?ready``: 503 while the shared store is out
+    of reach (a load balancer then sends new requests to another replica)."""
+    available = getattr(request.app[GATEWAY].ledger, "available", True)
+    body = {"status": "ok", "store": "up" if available else "down"}
+    if "ready" in request.query and not available:
+        return json_response({**body, "status": "not_ready"}, status=503)
+    return json_response(body)

@@ -1,71 +1,107 @@
-"""Per-org admission state: requests in flight, and credits.
+"""Per-org admission state (SPEC 4 step 5): requests in flight, credit holds, credits.
 
-Both sit behind small interfaces so that a shared store (Redis for the
-in-flight counts, the PostgreSQL ledger for spending) can replace the
-in-process ones for several gateway replicas, without touching the request path.
+``Admission`` is what the request path needs at step 5: ``admit`` takes the
+org's in-flight slot and places the request's ``Hold`` on its credits in one
+step, or refuses with the SPEC's 429 or 402; ``release`` gives both back once
+the request's row has been submitted (the row's cost then replaces the hold).
+``LocalAdmission`` keeps them in this process (the SQLite set-up);
+``kilnproxy.pg_store.PostgresStore`` keeps them in PostgreSQL, shared by
+every replica.
 
-``InFlight`` is shaped for that: ``try_acquire`` is awaited (a shared counter
-needs a round trip before the request may go on), while ``release`` must not
-block or raise, because it runs in the request's ``finally``, possibly while the
-handler is being cancelled; a shared store queues the release and owns its retries,
-as the ledger does with rows.
+``admit`` is awaited (a shared store needs a round trip), while ``release``
+must not block or raise: it runs in the request's ``finally``, possibly while
+the handler is being cancelled.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Mapping, Protocol
+
+from .errors import GatewayError
+from .usage import estimate_prompt_tokens
 
 
-class InFlight(Protocol):
-    async def try_acquire(self, org: str, limit: int) -> bool:
-        """Take a slot unless ``org`` already has ``limit`` requests in flight. Cancelled
-        while waiting, it must leave no slot taken."""
+class Hold:
+    """The most one request can cost: its prompt estimated from its length, plus
+    ``max_tokens`` (or the model's ``context_window`` when absent) at the completion price.
 
-    def release(self, org: str) -> None:
-        """Give a taken slot back; called exactly once per slot, on every path."""
+    It also carries what a ``replica_lost`` row needs, should its replica die.
+    """
+
+    __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "prompt_tokens",
+                 "prompt_cost", "amount")
+
+    def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None):
+        self.id = call.generation_id
+        self.org = call.org
+        self.key_id = call.key_id
+        self.model = call.model
+        self.endpoint = call.endpoint
+        self.stream = int(body.get("stream") in (True, "true", 1))
+        self.created_at = created_at
+        self.prompt_tokens = estimate_prompt_tokens(body)
+        pricing = call.pricing
+        self.prompt_cost = pricing.cost(self.prompt_tokens, 0, 0) if pricing else 0.0
+        completion = _max_tokens(body)
+        if completion is None:
+            completion = context_window or 0
+        self.amount = self.prompt_cost + (pricing.cost(0, completion, 0) if pricing else 0.0)
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if type(value) is int and value >= 0:
+            return value
+    return None
+
+
+def rate_limited(org: str, limit: int) -> GatewayError:
+    return GatewayError(429, "rate_limit_exceeded", f"Org `{org}` already has {limit} requests in flight.",
+                        type="rate_limit_error")
+
+
+def insufficient_credits(org: str, holding: bool = False) -> GatewayError:
+    why = " once the requests it has in flight are paid for" if holding else ""
+    return GatewayError(402, "insufficient_credits",
+                        f"Org `{org}` has no credits left{why}. Ask the gateway's operator to raise its grant.",
+                        type="insufficient_credits")
+
+
+class Admission(Protocol):
+    async def admit(self, hold: Hold, limit: int) -> None:
+        """Take a slot of ``hold.org`` and place ``hold``, or raise ``GatewayError``: 429 when
+        the org has ``limit`` requests in flight, 402 when its remaining credits minus its
+        other holds are not above zero (503 ``store_unavailable`` for a store out of reach).
+        Cancelled while waiting, it leaves nothing taken."""
+
+    def release(self, hold: Hold) -> None:
+        """The request's row was submitted: free its slot and its hold. Called exactly once
+        per admitted hold, on every path; never blocks, never raises."""
 
     def count(self, org: str) -> int:
-        """Requests of ``org`` in flight (for metrics and tests)."""
-
-
-class LocalInFlight:
-    """In-flight counts of this process. A slot taken must be released exactly once."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-
-    async def try_acquire(self, org: str, limit: int) -> bool:
-        n = self._counts.get(org, 0)
-        if n >= limit:
-            return False
-        self._counts[org] = n + 1
-        return True
-
-    def release(self, org: str) -> None:
-        n = self._counts[org] - 1
-        if n:
-            self._counts[org] = n
-        else:
-            del self._counts[org]
-
-    def count(self, org: str) -> int:
-        return self._counts.get(org, 0)
+        """Requests of ``org`` this process has in flight (for metrics and tests)."""
 
     def snapshot(self) -> dict[str, int]:
-        return dict(self._counts)
+        """``count`` of every org with requests in flight."""
 
 
 class Credits:
     """Granted credits come from the config; spending is the ledger's ``SUM(cost)``.
 
     ``spent`` is loaded from the ledger at start-up and kept current by
-    ``charge`` as rows are submitted, so the check costs no query. Raising a
-    grant in the config never resets spending: spending lives in the ledger.
+    ``charge`` as rows are submitted (and, with a shared store, by what the
+    store reports), so the check of step 1 costs no query. Raising a grant in
+    the config never resets spending: spending lives in the ledger.
     """
 
     def __init__(self, granted: dict[str, float], spent: dict[str, float]):
         self.granted = dict(granted)
-        self.spent = {org: spent.get(org, 0.0) for org in set(granted) | set(spent)}
+        self.spent: dict[str, float] = {}
+        self.load(spent)
+
+    def load(self, spent: Mapping[str, float]) -> None:
+        self.spent = {org: spent.get(org, 0.0) for org in set(self.granted) | set(spent)}
 
     def remaining(self, org: str) -> float:
         return self.granted.get(org, 0.0) - self.spent.get(org, 0.0)
@@ -73,3 +109,41 @@ class Credits:
     def charge(self, org: str, cost: float) -> None:
         if cost:
             self.spent[org] = self.spent.get(org, 0.0) + cost
+
+
+class LocalAdmission:
+    """Slots and holds of this process (one gateway on SQLite)."""
+
+    def __init__(self, credits: Credits) -> None:
+        self.credits = credits
+        self._counts: dict[str, int] = {}
+        self._held: dict[str, float] = {}
+
+    async def admit(self, hold: Hold, limit: int) -> None:
+        org = hold.org
+        n = self._counts.get(org, 0)
+        if n >= limit:
+            raise rate_limited(org, limit)
+        if self.credits.remaining(org) - self._held.get(org, 0.0) <= 0:
+            raise insufficient_credits(org, holding=True)
+        self._counts[org] = n + 1
+        self._held[org] = self._held.get(org, 0.0) + hold.amount
+
+    def release(self, hold: Hold) -> None:
+        org = hold.org
+        n = self._counts[org] - 1
+        if n:
+            self._counts[org] = n
+            self._held[org] -= hold.amount
+        else:
+            del self._counts[org]
+            del self._held[org]  # no float residue left behind once the org is idle
+
+    def held(self, org: str) -> float:
+        return self._held.get(org, 0.0)
+
+    def count(self, org: str) -> int:
+        return self._counts.get(org, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._counts)

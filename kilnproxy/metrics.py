@@ -171,8 +171,8 @@ class GatewayCollector:
     def _in_flight(self) -> Iterable[Metric]:
         gw = self.gw
         m = GaugeMetricFamily("kilnproxy_in_flight_requests", "Requests in flight, by org.", labels=("org",))
-        for org in sorted(set(gw.org_limits) | set(_counts(gw.inflight))):
-            m.add_metric((org,), gw.inflight.count(org))
+        for org in sorted(set(gw.org_limits) | set(_counts(gw.admission))):
+            m.add_metric((org,), gw.admission.count(org))
         yield m
         m = GaugeMetricFamily("kilnproxy_org_max_in_flight", "The org's in-flight limit.", labels=("org",))
         for org in gw.org_limits:
@@ -205,6 +205,16 @@ class GatewayCollector:
         commits = getattr(ledger, "commits", None)
         if commits is not None:
             yield CounterMetricFamily("kilnproxy_ledger_commits", "Group commits of usage rows.", value=commits)
+        available = getattr(ledger, "available", None)
+        if available is not None:  # a shared store (PostgreSQL)
+            yield GaugeMetricFamily("kilnproxy_store_up", "1 while the shared store (PostgreSQL) answers.",
+                                    value=int(available))
+            yield GaugeMetricFamily("kilnproxy_store_spooled_rows",
+                                    "Usage rows kept in the local spool until the store answers.",
+                                    value=ledger.spooled)
+            yield CounterMetricFamily("kilnproxy_store_replica_lost_rows",
+                                      "Requests of dead replicas recorded as replica_lost by this replica.",
+                                      value=ledger.heartbeat.reaped)
         hist = self.stats.commits
         m = HistogramMetricFamily("kilnproxy_ledger_commit_seconds", "Time to write and commit one batch of rows.")
         m.add_metric((), hist.buckets(), hist.total)

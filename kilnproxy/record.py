@@ -38,7 +38,7 @@ class RequestRecord:
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed", "tap", "responded")
+                 "submitted", "committed", "tap", "responded", "hold")
 
     def __init__(self, call: Call):
         self.call = call
@@ -57,6 +57,7 @@ class RequestRecord:
         self.committed = None  # the ledger's future for this row, once submitted
         self.tap = None  # the inspector's capture of this request, when capture is on
         self.responded = False  # the status line has gone to the client (a stream was prepared)
+        self.hold = None  # the in-flight slot and credit hold taken at step 5, until the row is submitted
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status

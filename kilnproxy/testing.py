@@ -26,10 +26,10 @@ Both servers listen on real loopback ports; ``h.url`` is the gateway,
 ``h.mock_url`` the mock. ``h.config`` is the TOML document as a dict (change
 it with ``overrides``, merged one level deep, or ``configure``, a function
 that edits the dict in place once the mock's URL is in it). ``h.rows()`` reads
-the usage table as dicts, ``h.mock_requests()`` what the mock received (what
-``rewrite_request`` left), ``h.usage_recorded()`` waits until every row so far
-has been through the ``record_usage`` plugins, and ``h.gw`` is the running
-``Gateway``.
+the usage table as dicts (from PostgreSQL when ``[storage] url`` is set),
+``h.mock_requests()`` what the mock received (what ``rewrite_request``
+left), ``h.usage_recorded()`` waits until every row so far has been through
+the ``record_usage`` plugins, and ``h.gw`` is the running ``Gateway``.
 
 Against a recorded real model server instead of the mock: ``replay=`` takes
 a fixture file, a folder of them, a list, or ``Replay(*sources, timing=True)``
@@ -93,6 +93,17 @@ def usage_rows(db: Path, **where: Any) -> list[dict[str, Any]]:
         return [dict(r) for r in conn.execute(sql + " ORDER BY created_at, rowid", tuple(where.values()))]
     finally:
         conn.close()
+
+
+async def pg_usage_rows(url: str, **where: Any) -> list[dict[str, Any]]:
+    """``usage_rows`` for the PostgreSQL database at ``url``: the same columns (not ``rowid`` nor
+    ``replica``), oldest first."""
+    from .ledger_reads import pg_fetch
+    from .record import COLUMNS
+    sql = f"SELECT {', '.join(COLUMNS)} FROM usage_events"
+    if where:
+        sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)
+    return await pg_fetch(url, sql + " ORDER BY created_at, rowid", tuple(where.values()))
 
 
 def completion_body(stream: bool = False, **extra: Any) -> dict[str, Any]:
@@ -214,7 +225,8 @@ class Harness:
         return {**fixture.body, "model": self.model} if isinstance(fixture.body, dict) else fixture.body
 
     async def rows(self, **where: Any) -> list[dict[str, Any]]:
-        return usage_rows(self.db, **where)
+        url = self.gw.config.storage.url
+        return await pg_usage_rows(url, **where) if url else usage_rows(self.db, **where)
 
     async def row(self, generation_id: str) -> dict[str, Any]:
         rows = await self.rows(id=generation_id)

@@ -1,6 +1,8 @@
 """``python -m kilnproxy usage``: totals by org and model, read from the ledger.
 
-Reads the SQLite file read-only, so it works while the gateway runs.
+Reads the SQLite file read-only, so it works while the gateway runs; with
+``[storage] url`` in the config, the PostgreSQL database every replica
+writes to, with the same query and the same output.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from .config import load_config
 from .errors import KilnError
-from .ledger import read_rows
+from .ledger_reads import fetch
 
 FIELDS = ("org", "model", "requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens",
           "total_tokens", "cost")
@@ -20,7 +22,7 @@ FIELDS = ("org", "model", "requests", "errors", "prompt_tokens", "completion_tok
 def add_usage_command(sub, config_arg) -> None:
     p = sub.add_parser("usage", help="print usage totals by org and model")
     config_arg(p)
-    p.add_argument("--db", help="the SQLite file (default: [storage] path of the config, or ./kilnproxy.db)")
+    p.add_argument("--db", help="the SQLite file (default: the config's [storage] url or path, or ./kilnproxy.db)")
     p.add_argument("--since", help="only requests at or after this date/time (ISO-8601, UTC)")
     p.add_argument("--org", help="only this org")
     p.add_argument("--model", help="only this model")
@@ -38,7 +40,11 @@ def _since(value: str) -> str:
     return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
 
 
-def totals(db: Path, since: str | None = None, org: str | None = None, model: str | None = None) -> list[dict]:
+def totals(db: Path, since: str | None = None, org: str | None = None, model: str | None = None,
+           url: str | None = None) -> list[dict]:
+    """Sums per org and model, ordered by them, from PostgreSQL at ``url`` if given, else from ``db``.
+    The casts keep PostgreSQL's sums of BIGINT columns integers (not NUMERIC), as SQLite's are;
+    the order is Python's (code points), as text order and NULLs' place differ between the two."""
     where, params = [], []
     if since:
         where.append("created_at >= ?")
@@ -50,22 +56,26 @@ def totals(db: Path, since: str | None = None, org: str | None = None, model: st
         where.append("model = ?")
         params.append(model)
     sql = ("SELECT org, COALESCE(model, '') AS model, COUNT(*) AS requests,"
-           " SUM(status >= 400 OR error_code IS NOT NULL) AS errors,"
-           " SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens,"
-           " SUM(cached_tokens) AS cached_tokens, SUM(total_tokens) AS total_tokens, SUM(cost) AS cost"
+           " SUM(CASE WHEN status >= 400 OR error_code IS NOT NULL THEN 1 ELSE 0 END) AS errors,"
+           " CAST(SUM(prompt_tokens) AS BIGINT) AS prompt_tokens,"
+           " CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,"
+           " CAST(SUM(cached_tokens) AS BIGINT) AS cached_tokens,"
+           " CAST(SUM(total_tokens) AS BIGINT) AS total_tokens, SUM(cost) AS cost"
            " FROM usage_events" + (" WHERE " + " AND ".join(where) if where else "") +
-           " GROUP BY org, model ORDER BY org, model")
-    return [dict(r) for r in read_rows(db, sql, params)]
+           " GROUP BY org, COALESCE(model, '')")
+    return sorted(fetch(url, db, sql, params), key=lambda r: (r["org"], r["model"]))
 
 
 def cmd_usage(args) -> int:
+    url = None
     if args.db:
         db = Path(args.db)
     elif args.config:
-        db = load_config(args.config).db_path
+        config = load_config(args.config)
+        db, url = config.db_path, config.storage.url
     else:
         db = Path("kilnproxy.db")
-    rows = totals(db, args.since, args.org, args.model)
+    rows = totals(db, args.since, args.org, args.model, url=url)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

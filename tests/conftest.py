@@ -1,6 +1,10 @@
+import itertools
+import re
+
 import pytest
 
 from kilnproxy.testing import Harness
+from kilnproxy.testing_postgres import PostgresServer
 
 # tests/e2e needs a real model server: `make e2e` runs it (`pytest tests/e2e`), `make test` does not.
 collect_ignore = ["e2e"]
@@ -17,6 +21,22 @@ async def gw(tmp_path):
 def harness(tmp_path):
     """Build a Harness with options: ``async with harness(overrides=...) as h``."""
     return lambda **kwargs: Harness(tmp_path, **kwargs)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """Config overrides that put a Harness on each store in turn: ``{}`` (SQLite), then a fresh
+    PostgreSQL database (``pg_url``). Merge them with a test's own: ``harness(overrides={**store, ...})``."""
+    if request.param == "sqlite":
+        return {}
+    return {"storage": {"url": request.getfixturevalue("pg_url"), "spool_path": str(tmp_path / "spool.db")}}
+
+
+@pytest.fixture
+async def any_gw(harness, store):
+    """``gw`` on each store in turn (``store``)."""
+    async with harness(overrides=store) as h:
+        yield h
 
 
 @pytest.fixture
@@ -42,3 +62,29 @@ def eventually():
             await asyncio.sleep(0.005)
 
     return wait
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One throw-away PostgreSQL server for the whole run (``kilnproxy.testing_postgres``).
+
+    Shared: a test that stops it must start it again (``pg_url``'s teardown does, if not);
+    a test that wants to break the server in other ways starts its own ``PostgresServer()``.
+    """
+    with PostgresServer() as server:
+        yield server
+
+
+_database_numbers = itertools.count()
+
+
+@pytest.fixture
+def pg_url(postgres, request):
+    """The URL of a new, empty database owned by ``kiln`` for this test, dropped after it."""
+    test_name = re.sub(r"[^a-z0-9_]", "_", request.node.name.lower())
+    name = f"t{next(_database_numbers)}_{test_name}"[:63]
+    url = postgres.create_database(name)
+    yield url
+    if not postgres.running:
+        postgres.start()
+    postgres.drop_database(name)

@@ -155,6 +155,11 @@ class GatewayProcess(Process):
         self.url = re.search(r"on (http://\S+)", banner).group(1)
         return self
 
+    async def start_without_banner(self) -> "GatewayProcess":
+        """Start a gateway expected to fail at start-up (then ``wait()`` for its exit code)."""
+        await super().start()
+        return self
+
     def access_log(self) -> list[dict]:
         return [json.loads(line) for line in self.lines["stdout"] if line.startswith("{")]
 

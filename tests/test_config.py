@@ -67,6 +67,11 @@ def test_defaults_fill_every_key(tmp_path):
     (GOOD + "[models.pricing]\nprompt = -1\n", "pricing.prompt: must not be negative"),
     ("[[models]]\nupstreams = [\"http://x/v1\"]\n", "models[0].id: is required"),
     ("this is = not toml =", "not valid TOML"),
+    ('[storage]\nurl = "postgresql://a@b/c"\nurl_env = "X"\n' + GOOD, "storage.url: give url or url_env, not both"),
+    ('[storage]\nurl = "mysql://a:pw@b/c"\n' + GOOD, "storage.url: must be a postgresql:// URL, got scheme 'mysql'"),
+    ('[storage]\nurl_env = "KILNPROXY_TEST_UNSET_URL"\n' + GOOD,
+     "storage.url_env: the environment variable KILNPROXY_TEST_UNSET_URL is not set or empty"),
+    ("[storage]\nreplica_timeout_seconds = 0\n" + GOOD, "storage.replica_timeout_seconds: must be greater than 0"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, text, needle):
     path = write(tmp_path, text)
@@ -98,3 +103,18 @@ def test_missing_config_file_is_one_line(tmp_path):
 def test_key_sha256_lets_the_file_hold_no_secret(tmp_path):
     text = GOOD.replace('key = "sk-1"', f'key_sha256 = "{sha256_hex("sk-1").upper()}"')
     assert load_config(write(tmp_path, text)).keys[0].key_sha256 == sha256_hex("sk-1")
+
+
+def test_storage_url_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILNPROXY_TEST_DB", "postgresql://kiln:pw@db:5432/kiln")
+    config = load_config(write(tmp_path, '[storage]\nurl_env = "KILNPROXY_TEST_DB"\n' + GOOD))
+    assert config.storage.url == "postgresql://kiln:pw@db:5432/kiln"
+    assert config.storage.replica_timeout_seconds == 15 and config.spool_path == tmp_path / "kilnproxy-spool.db"
+
+
+def test_check_config_never_prints_the_database_password(tmp_path):
+    path = write(tmp_path, '[storage]\nurl = "postgresql://kiln:hunter2@db:5432/kiln"\n' + GOOD)
+    proc = subprocess.run([sys.executable, "-m", "kilnproxy", "check-config", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "postgresql://kiln:***@db:5432/kiln" in proc.stdout and "hunter2" not in proc.stdout

@@ -46,7 +46,7 @@ async def test_every_endpoint_but_healthz_needs_a_key(gw, path):
 async def test_healthz_needs_no_key(gw):
     async with gw.session.get(f"{gw.url}/healthz") as resp:
         assert resp.status == 200
-        assert await resp.json() == {"status": "ok"}
+        assert await resp.json() == {"status": "ok", "store": "up"}
 
 
 async def test_unknown_route_and_wrong_method_are_json(gw):

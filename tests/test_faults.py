@@ -132,7 +132,7 @@ async def test_upstream_that_hangs_before_answering(harness, stream):
             assert "timed out" in await resp.text()
             row = await h.row(resp.headers[GEN])
         assert (row["status"], row["error_code"], row["cost"]) == (502, "upstream_unreachable", 0)
-        assert h.app[GATEWAY].inflight.count("acme") == 0
+        assert h.app[GATEWAY].admission.count("acme") == 0
         assert (await h.mock_wait(hangups=1))["hangups"] == 1
 
 

@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from kilnproxy.appkeys import GATEWAY
+from kilnproxy.limits import rate_limited
 from kilnproxy.testing import completion_body as body, KEY, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"
@@ -44,7 +45,7 @@ BOOM_PLUGIN = textwrap.dedent('''
 
 
 def inflight(h):
-    return h.app[GATEWAY].inflight
+    return h.app[GATEWAY].admission
 
 
 @pytest.fixture
@@ -210,32 +211,34 @@ async def _mock_idle(h):
     return stats if stats["open"] == 0 else None
 
 
-class RemoteInFlight:
-    """An in-flight counter with a round trip in ``try_acquire``, as a shared store has."""
+class RemoteAdmission:
+    """Slots with a round trip in ``admit``, as a shared store has."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
         self.calls: list[tuple[str, str]] = []
 
-    async def try_acquire(self, org: str, limit: int) -> bool:
+    async def admit(self, hold, limit: int) -> None:
         await asyncio.sleep(0)
-        self.calls.append(("acquire", org))
-        if self.counts.get(org, 0) >= limit:
-            return False
-        self.counts[org] = self.counts.get(org, 0) + 1
-        return True
+        self.calls.append(("admit", hold.org))
+        if self.counts.get(hold.org, 0) >= limit:
+            raise rate_limited(hold.org, limit)
+        self.counts[hold.org] = self.counts.get(hold.org, 0) + 1
 
-    def release(self, org: str) -> None:
-        self.calls.append(("release", org))
-        self.counts[org] -= 1
+    def release(self, hold) -> None:
+        self.calls.append(("release", hold.org))
+        self.counts[hold.org] -= 1
 
     def count(self, org: str) -> int:
         return self.counts.get(org, 0)
 
+    def snapshot(self) -> dict[str, int]:
+        return {org: n for org, n in self.counts.items() if n}
+
 
 async def test_another_in_flight_store_slots_in_behind_the_interface(harness, eventually):
     async with harness(overrides={"limits": {"max_in_flight_per_org": 1}}) as h:
-        store = h.app[GATEWAY].inflight = RemoteInFlight()
+        store = h.app[GATEWAY].admission = RemoteAdmission()
         held = await hold(h, 1)
         async with h.post("/v1/completions", body()) as resp:
             assert resp.status == 429
@@ -244,5 +247,5 @@ async def test_another_in_flight_store_slots_in_behind_the_interface(harness, ev
         async with h.post("/v1/completions", body(stream=True)) as resp:
             assert resp.status == 200
             await resp.read()
-        assert store.calls == [("acquire", "acme"), ("acquire", "acme"), ("release", "acme"),
-                               ("acquire", "acme"), ("release", "acme")]
+        assert store.calls == [("admit", "acme"), ("admit", "acme"), ("release", "acme"),
+                               ("admit", "acme"), ("release", "acme")]

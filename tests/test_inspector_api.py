@@ -10,6 +10,7 @@ import pytest
 from kilnproxy.appkeys import GATEWAY
 from kilnproxy.inspector.api import _loopback_host, _loopback_peer
 from kilnproxy.inspector.hub import QUEUE_SIZE, RESET, LiveHub
+from kilnproxy.record import COLUMNS
 from kilnproxy.testing import OTHER_KEY, UPSTREAM_MODEL
 
 CAPTURE = {"inspector": {"capture": True}}
@@ -107,17 +108,18 @@ async def test_disabled_inspector_serves_nothing(harness):
 # -- the requests list ----------------------------------------------------------------
 
 
-async def test_requests_newest_first_with_filters(gw):
-    ids = [await complete(gw, stream=True), await complete(gw, stream=True),
-           await complete(gw, key=OTHER_KEY), await complete(gw, model="no-such-model")]
-    page = await get_json(gw, "/ui/api/requests")
+async def test_requests_newest_first_with_filters(any_gw):
+    ids = [await complete(any_gw, stream=True), await complete(any_gw, stream=True),
+           await complete(any_gw, key=OTHER_KEY), await complete(any_gw, model="no-such-model")]
+    page = await get_json(any_gw, "/ui/api/requests")
     assert [r["id"] for r in page["data"]] == ids[::-1] and page["next"] is None
+    assert all(list(r) == [*COLUMNS, "captured"] for r in page["data"])  # no store's own columns
     first = page["data"][-1]
     assert first["org"] == "acme" and first["stream"] == 1 and first["status"] == 200
     assert first["completion_tokens"] == 4 and first["captured"] is False
 
     async def ids_for(query):
-        return [r["id"] for r in (await get_json(gw, f"/ui/api/requests?{query}"))["data"]]
+        return [r["id"] for r in (await get_json(any_gw, f"/ui/api/requests?{query}"))["data"]]
 
     assert await ids_for("org=globex") == [ids[2]]
     assert await ids_for("model=test-model&org=acme") == [ids[1], ids[0]]
@@ -128,11 +130,11 @@ async def test_requests_newest_first_with_filters(gw):
     assert await ids_for("status=429") == []
 
 
-async def test_requests_pages_follow_the_cursor(gw):
-    ids = [await complete(gw) for _ in range(5)]
+async def test_requests_pages_follow_the_cursor(any_gw):
+    ids = [await complete(any_gw) for _ in range(5)]
     seen, cursor, pages = [], "", 0
     while True:
-        page = await get_json(gw, f"/ui/api/requests?limit=2&before={cursor}")
+        page = await get_json(any_gw, f"/ui/api/requests?limit=2&before={cursor}")
         seen += [r["id"] for r in page["data"]]
         pages += 1
         if page["next"] is None:
@@ -152,10 +154,10 @@ async def test_bad_list_parameters_get_400(gw, query, param):
 # -- one request ------------------------------------------------------------------------
 
 
-async def test_detail_shows_both_bodies_and_both_streams(harness, tmp_path):
+async def test_detail_shows_both_bodies_and_both_streams(harness, store, tmp_path):
     plugin = tmp_path / "shout.py"
     plugin.write_text(PLUGIN)
-    async with harness(overrides=CAPTURE, plugins=[str(plugin)]) as h:
+    async with harness(overrides={**CAPTURE, **store}, plugins=[str(plugin)]) as h:
         sent = {"model": h.model, "prompt": "The capital of France is", "max_tokens": 4, "stream": True,
                 "mock": {"delay": 0.01}}
         async with h.post("/v1/completions", sent) as resp:
@@ -213,17 +215,18 @@ async def test_detail_of_a_streamed_chat(harness):
     assert not any(e.get("usage") for e in client_events)
 
 
-async def test_detail_without_capture_has_the_row_only(gw):
-    assert gw.app[GATEWAY].capture is None
-    gen = await complete(gw, stream=True)
-    detail = await get_json(gw, f"/ui/api/requests/{gen}")
+async def test_detail_without_capture_has_the_row_only(any_gw):
+    assert any_gw.app[GATEWAY].capture is None
+    gen = await complete(any_gw, stream=True)
+    detail = await get_json(any_gw, f"/ui/api/requests/{gen}")
     assert detail["row"]["id"] == gen and detail["capture"] is None
-    body = await get_json(gw, "/ui/api/requests/gen-000000000000000000000000", 404)
+    assert detail["row"] == (await any_gw.rows(id=gen))[0] and list(detail["row"]) == list(COLUMNS)
+    body = await get_json(any_gw, "/ui/api/requests/gen-000000000000000000000000", 404)
     assert body["error"]["code"] == "not_found"
 
 
-async def test_capture_ring_keeps_the_last_n(harness):
-    async with harness(overrides={"inspector": {"capture": True, "capture_requests": 2}}) as h:
+async def test_capture_ring_keeps_the_last_n(harness, store):
+    async with harness(overrides={"inspector": {"capture": True, "capture_requests": 2}, **store}) as h:
         ids = [await complete(h, stream=True) for _ in range(3)]
         page = await get_json(h, "/ui/api/requests")
         assert [(r["id"], r["captured"]) for r in page["data"]] == [(ids[2], True), (ids[1], True),
@@ -251,8 +254,8 @@ async def read_event(resp) -> dict:
             return json.loads(line[6:])
 
 
-async def test_live_feed_sends_each_committed_row(harness):
-    async with harness(overrides=CAPTURE) as h:
+async def test_live_feed_sends_each_committed_row(harness, store):
+    async with harness(overrides={**CAPTURE, **store}) as h:
         async with h.session.get(f"{h.url}/ui/api/events") as feed:
             assert feed.headers["Content-Type"] == "text/event-stream; charset=utf-8"
             assert await read_event(feed) == {"type": "hello", "capture": True}
@@ -265,10 +268,10 @@ async def test_live_feed_sends_each_committed_row(harness):
         assert event["row"]["status"] == 200 and event["row"]["captured"] is True
 
 
-async def test_live_feed_without_capture_sends_rows_only(gw):
-    async with gw.session.get(f"{gw.url}/ui/api/events") as feed:
+async def test_live_feed_without_capture_sends_rows_only(any_gw):
+    async with any_gw.session.get(f"{any_gw.url}/ui/api/events") as feed:
         assert await read_event(feed) == {"type": "hello", "capture": False}
-        gen = await complete(gw, model="no-such-model")
+        gen = await complete(any_gw, model="no-such-model")
         event = await read_event(feed)
     assert event["type"] == "request" and event["row"]["id"] == gen
     assert (event["row"]["status"], event["row"]["captured"]) == (404, False)
@@ -303,20 +306,22 @@ async def test_slow_subscriber_is_reset_never_waited_for():
 # -- usage --------------------------------------------------------------------------------
 
 
-async def test_usage_buckets_add_up_to_the_rows(gw):
+async def test_usage_buckets_add_up_to_the_rows(any_gw):
     for key in (None, None, OTHER_KEY):
-        await complete(gw, key=key)
-    usage = await get_json(gw, "/ui/api/usage?bucket=minute")
+        await complete(any_gw, key=key)
+    usage = await get_json(any_gw, "/ui/api/usage?bucket=minute")
     assert len(usage["buckets"]) in (60, 61)
     assert all(s["t"] in usage["buckets"] for s in usage["series"])
     by_org = {}
     for s in usage["series"]:
         by_org[s["org"]] = by_org.get(s["org"], 0) + s["requests"]
     assert by_org == {"acme": 2, "globex": 1}
-    rows = await gw.rows()
+    assert [(s["t"], s["org"]) for s in usage["series"]] == sorted((s["t"], s["org"]) for s in usage["series"])
+    rows = await any_gw.rows()
+    assert [type(s[k]) for s in usage["series"] for k in ("requests", "total_tokens", "errors")] == [int] * 6
     assert sum(s["total_tokens"] for s in usage["series"]) == sum(r["total_tokens"] for r in rows)
     assert sum(s["cost"] for s in usage["series"]) == pytest.approx(sum(r["cost"] for r in rows))
-    day = await get_json(gw, "/ui/api/usage?bucket=day&org=globex")
+    day = await get_json(any_gw, "/ui/api/usage?bucket=day&org=globex")
     assert [(s["org"], s["requests"]) for s in day["series"]] == [("globex", 1)]
 
 

@@ -1,14 +1,18 @@
-"""Paging stays an index range scan with a million rows in the ledger."""
+"""Paging stays an index range scan with a million rows in the ledger (and on PostgreSQL too)."""
 
+import asyncio
 import base64
 import shutil
 import sqlite3
 
+import asyncpg
 import orjson
 import pytest
 
-from kilnproxy.inspector.store import INDEXES, page_query
+from kilnproxy.inspector.store import INDEXES, page_query, usage_query
 from kilnproxy.ledger import SCHEMA
+from kilnproxy.pg_schema import migrate
+from kilnproxy.pg_store import numbered
 
 ROWS = 1_000_000
 START = 1_764_000_000  # unix seconds of row 0; row i is i seconds later
@@ -96,3 +100,98 @@ async def test_paging_through_the_api_over_a_million_rows(harness, tmp_path, big
         assert [r["id"] for r in ok["data"]] == [expected(i) for i in (999996, 999992, 999988)]
         by_model = await page("limit=3&model=model-1")
         assert [r["id"] for r in by_model["data"]] == [expected(i) for i in (999997, 999994, 999991)]
+
+
+# -- the same queries on PostgreSQL -------------------------------------------------------
+
+PG_ROWS = 50_000  # enough for the planner to prefer an index to a full scan and sort
+PG_FILL = f"""
+INSERT INTO usage_events (id, created_at, org, key_id, model, endpoint, stream, status,
+                          prompt_tokens, completion_tokens, total_tokens, cost, duration_ms, ttft_ms)
+SELECT 'gen-' || i,
+       to_char(to_timestamp({START} + i) AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"+00:00"'),
+       (ARRAY['acme', 'globex', 'initech', 'umbrella'])[i % 4 + 1], 'k', 'model-' || (i % 3), 'completions', 1,
+       CASE WHEN i % 100 < 98 THEN 200 WHEN i % 100 = 98 THEN 429 ELSE 502 END,
+       10, 20, 30, 0.0001, 100.0, 10.0
+FROM generate_series(0, {PG_ROWS - 1}) AS i
+"""
+
+
+@pytest.fixture(scope="module")
+def pg_big(postgres):
+    """A PostgreSQL ledger of ``PG_ROWS`` rows (row i: ``START + i`` seconds, ``rowid`` i + 1), analyzed."""
+    async def fill(url):
+        conn = await asyncpg.connect(url)
+        try:
+            await migrate(conn)
+            await conn.execute(PG_FILL)
+            await conn.execute("ANALYZE usage_events")
+        finally:
+            await conn.close()
+
+    url = postgres.create_database("inspector_paging")
+    asyncio.run(fill(url))
+    yield url
+    postgres.drop_database("inspector_paging")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "&".join(f"{k}={v}" for k, v in s.items()) or "all")
+@pytest.mark.parametrize("deep", [False, True], ids=["first", "deep"])
+async def test_every_filter_pages_by_an_index_on_postgresql(pg_big, shape, deep):
+    """An index scan in time order, rows of one same ``created_at`` put in ``rowid`` order by an
+    incremental sort (a few rows at a time); a full sort only of what the partial index of errors
+    gives (when the planner expects a handful of rows). Never a scan of the table."""
+    before = cursor("2025-11-25T00:00:00.000+00:00~30000") if deep else None
+    sql, params = page_query(before=before, limit=50, **shape)
+    conn = await asyncpg.connect(pg_big)
+    try:
+        plan = [r[0].strip() for r in await conn.fetch("EXPLAIN " + numbered(sql), *params)]
+    finally:
+        await conn.close()
+    nodes = [line.removeprefix("->").strip().partition("  (cost=")[0] for line in plan if "(cost=" in line]
+    assert nodes[0] == "Limit" and len(nodes) == 3, plan
+    assert nodes[2].startswith("Index Scan Backward using usage_events_"), plan
+    assert nodes[1] == "Incremental Sort" or (
+        nodes[1] == "Sort" and "usage_events_errors_created" in nodes[2]), plan
+
+
+async def test_paging_through_the_api_on_postgresql(harness, tmp_path, pg_big):
+    async with harness(overrides={"storage": {"url": pg_big, "spool_path": str(tmp_path / "spool.db")}}) as h:
+        async def page(query):
+            async with h.session.get(f"{h.url}/ui/api/requests?{query}") as resp:
+                assert resp.status == 200
+                return orjson.loads(await resp.read())
+
+        first = await page("limit=100")
+        assert [r["id"] for r in first["data"]] == [expected(i) for i in range(PG_ROWS - 1, PG_ROWS - 101, -1)]
+        nxt = await page(f"limit=100&before={first['next']}")
+        assert [r["id"] for r in nxt["data"]] == [expected(i) for i in range(PG_ROWS - 101, PG_ROWS - 201, -1)]
+        # 2025-11-25T00:00:00 is row 28800 (rowid 28801), before rowid 30000: that row comes first
+        deep = await page(f"limit=3&before={cursor('2025-11-25T00:00:00.000+00:00~30000')}")
+        assert [r["id"] for r in deep["data"]] == [expected(28800), expected(28799), expected(28798)]
+        errors = await page("limit=3&status=error&org=umbrella")
+        assert [r["id"] for r in errors["data"]] == [expected(i) for i in (49999, 49899, 49799)]
+        by_model = await page("limit=3&model=model-1&status=200")
+        assert [r["id"] for r in by_model["data"]] == [expected(i) for i in (49996, 49993, 49990)]
+
+
+HOUR = ("2025-11-24T20:00:00.000+00:00", "2025-11-24T21:00:00.000+00:00")
+USAGE_SHAPES = [{}, {"org": "acme"}, {"model": "model-1"}, {"org": "acme", "model": "model-1"}]
+
+
+@pytest.mark.parametrize("shape", USAGE_SHAPES, ids=lambda s: "&".join(f"{k}={v}" for k, v in s.items()) or "all")
+async def test_usage_of_an_hour_reads_an_index_range_on_both_stores(pg_big, shape):
+    sql, params = usage_query(16, *HOUR, **shape)
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(SCHEMA + INDEXES)
+        plan = " | ".join(r[3] for r in db.execute("EXPLAIN QUERY PLAN " + sql, params))
+    finally:
+        db.close()
+    assert "USING INDEX usage_events_" in plan and "SCAN usage_events" not in plan, plan
+    conn = await asyncpg.connect(pg_big)
+    try:
+        plan = " | ".join(r[0].strip() for r in await conn.fetch("EXPLAIN " + numbered(sql), *params))
+    finally:
+        await conn.close()
+    assert "Index Scan using usage_events_" in plan and "Seq Scan" not in plan, plan

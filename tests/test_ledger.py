@@ -216,7 +216,7 @@ async def test_429_is_recorded(harness, eventually):
                                            {"id": "globex", "credits": 100.0}]}) as h:
         hanging = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(),
                                                      json=body(mock={"fail": "hang"})))
-        await eventually(lambda: h.app[GATEWAY].inflight.count("acme") == 1)
+        await eventually(lambda: h.app[GATEWAY].admission.count("acme") == 1)
         async with h.post("/v1/completions", body()) as resp:
             assert resp.status == 429
             row = await h.row(resp.headers[GEN])
@@ -225,7 +225,7 @@ async def test_429_is_recorded(harness, eventually):
         with pytest.raises(asyncio.CancelledError):
             await hanging
         await h.mock_wait(hangups=1)
-        await eventually(lambda: h.app[GATEWAY].inflight.count("acme") == 0)
+        await eventually(lambda: h.app[GATEWAY].admission.count("acme") == 0)
         await eventually(lambda: h.app[GATEWAY].ledger.queue_depth() == 0 and _rows(h, 2))
 
 
@@ -257,7 +257,7 @@ async def test_client_disconnect_mid_stream(gw, eventually):
 async def test_client_disconnect_before_a_non_streamed_answer(gw, eventually):
     task = asyncio.create_task(gw.session.post(f"{gw.url}/v1/completions", headers=gw.headers(),
                                                json=body(mock={"fail": "hang"})))
-    await eventually(lambda: gw.app[GATEWAY].inflight.count("acme") == 1)
+    await eventually(lambda: gw.app[GATEWAY].admission.count("acme") == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -267,7 +267,7 @@ async def test_client_disconnect_before_a_non_streamed_answer(gw, eventually):
     row = rows[0]
     assert (row["stream"], row["disconnected"], row["completion_tokens"]) == (0, 1, 0)
     assert row["status"] == 499  # nothing was sent: nginx's "client closed request"
-    assert gw.app[GATEWAY].inflight.count("acme") == 0
+    assert gw.app[GATEWAY].admission.count("acme") == 0
 
 
 async def test_row_id_is_the_generation_header_and_rows_are_unique(gw):
@@ -353,7 +353,7 @@ async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_cuts_the_stream
             await resp.read()
     row = await eventually(lambda: _row_or_none(gw, gen_id))
     assert (row["status"], row["error_code"], row["disconnected"]) == (200, "internal_error", 0)
-    assert gw.app[GATEWAY].inflight.count("acme") == 0
+    assert gw.app[GATEWAY].admission.count("acme") == 0
 
 
 async def _row_or_none(h, generation_id):

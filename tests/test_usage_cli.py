@@ -94,3 +94,45 @@ async def test_missing_database_is_one_line_and_exit_2(tmp_path):
 async def test_empty_ledger(gw):
     code, out, _ = await usage("--db", str(gw.db))
     assert (code, out) == (0, "no usage recorded\n")
+
+
+def pg_config(tmp_path, url: str, mock_url: str = "http://127.0.0.1:1") -> str:
+    config = tmp_path / "pg.toml"
+    config.write_text(f'''
+[storage]
+url = "{url}"
+
+[[models]]
+id = "{MODEL}"
+upstreams = ["{mock_url}/v1"]
+
+[[orgs]]
+id = "acme"
+credits = 1.0
+''')
+    return str(config)
+
+
+async def test_postgresql_gives_the_same_totals_as_sqlite(harness, gw, pg_url, tmp_path):
+    """The rows of a gateway on PostgreSQL, read with the config's url: the same output as the same
+    traffic on SQLite, table and JSON, filters included."""
+    await traffic(gw)
+    async with harness(overrides={"storage": {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}}) as pg:
+        await traffic(pg)
+    config = pg_config(tmp_path, pg_url)
+    for args in ((), ("--json",), ("--org", "acme", "--json"), ("--model", "unknown-model"),
+                 ("--since", "2000-01-01T00:00:00+02:00", "--json"), ("--since", "2999-01-01")):
+        on_sqlite = await usage("--db", str(gw.db), *args)
+        on_postgresql = await usage("--config", config, *args)
+        assert on_postgresql == on_sqlite and on_sqlite[0] == 0
+    rows = json.loads((await usage("--config", config, "--json"))[1])
+    assert [(r["org"], r["model"], r["requests"], r["errors"], r["total_tokens"]) for r in rows] == [
+        ("acme", MODEL, 3, 0, 27), ("acme", "unknown-model", 1, 1, 0), ("globex", MODEL, 2, 0, 18)]
+
+
+async def test_unreachable_postgresql_is_one_line_and_exit_2(postgres, tmp_path):
+    url = postgres.url("kiln", password="wrong-secret")
+    code, out, err = await usage("--config", pg_config(tmp_path, url))
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("kilnproxy: error: cannot connect to PostgreSQL at ")
+    assert "wrong-secret" not in err and "kiln:***@" in err

@@ -1,7 +1,7 @@
 """The inspector: a live view of the gateway in the browser, at ``/ui``.
 
-* ``store``: reads of the usage ledger (pages of requests, usage buckets) and
-  the indexes that keep them fast;
+* ``store``: reads of the usage ledger (pages of requests, usage buckets), on
+  SQLite or on the shared PostgreSQL store, and the indexes that keep them fast;
 * ``hub``: committed rows fanned out to the page's live feed (SSE);
 * ``capture``: the opt-in ring of request bodies and both streams;
 * ``api``: access rule, the page's files and the JSON API (docs/inspector.md);
@@ -19,7 +19,7 @@ from ..gateway import Gateway
 from .api import InspectorAPI
 from .capture import CaptureRing
 from .hub import LiveHub
-from .store import InspectorStore
+from .store import InspectorStore, SharedReader, SQLiteReader
 
 __all__ = ["setup_inspector"]
 
@@ -33,7 +33,8 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
     hub = LiveHub(gateway.capture)
     if gateway.capture is not None:
         gateway.capture.on_start = hub.started
-    store = InspectorStore(gateway.config.db_path)
+    shared = gateway.config.storage.url is not None  # PostgreSQL: read every replica's rows through its pool
+    store = InspectorStore(SharedReader(gateway.ledger) if shared else SQLiteReader(gateway.config.db_path))
     api = InspectorAPI(gateway, store, hub)
     app.router.add_routes(api.routes())
 

@@ -1,8 +1,19 @@
 """The inspector's reads of the usage ledger: pages of requests, one request, usage buckets.
 
-It has its own SQLite connection (WAL: readers never hold up the ledger's
-group commits) and creates, once, the indexes its filters need, so that a page
-is a short index range scan however many rows the table holds:
+Each query is written once for both stores (``?`` placeholders, explicit
+column lists, nothing but SQL both SQLite and PostgreSQL read the same way)
+and runs through a reader:
+
+* ``SQLiteReader``: the inspector's own read-only SQLite connection (WAL:
+  readers never hold up the ledger's group commits); it creates the indexes
+  below, once;
+* ``SharedReader``: the PostgreSQL store's own pool (``PostgresStore.fetch``),
+  so every replica's rows are seen; the same indexes are made by the store's
+  schema (``kilnproxy.pg_schema``). A database out of reach is a 503
+  ``store_unavailable`` answer, as elsewhere.
+
+With those indexes a page is a short index range scan however many rows the
+table holds:
 
 * no filter: ``usage_events_created`` (the ledger's, on ``created_at``);
 * org: ``usage_events_org_created`` (the ledger's);
@@ -12,8 +23,10 @@ is a short index range scan however many rows the table holds:
   requests, nearly all of them, pay no write for it);
 * ``status=ok`` or a status below 400: the time index, as nearly every row matches.
 
-Pages are newest first, ordered by ``(created_at, rowid)``; the cursor of a
-page's last row (``<created_at>~<rowid>`` in base64url) asks for the rows before it.
+Pages are newest first, ordered by ``(created_at, rowid)`` (on PostgreSQL,
+whose indexes hold no rowid, rows of one same ``created_at`` are put in order
+by an incremental sort, a few rows at a time); the cursor of a page's last row
+(``<created_at>~<rowid>`` in base64url) asks for the rows before it.
 """
 
 from __future__ import annotations
@@ -22,9 +35,11 @@ import base64
 import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Protocol
 
 import aiosqlite
+
+from ..record import COLUMNS
 
 INDEXES = """
 CREATE INDEX IF NOT EXISTS usage_events_model_created ON usage_events (model, created_at);
@@ -35,6 +50,7 @@ BUCKETS = {"minute": (16, timedelta(minutes=1)), "hour": (13, timedelta(hours=1)
 DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``since`` is not given
 MAX_BUCKETS = 10_000
 MAX_LIMIT = 500
+SELECT_COLUMNS = ", ".join(COLUMNS)  # never ``*``: PostgreSQL's table has two columns more
 
 
 class QueryError(ValueError):
@@ -60,7 +76,7 @@ def page_query(org: str | None = None, model: str | None = None, status: str | N
         if status == "error":
             where.append("status >= 400")
         elif status == "ok":
-            where.append("+status < 400")  # unary +: scan by time; nearly every row matches
+            where.append("+status < 400")  # unary + (SQLite): scan by time; nearly every row matches
         elif (code := parse_status(status)) >= 400:
             where.append("status = ? AND status >= 400")  # the second term lets the partial index serve
             params.append(code)
@@ -71,7 +87,7 @@ def page_query(org: str | None = None, model: str | None = None, status: str | N
         created_at, rowid = parse_cursor(before)
         where.append("created_at <= ? AND (created_at < ? OR rowid < ?)")
         params += [created_at, created_at, rowid]
-    sql = "SELECT rowid AS _rowid, * FROM usage_events"
+    sql = f"SELECT rowid AS _rowid, {SELECT_COLUMNS} FROM usage_events"
     if where:
         sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
@@ -112,7 +128,20 @@ def parse_time(value: str, param: str) -> str:
     return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
 
 
-class InspectorStore:
+class Reader(Protocol):
+    """Where the inspector's queries run."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """The rows of a read query written with ``?`` placeholders, as dicts."""
+
+
+class SQLiteReader:
+    """A read-only connection of its own to the SQLite ledger; creates the inspector's indexes."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.db: aiosqlite.Connection | None = None
@@ -129,11 +158,39 @@ class InspectorStore:
             await self.db.close()
             self.db = None
 
+    async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        async with self.db.execute(sql, tuple(params)) as cur:
+            return [dict(r) for r in await cur.fetchall()]
+
+
+class SharedReader:
+    """The shared store's pool (``PostgresStore.fetch``): opened and closed with the gateway, not here.
+    A database out of reach is its 503 ``store_unavailable``."""
+
+    def __init__(self, store: Any):
+        self.fetch = store.fetch
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class InspectorStore:
+    def __init__(self, reader: Reader):
+        self.reader = reader
+
+    async def open(self) -> None:
+        await self.reader.open()
+
+    async def close(self) -> None:
+        await self.reader.close()
+
     async def page(self, limit: int = 50, **filters: str | None) -> tuple[list[dict], str | None]:
         """One page of rows, newest first, and the cursor of the next page (None: the last)."""
         sql, params = page_query(limit=limit, **filters)
-        async with self.db.execute(sql, params) as cur:
-            rows = [dict(r) for r in await cur.fetchall()]
+        rows = await self.reader.fetch(sql, params)
         more = len(rows) > limit
         rows = rows[:limit]
         cursor = cursor_of(rows[-1]) if more else None
@@ -142,9 +199,8 @@ class InspectorStore:
         return rows, cursor
 
     async def get(self, generation_id: str) -> dict | None:
-        async with self.db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
-            row = await cur.fetchone()
-        return dict(row) if row is not None else None
+        rows = await self.reader.fetch(f"SELECT {SELECT_COLUMNS} FROM usage_events WHERE id = ?", (generation_id,))
+        return rows[0] if rows else None
 
     async def usage(self, bucket: str, since: str | None, until: str | None,
                     org: str | None = None, model: str | None = None) -> dict[str, Any]:
@@ -158,20 +214,33 @@ class InspectorStore:
             raise QueryError("since", "since must be before until")
         if (end - start) / step > MAX_BUCKETS:
             raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
-        where, params = ["created_at >= ?", "created_at < ?"], [_iso(start), _iso(end)]
-        for column, value in (("org", org), ("model", model)):
-            if value:
-                where.append(f"{column} = ?")
-                params.append(value)
-        sql = (f"SELECT substr(created_at, 1, {width}) AS t, org, model, COUNT(*) AS requests,"
-               " SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens,"
-               " SUM(total_tokens) AS total_tokens, SUM(cost) AS cost,"
-               " SUM(status >= 400) AS errors FROM usage_events"
-               f" WHERE {' AND '.join(where)} GROUP BY t, org, model ORDER BY t, org, model")
-        async with self.db.execute(sql, params) as cur:
-            series = [dict(r) for r in await cur.fetchall()]
+        sql, params = usage_query(width, _iso(start), _iso(end), org, model)
+        series = sorted(await self.reader.fetch(sql, params), key=_series_order)
         return {"bucket": bucket, "since": _iso(start), "until": _iso(end),
                 "buckets": _bucket_labels(start, end, step, width), "series": series}
+
+
+def usage_query(width: int, start: str, end: str, org: str | None = None,
+                model: str | None = None) -> tuple[str, list[Any]]:
+    """Sums per bucket (the first ``width`` characters of ``created_at``), org and model. The
+    casts keep PostgreSQL's sums of BIGINT columns integers (not NUMERIC), as SQLite's are."""
+    where, params = ["created_at >= ?", "created_at < ?"], [start, end]
+    for column, value in (("org", org), ("model", model)):
+        if value:
+            where.append(f"{column} = ?")
+            params.append(value)
+    sql = (f"SELECT substr(created_at, 1, {width}) AS t, org, model, COUNT(*) AS requests,"
+           " CAST(SUM(prompt_tokens) AS BIGINT) AS prompt_tokens,"
+           " CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,"
+           " CAST(SUM(total_tokens) AS BIGINT) AS total_tokens, SUM(cost) AS cost,"
+           " SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END) AS errors FROM usage_events"
+           f" WHERE {' AND '.join(where)} GROUP BY substr(created_at, 1, {width}), org, model")
+    return sql, params
+
+
+def _series_order(row: dict) -> tuple:
+    """Sorted here, not in SQL: text order and NULLs' place differ between the two databases."""
+    return row["t"], row["org"], row["model"] is not None, row["model"] or ""
 
 
 def _iso(when: datetime) -> str:

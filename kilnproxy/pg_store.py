@@ -1,0 +1,397 @@
+"""``PostgresStore``: the ledger and the admission state of several replicas, in PostgreSQL.
+
+Every replica started with the same ``[storage] url`` shares, through it, the
+in-flight slots, the credit holds, the spending and the usage rows (SPEC 9).
+
+* Admission (``admit``) is one round trip, shared by the requests admitted
+  at the same moment: ``kiln_admit`` takes the org's admission lock, counts
+  its live holds, checks its credits and inserts the hold, for each in turn.
+* Settlement is a group commit, as the SQLite writer does: one task takes
+  every row submitted meanwhile and calls ``kiln_settle`` once, which deletes
+  their holds, inserts them and adds their cost to the orgs' spending in one
+  transaction, idempotent by generation id. A request awaits its row's
+  commit before its response ends.
+* Liveness (``kilnproxy.replicas``): a heartbeat every few seconds; the
+  holds of a replica silent for ``replica_timeout_seconds`` stop counting and
+  are turned into ``replica_lost`` rows by a surviving replica.
+* Outage: with PostgreSQL out of reach, ``admit`` answers 503
+  ``store_unavailable`` at once, and rows that cannot be settled go to the
+  spool (``kilnproxy.spool``), flushed once the database answers again.
+
+Nothing holds a connection across a stream: each statement borrows one from
+a small pool and gives it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from typing import Any, Callable, Iterable
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import orjson
+
+from .config import Config
+from .errors import GatewayError, StorageError
+from .limits import Credits, Hold, insufficient_credits, rate_limited
+from .pg_schema import migrate
+from .record import COLUMNS
+from .replicas import Heartbeat
+from .spool import Spool
+
+log = logging.getLogger("kilnproxy.ledger")
+
+POOL_SIZE = 5
+STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
+CONNECT_TIMEOUT = 5.0
+FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
+# What a lost connection raises. InternalClientError: asyncpg's protocol state after a session was
+# terminated mid-statement (MagicStack/asyncpg#1069); the pool's connections are then replaced.
+UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+               asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
+
+SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    user = netloc[0].partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+
+
+def store_unavailable() -> GatewayError:
+    return GatewayError(503, "store_unavailable",
+                        "The gateway's database cannot be reached. Retry with exponential backoff.",
+                        type="service_unavailable")
+
+
+class PostgresStore:
+    """``Ledger`` and ``Admission`` on PostgreSQL (see the module's docstring)."""
+
+    def __init__(self, config: Config, credits: Credits,
+                 on_commit: Callable[[list[tuple[dict, Any]]], None] | None = None):
+        self.url = config.storage.url
+        self.timeout = config.storage.replica_timeout_seconds
+        self.credits = credits
+        self.on_commit = on_commit
+        self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.spool = Spool(config.spool_path)
+        self.pool: asyncpg.Pool | None = None
+        self.available = False  # the last statement reached the database
+        self.heartbeat = Heartbeat(self)
+        self._counts: dict[str, int] = {}
+        self._pending: list[tuple[dict[str, Any], asyncio.Future, Any]] = []
+        self._admitting: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._admit_wake = asyncio.Event()
+        self._admitter: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task | None = None
+        self._closing = False
+        self._flushing = asyncio.Lock()
+        self.spooled = 0
+        self.commits = 0
+        self.rows_committed = 0
+        self.commit_failures = 0
+        self.last_commit_seconds = 0.0
+
+    # -- life cycle -------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            conn = await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+            raise StorageError(f"cannot connect to PostgreSQL at {redacted(self.url)}: {self._reason(exc)}"
+                               " (check [storage] url, the password and that the server is running)") from None
+        try:
+            await migrate(conn)
+            await conn.execute("INSERT INTO kiln_orgs (org) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING",
+                               sorted(self.credits.granted))
+        except asyncpg.PostgresError as exc:
+            raise StorageError(f"cannot set up the schema in {redacted(self.url)}: {self._reason(exc)}") from None
+        finally:
+            await conn.close()
+        self.pool = await asyncpg.create_pool(
+            self.url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT, reset=_nothing_to_reset,
+            server_settings={"application_name": f"kilnproxy {self.replica}"})
+        await self.heartbeat.beat()
+        try:
+            self.spooled = await asyncio.to_thread(self.spool.open)
+        except Exception as exc:
+            await self.pool.close()
+            raise StorageError(f"cannot open the spool {str(self.spool.path)!r}: {exc}"
+                               " (check [storage] spool_path and its permissions)") from None
+        self._writer = asyncio.create_task(self._write_loop(), name="kilnproxy-ledger-writer")
+        self._admitter = asyncio.create_task(self._admit_loop(), name="kilnproxy-admitter")
+        self.heartbeat.start()
+        if self.spooled:
+            log.warning("%d usage rows spooled by an earlier run; settling them now", self.spooled)
+            await self.flush_spool()
+
+    async def close(self) -> None:
+        """Settle everything submitted (into the spool if the database is out of reach), then disconnect."""
+        if self._writer is not None:
+            self._closing = True
+            self._wake.set()
+            await self._writer
+            self._writer = None
+        await self.heartbeat.stop()
+        if self._admitter is not None:
+            self._admitter.cancel()
+            try:
+                await self._admitter
+            except asyncio.CancelledError:
+                pass
+            self._admitter = None
+        if self.available:
+            await self.flush_spool()
+            await self.attempt("execute", "DELETE FROM kiln_replicas WHERE id = $1 AND NOT EXISTS"
+                               " (SELECT 1 FROM kiln_holds WHERE replica = $1)", self.replica)
+        if self.pool is not None:
+            try:
+                await asyncio.wait_for(self.pool.close(), STATEMENT_TIMEOUT)
+            except (asyncio.TimeoutError, *UNREACHABLE):
+                self.pool.terminate()
+            self.pool = None
+        self.spool.close()
+
+    def _reason(self, exc: BaseException) -> str:
+        return _reason(exc, urlsplit(self.url).password)
+
+    # -- admission (SPEC 4 step 5) -------------------------------------------------
+
+    async def admit(self, hold: Hold, limit: int) -> None:
+        """Queued for the admitter, which sends everything queued meanwhile in one ``kiln_admit``."""
+        if not self.available:
+            raise store_unavailable()
+        future = asyncio.get_running_loop().create_future()
+        self._admitting.append(({"id": hold.id, "org": hold.org, "limit": limit,
+                                 "granted": self.credits.granted.get(hold.org, 0.0), "amount": hold.amount,
+                                 "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
+                                 "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model,
+                                 "endpoint": hold.endpoint, "stream": hold.stream}, future))
+        self._admit_wake.set()
+        verdict, spent = await future
+        self.credits.spent[hold.org] = spent
+        if verdict == "rate_limited":
+            raise rate_limited(hold.org, limit)
+        if verdict == "insufficient_credits":
+            raise insufficient_credits(hold.org, holding=True)
+        self._counts[hold.org] = self._counts.get(hold.org, 0) + 1
+
+    async def _admit_loop(self) -> None:
+        """One ``kiln_admit`` at a time, for every hold queued since the last. A request cancelled
+        while waiting may still get its hold; its row, submitted as always, deletes it."""
+        while True:
+            await self._admit_wake.wait()
+            self._admit_wake.clear()
+            batch, self._admitting = self._admitting, []
+            if not batch:
+                continue
+            try:
+                verdicts = await self.run("fetch", "SELECT * FROM kiln_admit($1::jsonb, $2, $3)",
+                                          orjson.dumps([h for h, _ in batch]).decode(), self.replica, self.timeout)
+            except UNREACHABLE as exc:
+                self.lost(exc)
+                verdicts = None
+            except Exception:  # a bug or a deadlock: these requests get 503, the next batch is tried anew
+                log.exception("admission of %d requests failed", len(batch))
+                verdicts = None
+            for i, (_, future) in enumerate(batch):
+                if future.done():
+                    continue
+                if verdicts is None:
+                    future.set_exception(store_unavailable())
+                else:
+                    future.set_result((verdicts[i]["r_verdict"], verdicts[i]["r_spent"]))
+            if self._admitting:
+                self._admit_wake.set()
+
+    def release(self, hold: Hold) -> None:
+        """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
+        n = self._counts[hold.org] - 1
+        if n:
+            self._counts[hold.org] = n
+        else:
+            del self._counts[hold.org]
+
+    def count(self, org: str) -> int:
+        return self._counts.get(org, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    # -- settlement ---------------------------------------------------------------
+
+    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
+        """Queue ``row``; the future resolves once it is committed in PostgreSQL or in the spool."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((row, future, tag))
+        self._wake.set()
+        return future
+
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                if self._closing:
+                    return
+                continue
+            batch, self._pending = self._pending, []
+            rows = [row for row, _, _ in batch]
+            started = loop.time()
+            if not await self._settle(rows):
+                await self._spool(rows)
+            self.commits += 1
+            self.rows_committed += len(batch)
+            self.last_commit_seconds = loop.time() - started
+            for _, future, _ in batch:
+                if not future.done():
+                    future.set_result(None)
+            if self.on_commit is not None:
+                self.on_commit([(row, tag) for row, _, tag in batch])
+            if self._pending:
+                self._wake.set()
+
+    async def _settle(self, rows: list[dict[str, Any]]) -> bool:
+        """One ``kiln_settle`` transaction; False when it did not commit (the rows must be kept)."""
+        if not self.available:
+            return False
+        try:
+            spent = await self.run("fetch", "SELECT * FROM kiln_settle($1::jsonb, $2)",
+                                   orjson.dumps(rows).decode(), self.replica)
+        except UNREACHABLE as exc:
+            self.lost(exc)
+            return False
+        except asyncpg.PostgresError as exc:  # a deadlock, a constraint: kept in the spool and retried
+            self.commit_failures += 1
+            log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
+            return False
+        except Exception:  # a bug must not stop the writer: the rows are spooled, the responses go on
+            self.commit_failures += 1
+            log.exception("usage settlement of %d rows failed, spooled for a retry", len(rows))
+            return False
+        self._load_spent(spent)
+        return True
+
+    async def _spool(self, rows: list[dict[str, Any]]) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.spool.add, rows)
+                self.spooled += len(rows)
+                return
+            except Exception as exc:  # a full disk: the responses wait, no row is dropped
+                self.commit_failures += 1
+                log.error("cannot spool %d usage rows, retrying: %s", len(rows), exc)
+                await asyncio.sleep(0.2)
+
+    async def flush_spool(self) -> None:
+        """Settle the spooled rows in PostgreSQL, oldest first; stops at the first failure."""
+        async with self._flushing:
+            while self.spooled and self.available:
+                rows = await asyncio.to_thread(self.spool.take, FLUSH_ROWS)
+                if not rows:
+                    self.spooled = 0
+                    return
+                if not await self._settle(rows):
+                    return
+                await asyncio.to_thread(self.spool.remove, [r["id"] for r in rows])
+                self.spooled = max(0, self.spooled - len(rows))
+                log.info("settled %d spooled usage rows, %d left", len(rows), self.spooled)
+
+    # -- reachability ----------------------------------------------------------------
+
+    def lost(self, exc: BaseException) -> None:
+        self.heartbeat.in_touch_since = None
+        if self.available:
+            log.error("PostgreSQL is out of reach (%s); new requests get 503 store_unavailable, rows are spooled",
+                      self._reason(exc))
+            self.available = False
+            self.heartbeat.poke()
+
+    async def run(self, method: str, sql: str, *args):
+        """``conn.<method>(sql, *args)`` on a pooled connection; borrowing it, the statement and giving
+        it back all bounded by ``STATEMENT_TIMEOUT`` (raises one of ``UNREACHABLE`` past it)."""
+        async def call():
+            async with self.pool.acquire(timeout=STATEMENT_TIMEOUT) as conn:
+                return await getattr(conn, method)(sql, *args, timeout=STATEMENT_TIMEOUT)
+
+        return await asyncio.wait_for(call(), 2 * STATEMENT_TIMEOUT)
+
+    async def attempt(self, method: str, sql: str, *args):
+        """``run``, or ``None`` when the database is out of reach (marked so)."""
+        try:
+            return await self.run(method, sql, *args)
+        except UNREACHABLE as exc:
+            self.lost(exc)
+            return None
+
+    def reached(self) -> None:
+        if not self.available:
+            log.warning("PostgreSQL answers again")
+        self.available = True
+
+    def _load_spent(self, records: Iterable[asyncpg.Record]) -> None:
+        for org, spent in records:
+            self.credits.spent[org] = spent
+
+    # -- reads -------------------------------------------------------------------------
+
+    async def spent_by_org(self) -> dict[str, float]:
+        return dict(await self.run("fetch", "SELECT org, spent FROM kiln_orgs"))
+
+    async def org_spent(self, org: str) -> float:
+        """Every replica's spending of ``org`` (``SUM(cost)`` of its rows); 503 when out of reach."""
+        value = await self._read("fetchval", "SELECT spent FROM kiln_orgs WHERE org = $1", org)
+        self.credits.spent[org] = value or 0.0
+        return value or 0.0
+
+    async def get(self, generation_id: str) -> dict[str, Any] | None:
+        row = await self._read("fetchrow", SELECT_ROW, generation_id)
+        return dict(row) if row is not None else None
+
+    async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """Rows of a read query written with ``?`` placeholders (the SQLite style)."""
+        return [dict(r) for r in await self._read("fetch", numbered(sql), *params)]
+
+    async def _read(self, method: str, sql: str, *args):
+        if not self.available:
+            raise store_unavailable()
+        try:
+            return await self.run(method, sql, *args)
+        except UNREACHABLE as exc:
+            self.lost(exc)
+            raise store_unavailable() from None
+
+    def stats(self) -> dict[str, float]:
+        return {"queue_depth": len(self._pending), "commits": self.commits, "rows_committed": self.rows_committed,
+                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds,
+                "spooled": self.spooled, "store_up": int(self.available)}
+
+
+async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
+    """The pool's check-in: the store changes no session state (only ``SET LOCAL``), so the
+    round trip of asyncpg's default reset (``RESET ALL; UNLISTEN *; ...``) is saved."""
+
+
+def numbered(sql: str) -> str:
+    """``?`` placeholders as PostgreSQL's ``$1, $2, ...`` (the queries hold no literal ``?``)."""
+    parts = sql.split("?")
+    return "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
+
+
+def _reason(exc: BaseException, secret: str | None = None) -> str:
+    text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+    return text.replace(secret, "***") if secret else text

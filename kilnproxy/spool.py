@@ -1,0 +1,60 @@
+"""The spool: usage rows kept in a local SQLite file while PostgreSQL is out of reach.
+
+A row goes in when its batch could not be settled in PostgreSQL, and comes
+out only after a later settlement of it has committed there (settlement is
+idempotent by id, so a row that did reach PostgreSQL before the connection
+broke is not charged twice). The file outlives the process: a replica
+restarted during an outage flushes what its previous run spooled.
+
+Every method is synchronous; the store calls them in a thread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from .ledger import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values
+from .record import COLUMNS
+
+_ADD = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")
+
+
+class Spool:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._db: sqlite3.Connection | None = None
+
+    def open(self) -> int:
+        """Open (creating) the file; returns the rows it already holds."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # a committed row survives the process being killed
+        self._db.executescript(SCHEMA)
+        return self.count()
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany(_ADD, [_values(r) for r in rows])
+
+    def take(self, limit: int) -> list[dict[str, Any]]:
+        """The oldest ``limit`` rows, still in the spool."""
+        cur = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_events ORDER BY rowid LIMIT ?", (limit,))
+        return [dict(zip(COLUMNS, r)) for r in cur.fetchall()]
+
+    def remove(self, ids: list[str]) -> None:
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("DELETE FROM usage_events WHERE id = ?", [(i,) for i in ids])
+
+    def count(self) -> int:
+        return self._db.execute("SELECT count(*) FROM usage_events").fetchone()[0]
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None

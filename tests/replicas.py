@@ -1,0 +1,84 @@
+"""Several real ``python -m kilnproxy`` replicas on one PostgreSQL database, for tests.
+
+``replica(tmp_path, name, mock_url, pg_url, **sections)`` starts one in its
+own folder (its config and spool there); ``Ledger(pg_url)`` reads the shared
+tables with asyncpg. Tests wait for events (``eventually``), never for time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+
+from kilnproxy.testing import KEY, completion_body
+from processes import GatewayProcess, gateway_config
+
+TIMEOUT = 2.0  # [storage] replica_timeout_seconds of the test replicas
+
+
+def replica_config(mock_url: str, pg_url: str, **sections: Any) -> dict[str, Any]:
+    storage = {"url": pg_url, "replica_timeout_seconds": TIMEOUT, "spool_path": "spool.db",
+               **sections.pop("storage", {})}
+    return gateway_config([mock_url], storage=storage, inspector={"enabled": False}, **sections)
+
+
+async def replica(tmp_path: Path, name: str, mock_url: str, pg_url: str, **sections: Any) -> GatewayProcess:
+    folder = Path(tmp_path) / name
+    folder.mkdir(exist_ok=True)
+    return await GatewayProcess(folder, replica_config(mock_url, pg_url, **sections)).start()
+
+
+def stalled(**extra: Any) -> dict[str, Any]:
+    """A streamed request whose upstream stalls after its first chunk (held until the client leaves)."""
+    return completion_body(stream=True, mock={"fail": "stall", "after": 1}, **extra)
+
+
+async def open_stream(session: aiohttp.ClientSession, url: str, body: dict, key: str = KEY):
+    """POST and return the response once its status is in (the caller reads or closes it)."""
+    resp = await session.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    if resp.status == 200:
+        await resp.content.readline()  # the first event is through: the request is in flight upstream
+    return resp
+
+
+class Ledger:
+    """The shared tables, read with asyncpg."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.conn: asyncpg.Connection | None = None
+
+    async def __aenter__(self) -> "Ledger":
+        self.conn = await asyncpg.connect(self.url)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.conn.close()
+
+    async def rows(self, **where: Any) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM usage_events"
+        if where:
+            sql += " WHERE " + " AND ".join(f"{k} = ${i}" for i, k in enumerate(where, 1))
+        return [dict(r) for r in await self.conn.fetch(sql + " ORDER BY rowid", *where.values())]
+
+    async def holds(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in await self.conn.fetch("SELECT * FROM kiln_holds")]
+
+    async def spent(self) -> dict[str, float]:
+        return dict(await self.conn.fetch("SELECT org, spent FROM kiln_orgs"))
+
+    async def sums(self) -> dict[str, float]:
+        return dict(await self.conn.fetch("SELECT org, SUM(cost) FROM usage_events GROUP BY org"))
+
+    async def consistent(self) -> bool:
+        """Every org's spending equals the SUM(cost) of its rows (to the last bit of rounding)."""
+        spent, sums = await self.spent(), await self.sums()
+        return all(abs(spent.get(org, 0.0) - total) <= 1e-9 for org, total in sums.items())
+
+
+async def stop_all(*processes) -> None:
+    await asyncio.gather(*(p.stop() for p in processes if p is not None))
