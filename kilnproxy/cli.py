@@ -15,7 +15,8 @@ from pathlib import Path
 from .config import Config, load_config
 from .errors import KilnError
 
-COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload", "import-ledger")
+COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload", "import-ledger", "record",
+            "replay")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     mock.add_argument("--enable-prompt-tokens-details", action="store_true",
                       help="report usage.prompt_tokens_details.cached_tokens, as vLLM does with this flag")
     mock.set_defaults(func=cmd_mock)
+    from .fixture_cli import add_fixture_commands, add_replay_options
+    add_replay_options(mock)
+    add_fixture_commands(sub)
 
     from .usage_report import add_usage_command
     add_usage_command(sub, _config_arg)
@@ -132,6 +136,11 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
 
 def cmd_mock(args) -> int:
     from . import server
+    if args.replay:
+        from .fixture_cli import serve_replay
+        return serve_replay(args)
+    if args.timing:
+        raise KilnError("--timing only applies with --replay DIR")
 
     async def main() -> None:
         running = await server.start_mock(args.host, args.port, delay=args.delay,

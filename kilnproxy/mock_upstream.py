@@ -52,7 +52,7 @@ def create_mock_app(*, delay: float = 0.0, context_window: int = 4096, flavor: s
                     "prompt_tokens_details": prompt_tokens_details}
     app[STATS] = {"requests": 0, "open": 0, "hangups": 0, "completed": 0}
     app[LOG] = []
-    app.on_startup.append(_make_condition)
+    app.on_startup.append(make_condition)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -63,11 +63,12 @@ def create_mock_app(*, delay: float = 0.0, context_window: int = 4096, flavor: s
     return app
 
 
-async def _make_condition(app: web.Application) -> None:
+async def make_condition(app: web.Application) -> None:
     app[CHANGED] = asyncio.Condition()
 
 
-async def _bump(app: web.Application, name: str, by: int = 1) -> None:
+async def bump(app: web.Application, name: str, by: int = 1) -> None:
+    """Count ``name`` in ``/mock/stats`` and wake ``/mock/wait`` (the replaying upstream counts with it too)."""
     app[STATS][name] += by
     async with app[CHANGED]:
         app[CHANGED].notify_all()
@@ -153,7 +154,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
-            await _bump(app, "hangups")
+            await bump(app, "hangups")
             raise
     if fail == "reset":
         request.transport.abort()
@@ -186,7 +187,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     gen = _Generation(body, opts, chat, prompt_tokens, max_tokens)
     if not stream:
-        await _bump(app, "completed")
+        await bump(app, "completed")
         return _json(gen.whole())
     return await _stream(request, gen, opts, fail)
 
@@ -285,7 +286,7 @@ async def _stream(request: web.Request, gen: _Generation, opts: dict, fail: str)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    await _bump(app, "open")
+    await bump(app, "open")
     delay = float(opts.get("delay") or 0)
     after = int(opts.get("after", 2))
     finished = False
@@ -320,10 +321,10 @@ async def _stream(request: web.Request, gen: _Generation, opts: dict, fail: str)
         await send(b"[DONE]")
         await resp.write_eof()
         finished = True
-        await _bump(app, "completed")
+        await bump(app, "completed")
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
-        await _bump(app, "hangups")
+        await bump(app, "hangups")
         raise
     finally:
         app[STATS]["open"] -= 1

@@ -30,6 +30,14 @@ the usage table as dicts (from PostgreSQL when ``[storage] url`` is set),
 ``h.mock_requests()`` what the mock received (what ``rewrite_request``
 left), ``h.usage_recorded()`` waits until every row so far has been through
 the ``record_usage`` plugins, and ``h.gw`` is the running ``Gateway``.
+
+Against a recorded real model server instead of the mock: ``replay=`` takes
+a fixture file, a folder of them, a list, or ``Replay(*sources, timing=True)``
+(docs/fixtures.md). The model's ``upstream_model`` becomes the fixtures'
+model, so a request built with ``h.client_body()`` reaches the upstream with
+the recorded body; ``h.fixtures`` are the loaded fixtures. ``Replay``,
+``Recorder``, ``RECORDINGS`` (the recordings shipped with kilnproxy) and
+``sse_frames`` / ``sse_events`` come from ``kilnproxy.recorded``.
 """
 
 from __future__ import annotations
@@ -45,15 +53,15 @@ import aiohttp
 from .app import create_app
 from .appkeys import GATEWAY
 from .config import parse_config
+from .fixture import Fixture
 from .gateway import Gateway
+from .recorded import RECORDINGS, Recorder, Replay, sse_events, sse_frames  # re-exported for tests
 from .server import Running, start_app, start_mock
 
 KEY = "sk-test-acme"
 OTHER_KEY = "sk-test-globex"
 MODEL = "test-model"
 UPSTREAM_MODEL = "org/Test-Model-7B"
-
-
 def base_config(mock_url: str, db: Path) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": 0, "keepalive_seconds": 15},
@@ -123,7 +131,8 @@ class Harness:
     def __init__(self, tmp_path: Path, *, plugins: list[Any] | None = None,
                  settings: dict[str, dict] | None = None, overrides: dict[str, Any] | None = None,
                  mock_options: dict[str, Any] | None = None, entry_points: bool = False,
-                 base_dir: Path | None = None, configure: Callable[[dict], None] | None = None):
+                 base_dir: Path | None = None, configure: Callable[[dict], None] | None = None,
+                 replay: Any = None):
         self.tmp_path = Path(tmp_path)
         self.db = self.tmp_path / "usage.db"
         self.plugins = plugins or []
@@ -133,6 +142,8 @@ class Harness:
         self.entry_points = entry_points
         self.base_dir = base_dir or Path.cwd()
         self.configure = configure
+        self.replay = Replay.of(replay) if replay is not None else None
+        self.fixtures: list[Fixture] = self.replay.fixtures if self.replay is not None else []
         self.mock: Running | None = None
         self.gateway: Running | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -140,8 +151,11 @@ class Harness:
         self._clients: list = []
 
     async def __aenter__(self) -> "Harness":
-        self.mock = await start_mock(**self.mock_options)
+        self.mock = await (self.replay.start() if self.replay is not None else start_mock(**self.mock_options))
         self.config = base_config(f"{self.mock.url}/v1", self.db)
+        recorded = [f.model for f in self.fixtures if isinstance(f.model, str)]
+        if recorded:
+            self.config["models"][0]["upstream_model"] = recorded[0]
         modules = [str(p) for p in self.plugins if isinstance(p, (str, Path))]
         objects = [p for p in self.plugins if not isinstance(p, (str, Path))]
         self.config["plugins"] = {"modules": modules, "entry_points": self.entry_points,
@@ -204,6 +218,11 @@ class Harness:
         """``aiohttp`` POST to the gateway with the test key (use as ``async with``)."""
         headers = {**self.headers(key), **kwargs.pop("headers", {})}
         return self.session.post(f"{self.url}{path}", json=json, headers=headers, **kwargs)
+
+    def client_body(self, fixture: Fixture | int = 0) -> Any:
+        """A fixture's request body as a client of this gateway sends it (``model``: the catalog id)."""
+        fixture = self.fixtures[fixture] if isinstance(fixture, int) else fixture
+        return {**fixture.body, "model": self.model} if isinstance(fixture.body, dict) else fixture.body
 
     async def rows(self, **where: Any) -> list[dict[str, Any]]:
         url = self.gw.config.storage.url

@@ -35,3 +35,11 @@ async def test_the_testing_example(kilnproxy_harness):
     namespace = {}
     exec(compile(example, "docs/plugins.md", "exec"), namespace)
     await namespace["test_redacts"](lambda **options: kilnproxy_harness(base_dir=REPO, **options))
+
+
+async def test_the_recorded_stream_example(kilnproxy_harness):
+    [example] = [b for b in BLOCKS if "async def test_shout_on_llama_cpp" in b]
+    assert len(example.strip().splitlines()) < 15
+    namespace = {}
+    exec(compile(example, "docs/plugins.md", "exec"), namespace)
+    await namespace["test_shout_on_llama_cpp"](kilnproxy_harness)

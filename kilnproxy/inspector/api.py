@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import ipaddress
 import mimetypes
+import os
 from pathlib import Path
 
 import orjson
@@ -27,7 +28,7 @@ from aiohttp import web
 from ..errors import GatewayError
 from ..gateway import Gateway
 from ..stream import SSE_HEADERS
-from .capture import describe
+from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
 from .store import MAX_LIMIT, InspectorStore, QueryError
 
@@ -51,6 +52,7 @@ class InspectorAPI:
             web.get("/ui/api/meta", self.meta),
             web.get("/ui/api/requests", self.requests),
             web.get("/ui/api/requests/{generation_id}", self.request_detail),
+            web.get("/ui/api/requests/{generation_id}/fixture", self.fixture),
             web.get("/ui/api/usage", self.usage),
             web.get("/ui/api/events", self.events),
         ]
@@ -126,6 +128,22 @@ class InspectorAPI:
             raise GatewayError(404, "not_found", f"No request {generation_id!r} in the ledger.")
         return _json({"id": generation_id, "row": row, "in_flight": row is None,
                       "capture": describe(tap, row) if tap is not None else None})
+
+    async def fixture(self, request: web.Request) -> web.Response:
+        """The capture's exchange with the upstream as a fixture file (docs/fixtures.md), to download."""
+        self.access(request)
+        generation_id = request.match_info["generation_id"]
+        capture = self.gateway.capture
+        tap = capture.get(generation_id) if capture is not None else None
+        row = await self.store.get(generation_id) if tap is not None else None
+        secrets = tuple(os.environ[m.upstream_api_key_env] for m in self.gateway.config.models
+                        if m.upstream_api_key_env and os.environ.get(m.upstream_api_key_env))
+        fixture = fixture_of(tap, row, secrets) if row is not None else None
+        if fixture is None:
+            raise GatewayError(404, "not_found", f"No fixture for {generation_id!r}: it must be captured whole, "
+                               "ended, and have had an answer from the upstream.")
+        return web.Response(body=fixture.dumps(), content_type="application/json", headers={
+            "Content-Disposition": f'attachment; filename="{generation_id}.json"'})
 
     async def usage(self, request: web.Request) -> web.Response:
         self.access(request)

@@ -6,14 +6,15 @@ With capture on, ``CaptureRing.tap()`` gives each request a ``Tap`` that keeps:
 
 * the client's body (as parsed, before any rule or plugin touched it);
 * the body sent upstream (after the stream rules and ``rewrite_request``);
-* streamed: each upstream SSE item as the relay received it, and each write
+* streamed: each chunk of upstream bytes as the relay read it, and each write
   to the client (relayed events, keep-alives, the usage chunk, ``[DONE]``),
   both with their time since the request started;
 * not streamed: the upstream's answer and the client's answer.
 
 A tap stops recording once it holds ``capture_bytes`` and says ``truncated``.
 The ring keeps the last ``capture_requests`` taps (oldest dropped first), so the
-memory held is at most about their product.
+memory held is at most about their product. ``fixture_of`` turns a capture
+into a fixture (docs/fixtures.md), for the inspector's "save as fixture".
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ..fixture import Chunk, Fixture
 from ..record import RequestRecord
 from ..relay import EventRelay
-from ..sse import COMMENT
+from ..scrub import Scrubber
+from ..sse import COMMENT, SSEParser
 from ..upstream import Route
 
 
@@ -61,7 +64,7 @@ class Tap:
     """What one request carried; filled by the request path, read by the API."""
 
     __slots__ = ("started", "max_bytes", "used", "truncated", "client_body", "upstream_body",
-                 "upstream_answer", "client_answer", "upstream_events", "client_writes")
+                 "upstream_answer", "client_answer", "upstream_chunks", "client_writes")
 
     def __init__(self, record: RequestRecord, max_bytes: int):
         self.started = record.started  # not the record: the ring must hold no more than the bytes it counts
@@ -72,7 +75,7 @@ class Tap:
         self.upstream_body: bytes | None = None
         self.upstream_answer: bytes | None = None
         self.client_answer: bytes | None = None
-        self.upstream_events: list[tuple[float, int, bytes]] = []  # (ms, kind, payload)
+        self.upstream_chunks: list[tuple[float, bytes]] = []  # (ms, bytes read)
         self.client_writes: list[tuple[float, bytes]] = []  # (ms, bytes written)
 
     def keep(self, data: bytes) -> bytes | None:
@@ -103,15 +106,10 @@ class Tap:
         """The response and relay of a streamed answer, recording what passes through them."""
         return TappedResponse(self, status=200, headers=headers), TappedRelay(self, record, route, impls)
 
-    def upstream_items(self, items: list[tuple[int, bytes]]) -> None:
-        if self.truncated or not items:
-            return
-        at = self.ms()
-        for kind, payload in items:
-            kept = self.keep(payload)
-            if kept is None:
-                return
-            self.upstream_events.append((at, kind, kept))
+    def upstream_chunk(self, chunk: bytes) -> None:
+        kept = self.keep(chunk)
+        if kept:
+            self.upstream_chunks.append((self.ms(), kept))
 
     def client_write(self, data: bytes) -> None:
         kept = self.keep(bytes(data))
@@ -120,7 +118,7 @@ class Tap:
 
 
 class TappedRelay(EventRelay):
-    """``EventRelay`` that shows each batch of upstream items to its tap first."""
+    """``EventRelay`` that shows each chunk of upstream bytes to its tap first."""
 
     __slots__ = ("tap",)
 
@@ -128,12 +126,9 @@ class TappedRelay(EventRelay):
         super().__init__(record.call, route, record, impls)
         self.tap = tap
 
-    def feed(self, items: list[tuple[int, bytes]]) -> bytes:
-        self.tap.upstream_items(items)
-        return super().feed(items)
-
     def feed_chunk(self, parser, chunk: bytes) -> bytes:
-        """Every chunk event by event (no bulk fast path), so that the tap sees each one."""
+        """Every chunk event by event (no bulk fast path), as the capture's reader will see it."""
+        self.tap.upstream_chunk(chunk)
         return self.feed(parser.feed(chunk))
 
 
@@ -154,8 +149,11 @@ class TappedResponse(web.StreamResponse):
 
 def describe(tap: Tap, row: dict | None) -> dict[str, Any]:
     """The JSON form of a capture: bodies as text, both streams as timed events."""
+    parser = SSEParser()
+    items = [(ms, item) for ms, chunk in tap.upstream_chunks for item in parser.feed(chunk)]
+    items += [(tap.upstream_chunks[-1][0], item) for item in parser.close()] if tap.upstream_chunks else []
     upstream = [{"ms": ms, "kind": "comment" if kind == COMMENT else "data", "data": _text(payload)}
-                for ms, kind, payload in tap.upstream_events]
+                for ms, (kind, payload) in items]
     client = []
     for ms, chunk in tap.client_writes:
         for frame in chunk.split(b"\n\n"):
@@ -173,6 +171,32 @@ def describe(tap: Tap, row: dict | None) -> dict[str, Any]:
         "client_events": client,
         "timing": _timing(upstream, row),
     }
+
+
+def fixture_of(tap: Tap, row: dict, secrets: tuple[str, ...] = ()) -> Fixture | None:
+    """The exchange with the upstream as a fixture: the body sent, and the chunks received with their
+    delays (status and ``Content-Type`` are rebuilt from the row); None when nothing was received."""
+    if tap.upstream_body is None or tap.truncated:
+        return None
+    if tap.upstream_chunks:
+        times = [0.0, *(ms for ms, _ in tap.upstream_chunks)]
+        chunks = [Chunk(round(times[i + 1] - times[i], 3) if i else 0.0, data)
+                  for i, (_, data) in enumerate(tap.upstream_chunks)]
+        content_type, headers_ms = "text/event-stream", tap.upstream_chunks[0][0]
+    elif tap.upstream_answer is not None:
+        chunks, content_type, headers_ms = [Chunk(0.0, tap.upstream_answer)], "application/json", row["ttft_ms"] or 0
+    else:
+        return None
+    scrub = Scrubber(secrets)
+    body = orjson.loads(tap.upstream_body)
+    scrub.learn_body(body)
+    status = row["status"] if row["status"] in (400, 422) else 200
+    datas = scrub.chunks([c.data for c in chunks])
+    return Fixture(path=f"/v1/{row['endpoint']}", body=scrub.body(body), status=status,
+                   headers={"Content-Type": content_type}, headers_ms=float(headers_ms),
+                   chunks=[Chunk(c.ms, d) for c, d in zip(chunks, datas)],
+                   end="client_gone" if row["disconnected"] else "eof", recorded_at=row["created_at"],
+                   source=f"kilnproxy inspector capture {row['id']}")
 
 
 def _timing(upstream: list[dict], row: dict | None) -> dict[str, Any]:

@@ -171,6 +171,10 @@ async function showDetail(id) {
     ? "This request is no longer in the capture ring (or was refused before its body was read)."
     : "Bodies and streams are not captured: set [inspector] capture = true in the config.")
     : cap.truncated ? "The capture reached [inspector] capture_bytes and stops there." : "";
+  const save = $("save-fixture"), href = new URL(`/ui/api/requests/${encodeURIComponent(id)}/fixture`, location.origin);
+  if (token) href.searchParams.set("token", token);
+  save.href = href;
+  save.hidden = !(cap && row && !cap.truncated);
   $("detail-bodies").hidden = !cap;
   $("detail-streams").hidden = !cap;
   if (cap) {
