@@ -318,7 +318,7 @@ async def test_usage_buckets_add_up_to_the_rows(any_gw):
     assert by_org == {"acme": 2, "globex": 1}
     assert [(s["t"], s["org"]) for s in usage["series"]] == sorted((s["t"], s["org"]) for s in usage["series"])
     rows = await any_gw.rows()
-    assert [type(s[k]) for s in usage["series"] for k in ("requests", "total_tokens", "errors")] == [int] * 6
+    assert {type(s[k]) for s in usage["series"] for k in ("requests", "total_tokens", "errors")} == {int}
     assert sum(s["total_tokens"] for s in usage["series"]) == sum(r["total_tokens"] for r in rows)
     assert sum(s["cost"] for s in usage["series"]) == pytest.approx(sum(r["cost"] for r in rows))
     day = await get_json(any_gw, "/ui/api/usage?bucket=day&org=globex")
