@@ -85,3 +85,39 @@ class Batches:
                     future.set_result(None if results is None else results[i])
             if self._done is not None:
                 self._done([(item, tag) for item, _, tag in batch])
+
+
+class GroupCommitted:
+    """The ``Ledger`` methods of a store whose rows go through ``self.rows`` (a ``Batches``
+    over its ``_commit``): submit, queue depth and the figures ops metrics read."""
+
+    rows: Batches
+    on_commit: Callable[[list[tuple[Any, Any]]], None] | None
+    commit_failures: int
+
+    def submit(self, row: dict[str, Any], tag: Any = None) -> asyncio.Future:
+        """Queue ``row``; the future resolves once it is durable. ``tag`` is handed back to
+        ``on_commit`` with the row."""
+        return self.rows.add(row, tag)
+
+    def queue_depth(self) -> int:
+        return self.rows.queue_depth()
+
+    @property
+    def commits(self) -> int:
+        return self.rows.batches
+
+    @property
+    def last_commit_seconds(self) -> float:
+        return self.rows.last_batch_seconds
+
+    def _committed(self, batch: list[tuple[dict[str, Any], Any]]) -> None:
+        if self.on_commit is not None:
+            self.on_commit(batch)
+
+    def stats(self) -> dict[str, float]:
+        """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,
+        failed commit attempts, and how long the last commit took (seconds)."""
+        return {"queue_depth": self.rows.queue_depth(), "commits": self.rows.batches,
+                "rows_committed": self.rows.items_done, "commit_failures": self.commit_failures,
+                "last_commit_seconds": self.rows.last_batch_seconds}

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import aiosqlite
 
-from .batches import Batches
+from .batches import Batches, GroupCommitted
 from .checkpoint import Checkpointer
 from .errors import StorageError
 from .record import COLUMNS
@@ -119,7 +119,7 @@ class Ledger(Protocol):
         """Numbers for ops metrics (``queue_depth`` at least)."""
 
 
-class SQLiteLedger:
+class SQLiteLedger(GroupCommitted):
     RETRY_SECONDS = 0.2
 
     def __init__(self, path: Path, on_commit: CommitListener | None = None,
@@ -151,26 +151,9 @@ class SQLiteLedger:
         await self.checkpointer.start()
         self.rows.start()
 
-    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
-        """Queue ``row``; the future resolves once it is committed. ``tag`` is handed
-        back to ``on_commit`` with the row."""
-        return self.rows.add(row, tag)
-
-    def queue_depth(self) -> int:
-        return self.rows.queue_depth()
-
-    @property
-    def commits(self) -> int:
-        return self.rows.batches
-
-    @property
-    def last_commit_seconds(self) -> float:
-        return self.rows.last_batch_seconds
-
     def _committed(self, batch: list[tuple[dict[str, Any], Any]]) -> None:
         self.checkpointer.committed()
-        if self.on_commit is not None:
-            self.on_commit(batch)
+        super()._committed(batch)
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
@@ -210,13 +193,6 @@ class SQLiteLedger:
             part = values[start:start + ROWS_PER_INSERT]
             await self._db.execute(_insert_rows(len(part)), [v for row in part for v in row])
         await self._db.execute("COMMIT")
-
-    def stats(self) -> dict[str, float]:
-        """Cheap numbers for ops metrics: rows waiting, transactions and rows committed,
-        failed commit attempts, and how long the last commit took (seconds)."""
-        return {"queue_depth": self.rows.queue_depth(), "commits": self.rows.batches,
-                "rows_committed": self.rows.items_done, "commit_failures": self.commit_failures,
-                "last_commit_seconds": self.rows.last_batch_seconds}
 
     async def close(self) -> None:
         """Commit everything queued, then close the database."""

@@ -37,7 +37,7 @@ import orjson
 
 from .config import Config
 from .errors import GatewayError, StorageError
-from .batches import Batches
+from .batches import Batches, GroupCommitted
 from .limits import Credits, Hold, insufficient_credits, rate_limited
 from .pg_schema import migrate
 from .record import COLUMNS
@@ -74,7 +74,7 @@ def store_unavailable() -> GatewayError:
                         type="service_unavailable")
 
 
-class PostgresStore:
+class PostgresStore(GroupCommitted):
     """``Ledger`` and ``Admission`` on PostgreSQL (see the module's docstring)."""
 
     def __init__(self, config: Config, credits: Credits,
@@ -195,28 +195,10 @@ class PostgresStore:
 
     # -- settlement ---------------------------------------------------------------
 
-    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
-        """Queue ``row``; the future resolves once it is committed in PostgreSQL or in the spool."""
-        return self.rows.add(row, tag)
-
-    def queue_depth(self) -> int:
-        return self.rows.queue_depth()
-
-    @property
-    def commits(self) -> int:
-        return self.rows.batches
-
-    @property
-    def last_commit_seconds(self) -> float:
-        return self.rows.last_batch_seconds
-
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
+        """Rows are durable once settled in PostgreSQL, or else in the spool."""
         if not await self._settle(rows):
             await self._spool(rows)
-
-    def _committed(self, batch: list[tuple[dict[str, Any], Any]]) -> None:
-        if self.on_commit is not None:
-            self.on_commit(batch)
 
     async def _settle(self, rows: list[dict[str, Any]]) -> bool:
         """One ``kiln_settle`` transaction; False when it did not commit (the rows must be kept)."""
@@ -329,10 +311,7 @@ class PostgresStore:
             raise store_unavailable() from None
 
     def stats(self) -> dict[str, float]:
-        return {"queue_depth": self.rows.queue_depth(), "commits": self.rows.batches,
-                "rows_committed": self.rows.items_done, "commit_failures": self.commit_failures,
-                "last_commit_seconds": self.rows.last_batch_seconds, "spooled": self.spooled,
-                "store_up": int(self.available)}
+        return {**super().stats(), "spooled": self.spooled, "store_up": int(self.available)}
 
 
 async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
