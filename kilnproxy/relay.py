@@ -17,8 +17,8 @@ for it. The last counts reported win, except that zeros never replace counts.
 from __future__ import annotations
 
 import logging
-from itertools import repeat
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import orjson
 
@@ -26,6 +26,7 @@ from .call import DROP, STOP, Call
 from .errors import plugin_failed
 from .plugins import Impl, call_impl
 from .record import RequestRecord
+from .plain import ROLE, PlainRun
 from .sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
 from .upstream import Route
 from .usage import Usage
@@ -33,14 +34,12 @@ from .usage import Usage
 log = logging.getLogger("kilnproxy.plugins")
 
 
-# A chat stream's opening chunk names the role and carries no token: not counted
-# when the completion tokens must be counted from what was streamed.
-ROLE = b'"role":'
-
-
 class EventRelay:
+    """One stream's relay: ``feed_chunk()`` for each chunk the upstream sends, ``close()`` at its
+    end of body, ``tail()`` for what follows the last event."""
+
     __slots__ = ("call", "route", "record", "impls", "parse_all", "rename", "ended", "error",
-                 "usage_raw", "usage_event", "last_event", "clean_end")
+                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "transforms")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -48,6 +47,7 @@ class EventRelay:
         self.record = record
         self.impls = impls
         self.parse_all = bool(impls)
+        self.transforms = tuple(_event_only(impl, call) for impl in impls)
         self.rename = route.model_bytes != route.upstream_model_bytes
         self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
         self.error: bytes | None = None
@@ -55,46 +55,82 @@ class EventRelay:
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream sent [DONE]
+        self.parser = SSEParser()
+        self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
+        self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
+        self.by_parser = False  # a CR was seen: every chunk goes through the line parser
 
     # -- per chunk ----------------------------------------------------------
 
-    def feed_chunk(self, parser: SSEParser, chunk: bytes) -> bytes:
-        """``feed(parser.feed(chunk))``; leading events that no rule changes go in one piece.
+    def feed_chunk(self, chunk: bytes) -> bytes:
+        """The bytes to send for this chunk of the upstream's body (possibly none).
 
-        When a chunk holds several events (an upstream that is ahead of us), its
-        first events up to one that carries usage, an error, a finish reason or
-        ``[DONE]`` are checked and forwarded together, with a few substring counts
-        over the whole run instead of parsing it line by line. ``_unchanged`` must
-        accept only what ``_event`` forwards as it is: a new per-event rule needs its
-        marker in ``_CUT`` (tests/test_relay_chunks.py compares both paths).
+        The same bytes, and the same record, as ``feed(parser.feed(chunk))`` chunk after
+        chunk (tests/test_relay_chunks.py compares both on random cuts), sooner: the
+        whole events of a chunk are taken together. When ``PlainRun`` finds that none
+        of them needs a change they go out as they came, renamed by one ``replace``;
+        else the last few events, where a stream's finish reason, usage and
+        ``[DONE]`` are, are set apart and only they are read one by one. The
+        unfinished event at the end of a chunk waits in ``rest`` for its blank line,
+        so the parser is always between events and can take over at any chunk.
         """
-        if len(chunk) < BULK_BYTES or self.parse_all or not parser.idle():
-            return self.feed(parser.feed(chunk))  # one token's event or a few: the usual case
-        end = _plain_prefix(chunk)
-        if not end:
-            return self.feed(parser.feed(chunk))
-        head = chunk[:end]
-        n = head.count(b"\n\n")
-        if not self._unchanged(head, n):
-            return self.feed(parser.feed(chunk))
-        if self.rename:
-            head = head.replace(self.route.upstream_model_bytes, self.route.model_bytes)
-        self.record.streamed_chunks += n - head.count(ROLE)  # as _event: a role-only chunk is no token
-        return head if end == len(chunk) else head + self.feed(parser.feed(chunk[end:]))
+        if self.by_parser:
+            return self.feed(self.parser.feed(chunk))
+        rest = self.rest
+        if rest:
+            rest.append(chunk)
+            if b"\n" not in chunk and b"\r" not in chunk:
+                return b""
+            chunk = b"".join(rest)
+            rest.clear()
+        if b"\r" in chunk:  # CR or CRLF line ends: the parser's business
+            self.by_parser = True
+            return self.feed(self.parser.feed(chunk))
+        end = chunk.rfind(b"\n\n") + 2
+        if end < 2:
+            rest.append(chunk)
+            return b""
+        if end < len(chunk):
+            rest.append(chunk[end:])
+            chunk = chunk[:end]
+        if self.parse_all:
+            return self._events(chunk)
+        cut = self._tail_start(chunk)
+        if cut:
+            head = chunk if cut == len(chunk) else chunk[:cut]
+            n = self.plain.count(head)
+            if n:
+                out = self._forward(head, n)
+                return out if head is chunk else out + self._events(chunk[cut:])
+        return self._events(chunk)
 
-    def _unchanged(self, head: bytes, n: int) -> bool:
-        """``head`` is ``n`` one-line ``data:`` events that ``_event`` would forward as they are
-        (renamed)."""
-        if (head[:6] != b"data: " or head.count(b"\n") != 2 * n or head.count(b"\n\ndata: ") != n - 1
-                or head.count(b'"finish_reason"') != head.count(b'"finish_reason":null')):
-            return False
-        if not self.rename:
-            return True
-        if self.route.model_bytes in head:
-            return False
-        parts = head.split(self.route.upstream_model_bytes)
-        # one in each event: an event boundary between every two occurrences
-        return len(parts) == n + 1 and all(map(bytes.__contains__, parts[1:-1], repeat(b"\n\n")))
+    def close(self) -> bytes:
+        """The upstream's body has ended: what is left, and a last event with no blank line."""
+        items = self.parser.feed(b"".join(self.rest)) if self.rest else []
+        self.rest.clear()
+        return self.feed(items + self.parser.close())
+
+    def _forward(self, head: bytes, n: int) -> bytes:
+        """``head``: ``n`` events that ``PlainRun`` found unchanged; counted as ``_event`` does."""
+        self.record.streamed_chunks += n - head.count(ROLE) if ROLE in head else n
+        return self.plain.renamed(head)
+
+    def _tail_start(self, events: bytes) -> int:
+        """Where the last events begin that ``PlainRun`` would not pass, looking at no more than
+        ``TAIL_EVENTS`` of them (the whole length when the last one passes)."""
+        cut = len(events)
+        for _ in range(TAIL_EVENTS):
+            start = events.rfind(b"\n\n", 0, cut - 2) + 2
+            if start < 2 or self.plain.count(events[start:cut]):
+                return cut
+            cut = start
+        return cut
+
+    def _events(self, events: bytes) -> bytes:
+        """Whole events one by one: split at C speed when each is one ``data:`` line, else parsed."""
+        if events[:6] == b"data: " and events.count(b"\n") == 2 * events.count(b"\n\ndata: ") + 2:
+            return self.feed_data(events[6:-2].split(b"\n\ndata: "))
+        return self.feed(self.parser.feed(events))
 
     # -- per event ----------------------------------------------------------
 
@@ -105,6 +141,20 @@ class EventRelay:
             if kind == COMMENT:
                 out.append(payload + b"\n\n")
                 continue
+            if payload == DONE:
+                self.ended = self.clean_end = True
+                break
+            frame = self._event(payload)
+            if frame is not None:
+                out.append(frame)
+            if self.ended:
+                break
+        return b"".join(out)
+
+    def feed_data(self, payloads: list[bytes]) -> bytes:
+        """``feed`` for events that are all data (no comment)."""
+        out = []
+        for payload in payloads:
             if payload == DONE:
                 self.ended = self.clean_end = True
                 break
@@ -187,11 +237,10 @@ class EventRelay:
         return self.error
 
     def _transform(self, event: dict) -> Any:
-        kwargs = {"call": self.call, "event": event}
         verdict = None
-        for impl in self.impls:
+        for impl, function in zip(self.impls, self.transforms):
             try:
-                result = call_impl(impl, kwargs)
+                result = function(event)
             except Exception as exc:
                 log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
                 raise StreamPluginError(impl.plugin, exc) from exc
@@ -244,23 +293,20 @@ class EventRelay:
         return event
 
 
-BULK_BYTES = 1024  # smaller chunks hold one event or a few: parsed one by one
-_CUT = (b'"finish_reason":"', b'"usage"', b'"error"', b"data: [DONE]", b"\r")
+# The finish chunk, the usage chunk and [DONE] end a stream: a chunk's last events are looked
+# at one by one before the rest is checked as a whole.
+TAIL_EVENTS = 4
 
 
-def _plain_prefix(chunk: bytes) -> int:
-    """Length of the run of whole events at the start of ``chunk`` before the first one that
-    holds a marker of ``_CUT`` (0 when there is none, or just one event)."""
-    stop = chunk.rfind(b"\n\n") + 2
-    if chunk.find(b"\n\n") + 2 == stop:
-        return 0
-    for marker in _CUT:
-        at = chunk.find(marker, 0, stop)
-        if at >= 0:
-            stop = chunk.rfind(b"\n\n", 0, at) + 2
-            if stop < 2:
-                return 0
-    return stop
+def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:
+    """A ``transform_event`` implementation as a function of the event alone, its ``call`` bound
+    once per stream (pluggy passes arguments by name; these are its names in order)."""
+    function, names = impl.function, impl.argnames
+    if names == ("event",):
+        return function
+    if names == ("call", "event"):
+        return partial(function, call)
+    return lambda event: call_impl(impl, {"call": call, "event": event})
 
 
 class StreamPluginError(Exception):

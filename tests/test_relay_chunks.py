@@ -1,5 +1,9 @@
 """``EventRelay.feed_chunk`` (whole runs of unchanged events in one piece) gives exactly the bytes
-and the record that parsing the same stream event by event gives, however the stream is cut."""
+and the record that parsing the same stream event by event gives, however the stream is cut:
+every flavor of the mock upstream and odd streams, each cut in fixed ways, at every byte, and at
+random (seeded, so that a failure names a cut that can be replayed)."""
+
+import random
 
 import orjson
 import pytest
@@ -8,7 +12,8 @@ from kilnproxy.call import Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.mock_upstream import _Generation
 from kilnproxy.record import RequestRecord
-from kilnproxy.relay import EventRelay, _plain_prefix
+from kilnproxy.plain import PlainRun
+from kilnproxy.relay import EventRelay
 from kilnproxy.sse import SSEParser
 from kilnproxy.upstream import Route
 
@@ -24,14 +29,15 @@ def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions
 
 
 def run(relay: EventRelay, chunks: list[bytes], bulk: bool) -> tuple:
+    """``bulk``: the relay's own path; else every chunk parsed and relayed event by event."""
     parser = SSEParser()
     out = []
     for chunk in chunks:
-        out.append(relay.feed_chunk(parser, chunk) if bulk else relay.feed(parser.feed(chunk)))
+        out.append(relay.feed_chunk(chunk) if bulk else relay.feed(parser.feed(chunk)))
         if relay.ended:
             break
     else:
-        out.append(relay.feed(parser.close()))
+        out.append(relay.close() if bulk else relay.feed(parser.close()))
     out.append(relay.tail())
     rec = relay.record
     return (b"".join(out), rec.streamed_chunks, rec.finish_reason, rec.error_code, relay.ended, relay.clean_end,
@@ -45,17 +51,24 @@ def mock_stream(flavor: str, chat: bool, words: int = 40, **opts) -> bytes:
     return b"".join(frames) + b"data: [DONE]\n\n"
 
 
-def cuts(stream: bytes) -> dict[str, list[bytes]]:
-    return {
+def cuts(stream: bytes, seed: int = 0, random_cuts: int = 20) -> dict[str, list[bytes]]:
+    rng = random.Random(seed)
+    fixed = {
         "whole": [stream],
         "halves": [stream[:len(stream) // 2], stream[len(stream) // 2:]],
         "1500 bytes": [stream[i:i + 1500] for i in range(0, len(stream), 1500)],
         "1031 bytes": [stream[i:i + 1031] for i in range(0, len(stream), 1031)],
+        "7 bytes": [stream[i:i + 7] for i in range(0, len(stream), 7)],
     }
+    for i in range(random_cuts):
+        at = sorted(rng.sample(range(1, len(stream)), rng.choice((1, 2, 3, 8, 30, len(stream) // 40))))
+        fixed[f"random {seed}/{i}: {at}"] = [stream[a:b] for a, b in zip([0, *at], [*at, len(stream)])]
+    return fixed
 
 
-def assert_same(stream: bytes, catalog_id: str, include_usage: bool, endpoint: str = "completions") -> None:
-    for name, chunks in cuts(stream).items():
+def assert_same(stream: bytes, catalog_id: str, include_usage: bool, endpoint: str = "completions",
+                seed: int = 0) -> None:
+    for name, chunks in cuts(stream, seed).items():
         bulk = run(relay_for(catalog_id, include_usage, endpoint), chunks, bulk=True)
         plain = run(relay_for(catalog_id, include_usage, endpoint), chunks, bulk=False)
         assert bulk == plain, name
@@ -70,13 +83,33 @@ def test_mock_shapes_relay_the_same_in_bulk(flavor, chat, catalog_id, include_us
     assert_same(stream, catalog_id, include_usage, "chat/completions" if chat else "completions")
 
 
-def test_a_vllm_stream_in_one_chunk_takes_the_bulk_path_up_to_its_finish_chunk():
+@pytest.mark.parametrize("flavor", ["vllm", "llamacpp"])
+@pytest.mark.parametrize("catalog_id", ["test-model", UPSTREAM_MODEL])
+def test_a_short_stream_cut_in_two_at_every_byte_relays_the_same(flavor, catalog_id):
+    stream = mock_stream(flavor, True, words=3)
+    for at in range(1, len(stream)):
+        chunks = [stream[:at], stream[at:]]
+        bulk = run(relay_for(catalog_id, True, "chat/completions"), chunks, bulk=True)
+        assert bulk == run(relay_for(catalog_id, True, "chat/completions"), chunks, bulk=False), at
+
+
+def test_a_vllm_stream_in_one_chunk_is_checked_whole_up_to_its_finish_chunk():
+    """Its 40 word chunks go out after one check of the run; only the last three events are parsed."""
     stream = mock_stream("vllm", False)
-    end = _plain_prefix(stream)
-    assert stream[end:].startswith(b'data: {"id"') and b'"finish_reason":"length"' in stream[end:].split(b"\n\n")[0]
-    relay = relay_for("test-model", True)
-    assert relay._unchanged(stream[:end], stream[:end].count(b"\n\n"))
-    out = run(relay, [stream], bulk=True)
+    seen = []
+
+    class Seen(EventRelay):
+        def feed_data(self, payloads):
+            seen.extend(payloads)
+            return super().feed_data(payloads)
+
+    base = relay_for("test-model", True)
+    relay = Seen(base.call, base.route, base.record, ())
+    relay.feed_chunk(stream)
+    assert len(seen) == 3 and b'"finish_reason":"length"' in seen[0] and seen[2] == b"[DONE]"
+    words = stream.split(b"\n\n")[:40]
+    assert PlainRun(relay.route.upstream_model_bytes, relay.route.model_bytes).count(b"\n\n".join(words) + b"\n\n") == 40
+    out = run(relay_for("test-model", True), [stream], bulk=True)
     assert out[0].count(b'"model":"test-model"') == 42 and UPSTREAM_MODEL.encode() not in out[0]
     assert out[1:3] == (41, "length")  # the 40 words and the finish chunk
 
@@ -109,4 +142,5 @@ ODD_STREAMS = {
 @pytest.mark.parametrize("name", list(ODD_STREAMS))
 @pytest.mark.parametrize("catalog_id", ["test-model", UPSTREAM_MODEL])
 def test_odd_streams_relay_the_same_in_bulk(name, catalog_id):
-    assert_same(ODD_STREAMS[name] + b"data: [DONE]\n\n", catalog_id, include_usage=True)
+    assert_same(ODD_STREAMS[name] + b"data: [DONE]\n\n", catalog_id, include_usage=True,
+                seed=list(ODD_STREAMS).index(name))

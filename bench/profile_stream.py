@@ -1,0 +1,112 @@
+"""Where the gateway's CPU goes during M3: py-spy samples of kilnproxy relaying 64-chunk streams.
+
+Starts nginx with the canned stream and kilnproxy (every feature on, pinned to
+CPU 0), runs wrk -c32 on the stream for ``--seconds`` while ``py-spy record``
+samples the gateway, and prints the CPU time per stream and, for the functions
+that take the most of it, the microseconds per stream they account for
+(inclusive, and their own). ``--plugin`` loads a plugin module (e.g.
+``plugins/noop_event.py``). Needs py-spy (``pip install py-spy``), nginx and wrk.
+
+    python bench/profile_stream.py [--seconds 10] [--plugin plugins/noop_event.py] [--raw out.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from loads import cpu_seconds, wrk
+from procs import Procs, free_port, raise_fd_limit
+from run import KEY, PY, gateway_config
+from upstreams import CHUNKS, request_body, write_nginx_files
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--plugin", help="a plugin module for the gateway to load")
+    parser.add_argument("--raw", help="also keep py-spy's collapsed stacks in this file")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(PY).with_name("py-spy"))
+    cpus = sorted(os.sched_getaffinity(0))
+    gw_cpus = {cpus[0]} if len(cpus) >= 2 else None
+    if gw_cpus:
+        os.sched_setaffinity(0, {cpus[1]})
+    raise_fd_limit()
+    work = Path(tempfile.mkdtemp(prefix="kilnproxy-profile-"))
+    try:
+        with Procs(work) as procs:
+            nginx_port, port = free_port(), free_port()
+            conf = write_nginx_files(nginx_port, work)
+            procs.start("nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c", str(conf)], port=nginx_port)
+            nginx = f"http://127.0.0.1:{nginx_port}"
+            plugin = str(Path(args.plugin).resolve()) if args.plugin else None
+            cfg = gateway_config(work / "gw.toml", work / "gw.db", port, {"bench-stream": f"{nginx}/sse/v1"}, plugin)
+            gw = procs.start("kilnproxy", [PY, "-m", "kilnproxy", "serve", "--config", str(cfg)], cpus=gw_cpus,
+                             port=port)
+            url, body = f"http://127.0.0.1:{port}/v1/completions", request_body(True, model="bench-stream")
+            wrk(url, body, KEY, 32, 2)  # warm-up
+            raw = work / "raw.txt"
+            spy = subprocess.Popen([py_spy, "record", "-p", str(gw.pid), "-d", str(int(args.seconds)), "-r", "500",
+                                    "--nonblocking", "--format", "raw", "-o", str(raw)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cpu0 = cpu_seconds(gw.pid)
+            summary = wrk(url, body, KEY, 32, args.seconds, gw.pid)
+            spy.wait()
+            per_stream = summary["cpu_us"]
+            print(f"{summary['requests']} streams, {summary['rps'] * CHUNKS:.0f} chunks/s, "
+                  f"{per_stream:.0f} µs CPU per stream ({per_stream / (CHUNKS + 2):.2f} µs per event), "
+                  f"CPU share {summary['cpu_share'] * 100:.0f}%  (total {cpu_seconds(gw.pid) - cpu0:.1f} s)")
+            if args.raw:
+                shutil.copy(raw, args.raw)
+            report(raw.read_text(), per_stream, args.top)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(raw: str, per_stream: float, top: int) -> None:
+    """Inclusive and own samples per function, as µs per stream."""
+    inclusive, own, total = Counter(), Counter(), 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        frames = [_name(f) for f in stack.split(";")]
+        total += n
+        for name in set(frames):
+            inclusive[name] += n
+        own[frames[-1]] += n
+    if not total:
+        print("py-spy recorded nothing")
+        return
+    scale = per_stream / total
+    for title, counts in (("inclusive", inclusive), ("own", own)):
+        print(f"\n{title}: µs per stream (% of samples)")
+        for name, n in counts.most_common(top):
+            print(f"  {n * scale:8.1f}  {n / total * 100:5.1f}%  {name}")
+
+
+def _name(frame: str) -> str:
+    """``write (aiohttp/web_response.py:123)`` -> ``aiohttp/web_response.py:write``."""
+    func, _, where = frame.partition(" (")
+    path = where.rsplit(":", 1)[0]
+    for marker in ("site-packages/", "lib/python3.11/", "/work/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{path}:{func}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Recognising, a whole run at a time, the events that no rule of SPEC 5 changes.
+
+``EventRelay._event`` decides per event, with substring tests on its payload,
+whether the event goes out as the upstream's own bytes (with the upstream's
+model name replaced by the catalog id). ``PlainRun.count(run)`` answers the same
+question for a run of whole events in one go, with a fixed handful of bytes
+operations (``count``, ``find``, ``in``) over the run however many events it
+holds: it returns the number of events when every one of them would be
+forwarded unchanged, else 0. It may say 0 where each event would pass (the
+relay then checks them one by one); it never says n where one would not.
+
+The tests behind each check, for a run ``head`` that ends with a blank line
+and holds no CR (the relay sends CR streams through the parser):
+
+* structure: every event is one ``data: {...}`` line then a blank line. The
+  ``\\n`` count is ``2n`` and ``n - 1`` of the pairs are followed by ``data: {``
+  (or by the run's own first-event prefix, which starts with ``data: {``);
+* ``"error"`` nowhere; every ``"usage"`` is ``"usage":null`` and every
+  ``"finish_reason"`` is ``"finish_reason":null`` (``_event``'s rules, taken
+  over the whole run);
+* when the catalog id differs from the upstream's model name: ``"model":``
+  occurs ``n`` times and each event holds the upstream's ``"model":"<name>"``
+  once. The first event fixes a template (its bytes up to that name, or from it
+  to its end) and counting the template shows that each event holds it; when
+  the upstream varies those bytes from event to event, a split checks it.
+  ``_event`` replaces the first occurrence per event, so one per event makes a
+  ``replace`` over the run the same bytes.
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+# A chat stream's opening chunk names the role and carries no token: not counted
+# when the completion tokens must be counted from what was streamed.
+ROLE = b'"role":'
+
+EVENT = b"\n\ndata: {"
+ERROR = b'"error"'
+USAGE, USAGE_NULL = b'"usage"', b'"usage":null'
+FINISH, FINISH_NULL = b'"finish_reason"', b'"finish_reason":null'
+MODEL_KEY = b'"model":'
+
+
+class PlainRun:
+    """The check for one stream; ``upstream``/``catalog`` are ``b'"model":"<name>"'``."""
+
+    __slots__ = ("upstream", "catalog", "rename", "from_end")
+
+    def __init__(self, upstream: bytes, catalog: bytes):
+        self.upstream = upstream
+        self.catalog = catalog
+        self.rename = upstream != catalog
+        self.from_end = [False, False]  # per marker: the frame from the end matched last time
+
+    def count(self, head: bytes) -> int:
+        """The number of events in ``head`` if ``_event`` forwards each one as it is (renamed), else 0."""
+        if head[:7] != b"data: {":
+            return 0
+        lines = head.count(b"\n")
+        if lines & 1:
+            return 0
+        n = lines >> 1
+        eol = head.find(b"\n")
+        framed = False  # each event is one data: line, shown by a frame check
+        if self.rename:
+            at = head.find(self.upstream, 0, eol)
+            if at < 0 or head.count(MODEL_KEY) != n:
+                return 0
+            framed = self._framed(head, n, eol, at, at + len(self.upstream), 0)
+            if not framed and not self._one_each(head, n):
+                return 0
+        at = head.find(FINISH_NULL, 0, eol)
+        if at >= 0 and self._framed(head, n, eol, at, at + len(FINISH_NULL), 1):
+            framed = True
+        else:
+            finish = head.count(FINISH)
+            if finish and finish != head.count(FINISH_NULL):
+                return 0
+        if not framed and head.count(EVENT) != n - 1:
+            return 0
+        if ERROR in head or USAGE in head and head.count(USAGE) != head.count(USAGE_NULL):
+            return 0
+        return n
+
+    def _framed(self, head: bytes, n: int, eol: bytes, start: int, end: int, marker: int) -> bool:
+        """Every event holds ``head[start:end]`` (in the first event) in the same frame: all start
+        as the first one does up to ``end``, or all end as it does from ``start`` on. Either shows
+        that each event is one ``data: {`` line (the ``\\n`` count being ``2n``)."""
+        from_end = self.from_end[marker]
+        for _ in range(2):
+            if from_end:
+                frame = head[start:eol + 2]
+                ok = head.endswith(frame) and head.count(frame + b"data: {") == n - 1
+            else:
+                ok = head.count(b"\n\n" + head[:end]) == n - 1
+            if ok:
+                self.from_end[marker] = from_end
+                return True
+            from_end = not from_end
+        return False
+
+    def _one_each(self, head: bytes, n: int) -> bool:
+        """The upstream's model name between every two event ends (when no frame holds it)."""
+        parts = head.split(self.upstream)
+        return len(parts) == n + 1 and all(map(bytes.__contains__, parts[1:-1], repeat(b"\n\n")))
+
+    def renamed(self, head: bytes) -> bytes:
+        return head.replace(self.upstream, self.catalog) if self.rename else head
