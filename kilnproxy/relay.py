@@ -129,7 +129,8 @@ class EventRelay:
     def _events(self, events: bytes) -> bytes:
         """Whole events one by one: split at C speed when each is one ``data:`` line, else parsed."""
         if events[:6] == b"data: " and events.count(b"\n") == 2 * events.count(b"\n\ndata: ") + 2:
-            return self.feed_data(events[6:-2].split(b"\n\ndata: "))
+            payloads = events[6:-2].split(b"\n\ndata: ")
+            return self._plugged_data(payloads) if self.parse_all else self.feed_data(payloads)
         return self.feed(self.parser.feed(events))
 
     # -- per event ----------------------------------------------------------
@@ -166,11 +167,12 @@ class EventRelay:
         return b"".join(out)
 
     def _event(self, payload: bytes) -> bytes | None:
-        if not self.parse_all and (
-            (b'"usage"' not in payload or b'"usage":null' in payload)
-            and b'"error"' not in payload
-            and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)
-        ):
+        if self.parse_all:
+            data = self._plugged(payload)
+            return None if data is None else data_frame(data)
+        if ((b'"usage"' not in payload or b'"usage":null' in payload)
+                and b'"error"' not in payload
+                and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)):
             if not self.rename or self.route.model_bytes in payload:
                 self.record.streamed_chunks += ROLE not in payload
                 return data_frame(payload)
@@ -180,12 +182,54 @@ class EventRelay:
         return self._parsed_event(payload)
 
     def _parsed_event(self, payload: bytes) -> bytes | None:
+        """An event that carries usage, an error or a finish reason (no plugin loaded)."""
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return data_frame(payload)  # not ours to judge; the client sees what was sent
         if not isinstance(event, dict):
             return data_frame(payload)
+        if "error" in event or event.get("object") == "error":
+            return data_frame(self._upstream_error(event))
+        choices = event.get("choices")
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self._take_usage(usage)
+            if not choices:
+                self.usage_event = event
+                return None
+            event["usage"] = None
+        if choices:
+            self.record.streamed_chunks += ROLE not in payload
+            self._take_finish_reason(choices)
+        if "model" in event:
+            event["model"] = self.call.model
+        self.last_event = event
+        return data_frame(orjson.dumps(event))
+
+    def _plugged_data(self, payloads: list[bytes]) -> bytes:
+        """``feed_data`` with ``transform_event`` plugins: the frames put together once."""
+        out = []
+        for payload in payloads:
+            if payload == DONE:
+                self.ended = self.clean_end = True
+                break
+            data = self._plugged(payload)
+            if data is not None:
+                out.append(data)
+            if self.ended:
+                break
+        return b"data: " + b"\n\ndata: ".join(out) + b"\n\n" if out else b""
+
+    def _plugged(self, payload: bytes) -> bytes | None:
+        """With plugins, every event: one parse, the rules, the plugins, one serialisation; the
+        event's new data, or None when it is dropped."""
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return payload
+        if not isinstance(event, dict):
+            return payload
         if "error" in event or event.get("object") == "error":
             return self._upstream_error(event)
         choices = event.get("choices")
@@ -198,20 +242,24 @@ class EventRelay:
             event["usage"] = None
         if choices:
             self.record.streamed_chunks += ROLE not in payload
-            if not self.parse_all:
-                self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
-        if self.parse_all:
+        if len(self.transforms) == 1:  # the usual case, without the loop
+            try:
+                verdict = self.transforms[0](event)
+            except Exception as exc:
+                raise self._failed(self.impls[0], exc) from exc
+        else:
             verdict = self._transform(event)
-            if verdict is DROP:
-                return None
-            if verdict is STOP:
-                self.ended = True
-            self._take_finish_reason(event.get("choices"))  # what the client sees
-            return self._dump(event)
-        return data_frame(orjson.dumps(event))
+        if verdict is DROP:
+            return None
+        if verdict is STOP:
+            self.ended = True
+        choices = event.get("choices")
+        if choices:
+            self._take_finish_reason(choices)  # what the client sees
+        return self._dumps(event)
 
     def _take_finish_reason(self, choices: Any) -> None:
         for choice in choices or ():
@@ -227,14 +275,16 @@ class EventRelay:
         self.record.usage = counts
 
     def _upstream_error(self, event: dict) -> bytes:
+        """The error event's data (in OpenAI's form); the stream ends with it."""
         if "error" not in event:  # vLLM before 0.10.1: a flat error object
             event = {"error": {k: v for k, v in event.items() if k != "object"}}
         error = event["error"]
         code = error.get("code") if isinstance(error, dict) else None
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
-        self.error = data_frame(orjson.dumps(event))
+        data = orjson.dumps(event)
+        self.error = data_frame(data)
         self.ended = True
-        return self.error
+        return data
 
     def _transform(self, event: dict) -> Any:
         verdict = None
@@ -242,15 +292,19 @@ class EventRelay:
             try:
                 result = function(event)
             except Exception as exc:
-                log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
-                raise StreamPluginError(impl.plugin, exc) from exc
+                raise self._failed(impl, exc) from exc
             if result is STOP or result is DROP:
                 verdict = result if verdict is None else verdict
         return verdict
 
-    def _dump(self, event: dict) -> bytes:
+    @staticmethod
+    def _failed(impl: Impl, exc: Exception) -> "StreamPluginError":
+        log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
+        return StreamPluginError(impl.plugin, exc)
+
+    def _dumps(self, event: dict) -> bytes:
         try:
-            return data_frame(orjson.dumps(event))
+            return orjson.dumps(event)
         except TypeError as exc:  # a plugin put something in the event that is not JSON
             names = ", ".join(impl.plugin for impl in self.impls)
             raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
@@ -267,7 +321,7 @@ class EventRelay:
         try:
             if self._transform(event) is DROP:
                 return DONE_FRAME
-            return self._dump(event) + DONE_FRAME
+            return data_frame(self._dumps(event)) + DONE_FRAME
         except StreamPluginError as exc:
             self.record.error_code = exc.error.code
             return exc.frame() + DONE_FRAME

@@ -8,39 +8,43 @@ import random
 import orjson
 import pytest
 
-from kilnproxy.call import Call
+from kilnproxy.call import DROP, STOP, Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.mock_upstream import _Generation
 from kilnproxy.record import RequestRecord
 from kilnproxy.plain import PlainRun
-from kilnproxy.relay import EventRelay
-from kilnproxy.sse import SSEParser
+from kilnproxy.plugins import Impl
+from kilnproxy.relay import EventRelay, StreamPluginError
+from kilnproxy.sse import DONE_FRAME, SSEParser
 from kilnproxy.upstream import Route
 
 UPSTREAM_MODEL = "org/Test-Model-7B"
 
 
-def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions") -> EventRelay:
+def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions", impls=()) -> EventRelay:
     route = Route(ModelConfig(catalog_id, ("http://127.0.0.1:1/v1",), UPSTREAM_MODEL,
                               pricing=Pricing(0.1, 0.3)), ServerConfig())
     call = Call("gen-test", "acme", "key", endpoint)
     call.model, call.stream, call.include_usage, call.pricing = catalog_id, True, include_usage, route.pricing
-    return EventRelay(call, route, RequestRecord(call), ())
+    return EventRelay(call, route, RequestRecord(call), impls)
 
 
 def run(relay: EventRelay, chunks: list[bytes], bulk: bool) -> tuple:
     """``bulk``: the relay's own path; else every chunk parsed and relayed event by event."""
     parser = SSEParser()
-    out = []
-    for chunk in chunks:
-        out.append(relay.feed_chunk(chunk) if bulk else relay.feed(parser.feed(chunk)))
-        if relay.ended:
-            break
-    else:
-        out.append(relay.close() if bulk else relay.feed(parser.close()))
-    out.append(relay.tail())
+    out = []  # what each chunk gives: the same bytes at the same time
+    try:
+        for chunk in chunks:
+            out.append(relay.feed_chunk(chunk) if bulk else relay.feed(parser.feed(chunk)))
+            if relay.ended:
+                break
+        else:
+            out.append(relay.close() if bulk else relay.feed(parser.close()))
+        out.append(relay.tail())
+    except StreamPluginError as exc:
+        out.append(exc.frame() + DONE_FRAME)
     rec = relay.record
-    return (b"".join(out), rec.streamed_chunks, rec.finish_reason, rec.error_code, relay.ended, relay.clean_end,
+    return (out, rec.streamed_chunks, rec.finish_reason, rec.error_code, relay.ended, relay.clean_end,
             rec.usage)
 
 
@@ -110,7 +114,7 @@ def test_a_vllm_stream_in_one_chunk_is_checked_whole_up_to_its_finish_chunk():
     words = stream.split(b"\n\n")[:40]
     assert PlainRun(relay.route.upstream_model_bytes, relay.route.model_bytes).count(b"\n\n".join(words) + b"\n\n") == 40
     out = run(relay_for("test-model", True), [stream], bulk=True)
-    assert out[0].count(b'"model":"test-model"') == 42 and UPSTREAM_MODEL.encode() not in out[0]
+    assert b"".join(out[0]).count(b'"model":"test-model"') == 42 and UPSTREAM_MODEL.encode() not in b"".join(out[0])
     assert out[1:3] == (41, "length")  # the 40 words and the finish chunk
 
 
@@ -119,6 +123,15 @@ def event(**fields) -> bytes:
 
 
 TEXT = {"choices": [{"index": 0, "text": " a", "finish_reason": None}]}
+
+
+def late(text: str = " a") -> bytes:
+    """An event that names the model after its text, as llama.cpp's do."""
+    return (b'data: {"choices":[{"text":' + orjson.dumps(text) + b',"finish_reason":null}],"model":"'
+            + UPSTREAM_MODEL.encode() + b'","id":"x"}\n\n')
+
+
+LATE_END = late()[late().index(b'"model"'):]  # how every late() event ends
 ODD_STREAMS = {
     "model twice in one event, none in the next":
         event(model=UPSTREAM_MODEL, extra={"model": UPSTREAM_MODEL}, **TEXT) + event(**TEXT) * 8,
@@ -136,6 +149,12 @@ ODD_STREAMS = {
     "event: and id: fields": (b"event: message\nid: 7\n" + event(model=UPSTREAM_MODEL, **TEXT)) * 10,
     "empty data": event(model=UPSTREAM_MODEL, **TEXT) * 8 + b"data: \n\n" + event(model=UPSTREAM_MODEL, **TEXT) * 8,
     "not JSON": event(model=UPSTREAM_MODEL, **TEXT) * 8 + b"data: hello\n\n" * 8,
+    "CR line ends only": event(model=UPSTREAM_MODEL, **TEXT).replace(b"\n", b"\r") * 12,
+    "model last": late() * 6 + late(" b") * 6 + late('say "usage"') + late() * 3,
+    "model last, an id: line that ends as the events do": late() * 6 + b"id: 1," + LATE_END + late() * 6,
+    "model last, two data lines": late() * 6 + late()[:-2].replace(b',"model"', b'\ndata: ,"model"') + b"\n\n"
+                                  + late() * 6,
+    "model last, comment in between": late() * 6 + b": ping\n\n" + late() * 6,
 }
 
 
@@ -144,3 +163,66 @@ ODD_STREAMS = {
 def test_odd_streams_relay_the_same_in_bulk(name, catalog_id):
     assert_same(ODD_STREAMS[name] + b"data: [DONE]\n\n", catalog_id, include_usage=True,
                 seed=list(ODD_STREAMS).index(name))
+
+
+def _upper(event):
+    for choice in event.get("choices") or ():
+        if choice.get("text"):
+            choice["text"] = choice["text"].upper()
+
+
+def _drop_some(call, event):
+    call.state["n"] = call.state.get("n", 0) + 1
+    return DROP if call.state["n"] % 3 == 0 else None
+
+
+def _stop_late(event, call):
+    call.state["n"] = call.state.get("n", 0) + 1
+    return STOP if call.state["n"] == 20 else None
+
+
+def _raise_late(call):
+    call.state["n"] = call.state.get("n", 0) + 1
+    if call.state["n"] == 9:
+        raise ValueError("boom")
+
+
+PLUGINS = {
+    "no-op": [Impl("noop", "transform_event", lambda event: None, ("event",))],
+    "changes text": [Impl("upper", "transform_event", _upper, ("event",))],
+    "drops every third": [Impl("drop", "transform_event", _drop_some, ("call", "event"))],
+    "stops at the 20th": [Impl("stop", "transform_event", _stop_late, ("event", "call"))],
+    "two, one raising": [Impl("upper", "transform_event", _upper, ("event",)),
+                         Impl("raise", "transform_event", _raise_late, ("call",))],
+}
+
+
+@pytest.mark.parametrize("plugins", list(PLUGINS))
+@pytest.mark.parametrize("flavor", ["vllm", "llamacpp", "ollama"])
+@pytest.mark.parametrize("chat", [False, True])
+def test_with_transform_event_plugins_the_stream_is_the_same(plugins, flavor, chat):
+    """Every event parsed once and shown to the plugins, split at C speed, gives what the parser gives."""
+    stream = mock_stream(flavor, chat, words=30)
+    endpoint = "chat/completions" if chat else "completions"
+    for name, chunks in cuts(stream, seed=len(plugins), random_cuts=8).items():
+        bulk = run(relay_for("test-model", True, endpoint, tuple(PLUGINS[plugins])), chunks, bulk=True)
+        plain = run(relay_for("test-model", True, endpoint, tuple(PLUGINS[plugins])), chunks, bulk=False)
+        assert bulk == plain, name
+    by_event = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+    out, streamed, finish = run(relay_for("test-model", True, endpoint, tuple(PLUGINS[plugins])), by_event, True)[:3]
+    frames = b"".join(out).split(b"\n\n")
+    assert (b"plugin_error" in frames[-3]) == (plugins == "two, one raising")
+    if flavor == "vllm":  # 31 events (30 words and the finish chunk), the usage chunk, [DONE], ""
+        assert len(frames) - 2 == {"drops every third": 22, "stops at the 20th": 20 + 1,
+                                   "two, one raising": 8 + 1}.get(plugins, 32)
+        assert finish == (None if plugins in ("stops at the 20th", "two, one raising") else "length")
+
+
+@pytest.mark.parametrize("ending", [b"", b"\n", b"\r"])
+def test_a_last_event_with_no_blank_line_counts_at_the_end_of_the_body(ending):
+    """llama.cpp ends a failed stream without [DONE]; a body may also end right after a data line."""
+    stream = event(model=UPSTREAM_MODEL, **TEXT) * 20 + event(model=UPSTREAM_MODEL, **TEXT)[:-2] + ending
+    for name, chunks in cuts(stream).items():
+        bulk = run(relay_for("test-model", True), chunks, bulk=True)
+        assert bulk == run(relay_for("test-model", True), chunks, bulk=False), name
+        assert bulk[1] == 21, name
