@@ -56,8 +56,8 @@ def main() -> int:
             url, body = f"http://127.0.0.1:{port}/v1/completions", request_body(True, model="bench-stream")
             wrk(url, body, KEY, 32, 2)  # warm-up
             raw = work / "raw.txt"
-            spy = subprocess.Popen([py_spy, "record", "-p", str(gw.pid), "-d", str(int(args.seconds)), "-r", "500",
-                                    "--nonblocking", "--format", "raw", "-o", str(raw)],
+            spy = subprocess.Popen([py_spy, "record", "-p", str(gw.pid), "-d", str(int(args.seconds)), "-r", "250",
+                                    "--format", "raw", "-o", str(raw)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             cpu0 = cpu_seconds(gw.pid)
             summary = wrk(url, body, KEY, 32, args.seconds, gw.pid)
@@ -91,10 +91,54 @@ def report(raw: str, per_stream: float, top: int) -> None:
         print("py-spy recorded nothing")
         return
     scale = per_stream / total
+    print("\nby part: µs per stream (% of samples)")
+    for name, n in parts(raw).most_common():
+        print(f"  {n * scale:8.1f}  {n / total * 100:5.1f}%  {name}")
     for title, counts in (("inclusive", inclusive), ("own", own)):
         print(f"\n{title}: µs per stream (% of samples)")
         for name, n in counts.most_common(top):
             print(f"  {n * scale:8.1f}  {n / total * 100:5.1f}%  {name}")
+
+
+RELAY_CHUNK = {"feed_chunk", "_forward", "_tail_start", "close"}
+
+
+def parts(raw: str) -> Counter:
+    """Samples by what they pay for: the frame nearest the leaf that belongs to kilnproxy decides
+    (aiohttp's own frames under the stream's loop are its reads and writes)."""
+    out = Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack:
+            out[_part([_name(f) for f in stack.split(";")])] += int(count)
+    return out
+
+
+def _part(frames: list[str]) -> str:
+    leaf = frames[-1]
+    for name in reversed(frames):
+        path, _, func = name.partition(":")
+        if path == "kilnproxy/plain.py":
+            return "relay: checks of whole runs (PlainRun)"
+        if path == "kilnproxy/relay.py" and func.split(".")[-1] in RELAY_CHUNK:
+            return "relay: per chunk (tail, rename, count)"
+        if path in ("kilnproxy/relay.py", "kilnproxy/sse.py"):
+            return "relay: events read one by one (finish, usage, [DONE]) and the usage chunk"
+        if path == "kilnproxy/stream.py":
+            if "http_writer" in leaf or "web_response" in leaf:
+                return "stream: writes to the client"
+            if "streams.py" in leaf or "client_proto" in leaf:
+                return "stream: reads from the upstream"
+            return "stream: prepare, keep-alive, submit, end"
+        if path.startswith("aiosqlite/") or path == "kilnproxy/ledger.py":
+            return "ledger (SQLite thread and its queue)"
+        if path.startswith("kilnproxy/"):
+            return "request path before the stream (auth, admission, body, upstream request, record)"
+    if any("client_proto" in f or "aiohttp/client" in f or "streams.py" in f for f in frames[-3:]):
+        return "upstream connection (aiohttp client, outside the handler)"
+    if any("web_protocol" in f or "http_parser" in f or "web_" in f for f in frames[-3:]):
+        return "server connection (aiohttp server, outside the handler)"
+    return "event loop and the rest"
 
 
 def _name(frame: str) -> str:

@@ -1,11 +1,14 @@
 """The streamed response: upstream SSE -> rules of SPEC section 5 -> plugins -> client.
 
-``EventRelay`` decides, event by event, what the client gets. Events that no
-rule and no plugin changes are forwarded as the upstream's own bytes without
-being parsed: the checks that decide this are substring tests on the bytes,
-prepared once per model. An event is parsed only when it carries usage, an
-error or a finish reason, names the model differently, or a
-``transform_event`` plugin is loaded.
+``EventRelay`` decides what the client gets, a chunk at a time. The whole
+events of a chunk are checked together by ``PlainRun`` (``plain.py``) with a
+handful of bytes operations; when no rule changes any of them they go out as
+the upstream's own bytes, the model's name replaced. The last events of a
+chunk, where a stream's finish reason, usage and ``[DONE]`` are, are set apart
+and read one by one, with the same substring tests per event. An event is
+parsed only when it carries usage, an error or a finish reason, names the
+model differently, or a ``transform_event`` plugin is loaded (then each event
+is parsed once, shown to the plugins and serialised once).
 
 Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
@@ -26,7 +29,7 @@ from .call import DROP, STOP, Call
 from .errors import plugin_failed
 from .plugins import Impl, call_impl
 from .record import RequestRecord
-from .plain import ROLE, PlainRun
+from .plain import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
 from .sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
 from .upstream import Route
 from .usage import Usage
@@ -38,8 +41,8 @@ class EventRelay:
     """One stream's relay: ``feed_chunk()`` for each chunk the upstream sends, ``close()`` at its
     end of body, ``tail()`` for what follows the last event."""
 
-    __slots__ = ("call", "route", "record", "impls", "parse_all", "rename", "ended", "error",
-                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "transforms")
+    __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
+                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -116,12 +119,13 @@ class EventRelay:
         return self.plain.renamed(head)
 
     def _tail_start(self, events: bytes) -> int:
-        """Where the last events begin that ``PlainRun`` would not pass, looking at no more than
-        ``TAIL_EVENTS`` of them (the whole length when the last one passes)."""
+        """Where the last events begin that carry a marker (at most ``TAIL_EVENTS`` of them; the
+        whole length when the last one carries none). Only a guess of where to cut: what comes
+        before is then checked by ``PlainRun`` like any run."""
         cut = len(events)
         for _ in range(TAIL_EVENTS):
             start = events.rfind(b"\n\n", 0, cut - 2) + 2
-            if start < 2 or self.plain.count(events[start:cut]):
+            if start < 2 or not _marked(events[start:cut]):
                 return cut
             cut = start
         return cut
@@ -350,6 +354,13 @@ class EventRelay:
 # The finish chunk, the usage chunk and [DONE] end a stream: a chunk's last events are looked
 # at one by one before the rest is checked as a whole.
 TAIL_EVENTS = 4
+DONE_LINE = b"data: [DONE]"
+
+
+def _marked(event: bytes) -> bool:
+    """The event carries what ends a stream or must be read: [DONE], an error, usage or a finish reason."""
+    return (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
+            or FINISH in event and FINISH_NULL not in event)
 
 
 def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:

@@ -111,8 +111,8 @@ def test_a_vllm_stream_in_one_chunk_is_checked_whole_up_to_its_finish_chunk():
     relay = Seen(base.call, base.route, base.record, ())
     relay.feed_chunk(stream)
     assert len(seen) == 3 and b'"finish_reason":"length"' in seen[0] and seen[2] == b"[DONE]"
-    words = stream.split(b"\n\n")[:40]
-    assert PlainRun(relay.route.upstream_model_bytes, relay.route.model_bytes).count(b"\n\n".join(words) + b"\n\n") == 40
+    words = b"\n\n".join(stream.split(b"\n\n")[:40]) + b"\n\n"
+    assert PlainRun(relay.route.upstream_model_bytes, relay.route.model_bytes).count(words) == 40
     out = run(relay_for("test-model", True), [stream], bulk=True)
     assert b"".join(out[0]).count(b'"model":"test-model"') == 42 and UPSTREAM_MODEL.encode() not in b"".join(out[0])
     assert out[1:3] == (41, "length")  # the 40 words and the finish chunk
