@@ -2,9 +2,10 @@
 
 Starts nginx with the canned stream and kilnproxy (every feature on, pinned to
 CPU 0), runs wrk -c32 on the stream for ``--seconds`` while ``py-spy record``
-samples the gateway, and prints the CPU time per stream and, for the functions
-that take the most of it, the microseconds per stream they account for
-(inclusive, and their own). ``--plugin`` loads a plugin module (e.g.
+samples the gateway, and prints the CPU time per stream (from ``/proc``: the
+event loop's thread, and the others) and the event loop thread's samples as
+microseconds per stream: by part (what they pay for) and for the functions
+that take the most (inclusive, and their own). ``--plugin`` loads a plugin module (e.g.
 ``plugins/noop_event.py``). Needs py-spy (``pip install py-spy``), nginx and wrk.
 
     python bench/profile_stream.py [--seconds 10] [--plugin plugins/noop_event.py] [--raw out.txt]
@@ -21,7 +22,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from loads import cpu_seconds, wrk
+from loads import wrk
 from procs import Procs, free_port, raise_fd_limit
 from run import KEY, PY, gateway_config
 from upstreams import CHUNKS, request_body, write_nginx_files
@@ -59,23 +60,33 @@ def main() -> int:
             spy = subprocess.Popen([py_spy, "record", "-p", str(gw.pid), "-d", str(int(args.seconds)), "-r", "250",
                                     "--format", "raw", "-o", str(raw)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            cpu0 = cpu_seconds(gw.pid)
+            main0 = cpu_seconds(gw.pid, gw.pid)
             summary = wrk(url, body, KEY, 32, args.seconds, gw.pid)
+            main = (cpu_seconds(gw.pid, gw.pid) - main0) / summary["requests"] * 1e6
             spy.wait()
             per_stream = summary["cpu_us"]
             print(f"{summary['requests']} streams, {summary['rps'] * CHUNKS:.0f} chunks/s, "
                   f"{per_stream:.0f} µs CPU per stream ({per_stream / (CHUNKS + 2):.2f} µs per event), "
-                  f"CPU share {summary['cpu_share'] * 100:.0f}%  (total {cpu_seconds(gw.pid) - cpu0:.1f} s)")
+                  f"CPU share {summary['cpu_share'] * 100:.0f}%; the event loop's thread {main:.0f} µs, the "
+                  f"others (the ledger's SQLite thread, the access log's writer) {per_stream - main:.0f} µs")
             if args.raw:
                 shutil.copy(raw, args.raw)
-            report(raw.read_text(), per_stream, args.top)
+            report(raw.read_text(), main, args.top)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
+def cpu_seconds(pid: int, tid: int) -> float:
+    """User + system CPU time of one thread so far."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def report(raw: str, per_stream: float, top: int) -> None:
-    """Inclusive and own samples per function, as µs per stream."""
+    """The event loop thread's samples, by part and per function, as µs per stream: its samples
+    scaled to its CPU time (the other threads' samples include waits on the disk, not CPU)."""
+    raw = "\n".join(line for line in raw.splitlines() if "threading.py" not in line)
     inclusive, own, total = Counter(), Counter(), 0
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -115,6 +126,10 @@ def parts(raw: str) -> Counter:
 
 
 def _part(frames: list[str]) -> str:
+    runner = [i for i, name in enumerate(frames) if name.endswith(":Runner.run")]
+    frames = frames[runner[0] + 1:] if runner else frames  # below the loop: what it runs
+    if not frames:
+        return "event loop and the rest"
     leaf = frames[-1]
     for name in reversed(frames):
         path, _, func = name.partition(":")

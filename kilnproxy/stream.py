@@ -46,8 +46,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
         tail = await _pump(upstream, response, relay, record, keepalive)
         keepalive.cancel()
         await gw.submit(record)
-        await response.write(tail)
-        await response.write_eof()
+        await response.write_eof(tail)  # with the end of the chunked body: one write
         if relay.clean_end and not upstream.content.at_eof():
             await _drain(upstream)
     except ConnectionResetError:  # the client went away; the caller records it

@@ -148,6 +148,11 @@ class TappedResponse(web.StreamResponse):
         self._tap.client_write(data)
         await super().write(data)
 
+    async def write_eof(self, data: bytes = b"") -> None:
+        if data:
+            self._tap.client_write(data)
+        await super().write_eof(data)
+
 
 # -- what the API shows -----------------------------------------------------------
 
