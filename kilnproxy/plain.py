@@ -15,16 +15,20 @@ and holds no CR (the relay sends CR streams through the parser):
 * structure: every event is one ``data: {...}`` line then a blank line. The
   ``\\n`` count is ``2n`` and ``n - 1`` of the pairs are followed by ``data: {``
   (or by the run's own first-event prefix, which starts with ``data: {``);
-* ``"error"`` nowhere; every ``"usage"`` is ``"usage":null`` and every
-  ``"finish_reason"`` is ``"finish_reason":null`` (``_event``'s rules, taken
-  over the whole run);
+* ``"error"`` nowhere; every ``"usage"`` is ``"usage":null``; each event holds
+  ``"finish_reason":null`` or no ``"finish_reason"`` (``_event``'s rules);
 * when the catalog id differs from the upstream's model name: ``"model":``
   occurs ``n`` times and each event holds the upstream's ``"model":"<name>"``
-  once. The first event fixes a template (its bytes up to that name, or from it
-  to its end) and counting the template shows that each event holds it; when
-  the upstream varies those bytes from event to event, a split checks it.
-  ``_event`` replaces the first occurrence per event, so one per event makes a
-  ``replace`` over the run the same bytes.
+  once. ``_event`` replaces the first occurrence per event, so one per event
+  makes a ``replace`` over the run the same bytes.
+
+"Each event holds M" is shown with one count, by a frame taken from the first
+event: its bytes up to the end of M (every other event starts with them), or
+from M to its end (every other event ends with them). A stream's events share
+these bytes (vLLM's id, object, created and model before the text; llama.cpp's
+after it); when they do not, the relay falls back to counting every
+``"finish_reason"`` against every ``"finish_reason":null``, and to a split at
+the model's name. The frame checks also show the structure.
 """
 
 from __future__ import annotations

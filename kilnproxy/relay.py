@@ -96,6 +96,8 @@ class EventRelay:
         if end < len(chunk):
             rest.append(chunk[end:])
             chunk = chunk[:end]
+        if chunk.find(b"\n") == len(chunk) - 2 and chunk[:6] == b"data: ":
+            return self.feed_data([chunk[6:-2]])  # one data line: a model server's token, as the parser reads it
         if self.parse_all:
             return self._events(chunk)
         cut = self._tail_start(chunk)
