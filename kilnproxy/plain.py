@@ -87,7 +87,7 @@ class PlainRun:
             return 0
         return n
 
-    def _framed(self, head: bytes, n: int, eol: bytes, start: int, end: int, marker: int) -> bool:
+    def _framed(self, head: bytes, n: int, eol: int, start: int, end: int, marker: int) -> bool:
         """Every event holds ``head[start:end]`` (in the first event) in the same frame: all start
         as the first one does up to ``end``, or all end as it does from ``start`` on. Either shows
         that each event is one ``data: {`` line (the ``\\n`` count being ``2n``)."""
