@@ -15,7 +15,7 @@ and holds no CR (the relay sends CR streams through the parser):
 * structure: every event is one ``data: {...}`` line then a blank line. The
   ``\\n`` count is ``2n`` and ``n - 1`` of the pairs are followed by ``data: {``
   (or by the run's own first-event prefix, which starts with ``data: {``);
-* ``"error"`` nowhere; every ``"usage"`` is ``"usage":null``; each event holds
+* ``"error"`` nowhere; each event holds ``"usage":null`` or no ``"usage"``, and
   ``"finish_reason":null`` or no ``"finish_reason"`` (``_event``'s rules);
 * when the catalog id differs from the upstream's model name: ``"model":``
   occurs ``n`` times and each event holds the upstream's ``"model":"<name>"``
@@ -26,9 +26,9 @@ and holds no CR (the relay sends CR streams through the parser):
 event: its bytes up to the end of M (every other event starts with them), or
 from M to its end (every other event ends with them). A stream's events share
 these bytes (vLLM's id, object, created and model before the text; llama.cpp's
-after it); when they do not, the relay falls back to counting every
-``"finish_reason"`` against every ``"finish_reason":null``, and to a split at
-the model's name. The frame checks also show the structure.
+after it); when they do not, the check falls back to counting every
+``"finish_reason"`` (``"usage"``) against every ``"finish_reason":null``
+(``"usage":null``), and to a split at the model's name. The frame checks also show the structure.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class PlainRun:
         self.upstream = upstream
         self.catalog = catalog
         self.rename = upstream != catalog
-        self.from_end = [False, False]  # per marker: the frame from the end matched last time
+        self.from_end = [False, False, False]  # per marker: the frame from the end matched last time
 
     def count(self, head: bytes) -> int:
         """The number of events in ``head`` if ``_event`` forwards each one as it is (renamed), else 0."""
@@ -83,8 +83,13 @@ class PlainRun:
                 return 0
         if not framed and head.count(EVENT) != n - 1:
             return 0
-        if ERROR in head or USAGE in head and head.count(USAGE) != head.count(USAGE_NULL):
+        if ERROR in head:
             return 0
+        if USAGE in head:  # OpenAI's and SGLang's "usage":null on every chunk, or usage to read
+            at = head.find(USAGE_NULL, 0, eol)
+            if not (at >= 0 and self._framed(head, n, eol, at, at + len(USAGE_NULL), 2)) \
+                    and head.count(USAGE) != head.count(USAGE_NULL):
+                return 0
         return n
 
     def _framed(self, head: bytes, n: int, eol: int, start: int, end: int, marker: int) -> bool:

@@ -42,7 +42,7 @@ class EventRelay:
     end of body, ``tail()`` for what follows the last event."""
 
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
-                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser")
+                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -61,7 +61,8 @@ class EventRelay:
         self.parser = SSEParser()
         self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
         self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
-        self.by_parser = False  # a CR was seen: every chunk goes through the line parser
+        self.by_parser = False  # the parser is inside an event, or a CR was seen: it takes every chunk
+        self.crlf = False  # a CR was seen: the parser for good
 
     # -- per chunk ----------------------------------------------------------
 
@@ -78,7 +79,9 @@ class EventRelay:
         so the parser is always between events and can take over at any chunk.
         """
         if self.by_parser:
-            return self.feed(self.parser.feed(chunk))
+            out = self.feed(self.parser.feed(chunk))
+            self.by_parser = self.crlf or not self.parser.idle()
+            return out
         rest = self.rest
         if rest:
             rest.append(chunk)
@@ -87,14 +90,20 @@ class EventRelay:
             chunk = b"".join(rest)
             rest.clear()
         if b"\r" in chunk:  # CR or CRLF line ends: the parser's business
-            self.by_parser = True
+            self.by_parser = self.crlf = True
             return self.feed(self.parser.feed(chunk))
         end = chunk.rfind(b"\n\n") + 2
         if end < 2:
-            rest.append(chunk)
-            return b""
+            end = 0
         if end < len(chunk):
-            rest.append(chunk[end:])
+            tail = chunk[end:]
+            if tail[:1] == b":" or b"\n:" in tail:  # a comment goes out when its line ends: the parser's way
+                self.by_parser = True
+                return (self._events(chunk[:end]) if end else b"") + self.feed_chunk(tail)
+            if not end:
+                rest.append(chunk)
+                return b""
+            rest.append(tail)
             chunk = chunk[:end]
         if chunk.find(b"\n") == len(chunk) - 2 and chunk[:6] == b"data: ":
             return self.feed_data([chunk[6:-2]])  # one data line: a model server's token, as the parser reads it

@@ -87,10 +87,19 @@ def test_mock_shapes_relay_the_same_in_bulk(flavor, chat, catalog_id, include_us
     assert_same(stream, catalog_id, include_usage, "chat/completions" if chat else "completions")
 
 
-@pytest.mark.parametrize("flavor", ["vllm", "llamacpp"])
+SHORT = {
+    "vllm": lambda: mock_stream("vllm", True, words=3),
+    "llamacpp": lambda: mock_stream("llamacpp", True, words=3),
+    "comments, one inside an event": lambda: (
+        b": ping\n\n" + event(model=UPSTREAM_MODEL, **TEXT) * 2 + event(model=UPSTREAM_MODEL, **TEXT)[:-1]
+        + b": inside\n\n" + event(model=UPSTREAM_MODEL, **TEXT) + b"data: [DONE]\n\n"),
+}
+
+
+@pytest.mark.parametrize("short", list(SHORT))
 @pytest.mark.parametrize("catalog_id", ["test-model", UPSTREAM_MODEL])
-def test_a_short_stream_cut_in_two_at_every_byte_relays_the_same(flavor, catalog_id):
-    stream = mock_stream(flavor, True, words=3)
+def test_a_short_stream_cut_in_two_at_every_byte_relays_the_same(short, catalog_id):
+    stream = SHORT[short]()
     for at in range(1, len(stream)):
         chunks = [stream[:at], stream[at:]]
         bulk = run(relay_for(catalog_id, True, "chat/completions"), chunks, bulk=True)
@@ -136,6 +145,10 @@ ODD_STREAMS = {
     "model twice in one event, none in the next":
         event(model=UPSTREAM_MODEL, extra={"model": UPSTREAM_MODEL}, **TEXT) + event(**TEXT) * 8,
     "catalog id already": event(model="test-model", **TEXT) * 8 + event(model=UPSTREAM_MODEL, **TEXT) * 8,
+    "model twice in one event": event(model=UPSTREAM_MODEL, **TEXT) * 4
+        + event(model=UPSTREAM_MODEL, extra={"model": UPSTREAM_MODEL}, **TEXT) + event(model=UPSTREAM_MODEL, **TEXT) * 4,
+    "catalog id inside an event": event(model=UPSTREAM_MODEL, **TEXT) * 4
+        + event(model=UPSTREAM_MODEL, extra={"model": "test-model"}, **TEXT) + event(model=UPSTREAM_MODEL, **TEXT) * 4,
     "comment in between": event(model=UPSTREAM_MODEL, **TEXT) * 6 + b": ping\n\n" + event(model=UPSTREAM_MODEL, **TEXT) * 6,
     "two data lines": event(model=UPSTREAM_MODEL, **TEXT) * 6 + b"data: {\"a\":\ndata: 1}\n\n"
                       + event(model=UPSTREAM_MODEL, **TEXT) * 6,
@@ -155,6 +168,13 @@ ODD_STREAMS = {
     "model last, two data lines": late() * 6 + late()[:-2].replace(b',"model"', b'\ndata: ,"model"') + b"\n\n"
                                   + late() * 6,
     "model last, comment in between": late() * 6 + b": ping\n\n" + late() * 6,
+    "usage null on every event, as OpenAI's": event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 12,
+    "usage null, then counts mid-stream": event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6
+        + event(model=UPSTREAM_MODEL, usage={"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}, **TEXT)
+        + event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6,
+    "usage null and usage counts in one event": event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6
+        + event(model=UPSTREAM_MODEL, usage=None, x={"usage": {"prompt_tokens": 1}}, **TEXT)
+        + event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6,
 }
 
 
