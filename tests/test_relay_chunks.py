@@ -4,6 +4,7 @@ every flavor of the mock upstream and odd streams, each cut in fixed ways, at ev
 random (seeded, so that a failure names a cut that can be replayed)."""
 
 import random
+from pathlib import Path
 
 import orjson
 import pytest
@@ -21,8 +22,9 @@ from kilnproxy.upstream import Route
 UPSTREAM_MODEL = "org/Test-Model-7B"
 
 
-def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions", impls=()) -> EventRelay:
-    route = Route(ModelConfig(catalog_id, ("http://127.0.0.1:1/v1",), UPSTREAM_MODEL,
+def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions", impls=(),
+              upstream_model: str = UPSTREAM_MODEL) -> EventRelay:
+    route = Route(ModelConfig(catalog_id, ("http://127.0.0.1:1/v1",), upstream_model,
                               pricing=Pricing(0.1, 0.3)), ServerConfig())
     call = Call("gen-test", "acme", "key", endpoint)
     call.model, call.stream, call.include_usage, call.pricing = catalog_id, True, include_usage, route.pricing
@@ -246,3 +248,21 @@ def test_a_last_event_with_no_blank_line_counts_at_the_end_of_the_body(ending):
         bulk = run(relay_for("test-model", True), chunks, bulk=True)
         assert bulk == run(relay_for("test-model", True), chunks, bulk=False), name
         assert bulk[1] == 21, name
+
+
+RECORDED = sorted((Path(__file__).parent / "data" / "streams").glob("*.sse"))  # tests/e2e/record_streams.py
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda path: path.stem)
+@pytest.mark.parametrize("catalog_id", ["test-model", "gemma3-270m"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_recorded_llamacpp_streams_relay_the_same(path, catalog_id, include_usage):
+    """Real streams of llama.cpp (Gemma 3 270M), cut at random; with and without a no-op plugin."""
+    stream = path.read_bytes()
+    endpoint = "chat/completions" if "chat" in path.stem else "completions"
+    for impls in ((), tuple(PLUGINS["no-op"])):
+        for name, chunks in cuts(stream, seed=len(stream), random_cuts=30).items():
+            relays = [relay_for(catalog_id, include_usage, endpoint, impls, "gemma3-270m") for _ in range(2)]
+            bulk, plain = run(relays[0], chunks, bulk=True), run(relays[1], chunks, bulk=False)
+            assert bulk == plain, name
+    assert bulk[2] in ("length", "stop") and bulk[4:6] == (True, True)  # a finish reason, [DONE]
