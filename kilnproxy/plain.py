@@ -49,13 +49,14 @@ MODEL_KEY = b'"model":'
 class PlainRun:
     """The check for one stream; ``upstream``/``catalog`` are ``b'"model":"<name>"'``."""
 
-    __slots__ = ("upstream", "catalog", "rename", "from_end")
+    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames")
 
     def __init__(self, upstream: bytes, catalog: bytes):
         self.upstream = upstream
         self.catalog = catalog
         self.rename = upstream != catalog
         self.from_end = [False, False, False]  # per marker: the frame from the end matched last time
+        self.frames = [(b"", b"")] * 6  # per marker and side: the last frame and the needle counted
 
     def count(self, head: bytes) -> int:
         """The number of events in ``head`` if ``_event`` forwards each one as it is (renamed), else 0."""
@@ -95,14 +96,24 @@ class PlainRun:
     def _framed(self, head: bytes, n: int, eol: int, start: int, end: int, marker: int) -> bool:
         """Every event holds ``head[start:end]`` (in the first event) in the same frame: all start
         as the first one does up to ``end``, or all end as it does from ``start`` on. Either shows
-        that each event is one ``data: {`` line (the ``\\n`` count being ``2n``)."""
+        that each event is one ``data: {`` line (the ``\\n`` count being ``2n``). The frames
+        are kept from chunk to chunk (a stream's events share them), so that a chunk allocates
+        none."""
         from_end = self.from_end[marker]
         for _ in range(2):
+            frame, needle = self.frames[2 * marker + from_end]
             if from_end:
-                frame = head[start:eol + 2]
-                ok = head.endswith(frame) and head.count(frame + b"data: {") == n - 1
+                if eol + 2 - start != len(frame) or not head.startswith(frame, start):
+                    frame = head[start:eol + 2]
+                    needle = frame + b"data: {"
+                    self.frames[2 * marker + from_end] = frame, needle
+                ok = head.endswith(frame) and head.count(needle) == n - 1
             else:
-                ok = head.count(b"\n\n" + head[:end]) == n - 1
+                if end != len(frame) or not head.startswith(frame):
+                    frame = head[:end]
+                    needle = b"\n\n" + frame
+                    self.frames[2 * marker + from_end] = frame, needle
+                ok = head.count(needle) == n - 1
             if ok:
                 self.from_end[marker] = from_end
                 return True
