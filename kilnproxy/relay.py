@@ -98,8 +98,11 @@ class EventRelay:
         if end < len(chunk):
             tail = chunk[end:]
             if tail[:1] == b":" or b"\n:" in tail:  # a comment goes out when its line ends: the parser's way
+                out = self._events(chunk[:end]) if end else b""
+                if self.ended:
+                    return out
                 self.by_parser = True
-                return (self._events(chunk[:end]) if end else b"") + self.feed_chunk(tail)
+                return out + self.feed_chunk(tail)
             if not end:
                 rest.append(chunk)
                 return b""

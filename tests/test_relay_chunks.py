@@ -95,6 +95,7 @@ SHORT = {
     "comments, one inside an event": lambda: (
         b": ping\n\n" + event(model=UPSTREAM_MODEL, **TEXT) * 2 + event(model=UPSTREAM_MODEL, **TEXT)[:-1]
         + b": inside\n\n" + event(model=UPSTREAM_MODEL, **TEXT) + b"data: [DONE]\n\n"),
+    "a comment after [DONE]": lambda: event(model=UPSTREAM_MODEL, **TEXT) * 2 + b"data: [DONE]\n\n: after\n\n",
 }
 
 
