@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from upstreams import CHUNKS, request_body
 
 HERE = Path(__file__).resolve().parent
 GW, PT, UP = "kilnproxy", "pass-through", "upstream"
+PT_LINES = "pass-through, line by line"
+GW_EVENT = "kilnproxy, no-op transform_event plugin"
 NO_LEDGER = "kilnproxy, usage accounting off"
 PEER_STREAMS = 2000  # M5: streams a peer holds open
 VARIANTS = ("kilnproxy, every feature on", "usage accounting off", "no-op plugin, per-request hooks",
@@ -153,15 +156,40 @@ class Bench:
     def m3(self) -> None:
         body = request_body(True, model="bench-stream")
         targets = {UP: f"{self.nginx}/sse/v1/completions", PT: f"{self.pt_nginx}/sse/v1/completions",
-                   GW: f"{self.gw}/v1/completions", **self.peer_targets(f"{self.nginx}/sse/v1")}
+                   PT_LINES: f"{self._pt_lines()}/sse/v1/completions", GW: f"{self.gw}/v1/completions",
+                   GW_EVENT: f"{self._gw_event()}/v1/completions", **self.peer_targets(f"{self.nginx}/sse/v1")}
         res = self.wrk_rounds(targets, body, 32)
         rows, measured, by_core = self.throughput_table(res, CHUNKS, "chunks")
+        event = [p["cpu_us"] / g["cpu_us"] * 100 for g, p in zip(res[GW_EVENT], res[PT])]  # per core
         self.sections.append(f"## M3 streamed throughput, {CHUNKS}-chunk streams, 32 in flight (wrk -c32)\n\n"
                              + table(rows[0], rows[1:])
                              + "\n\nEach stream: 64 text chunks, the finish chunk, the usage chunk "
-                             "(the client asks for `include_usage`), `[DONE]`; nginx sends it in one go.")
+                             "(the client asks for `include_usage`), `[DONE]`; nginx sends it in one go. "
+                             "*pass-through*: copies each chunk as it arrives; *line by line*: the same, "
+                             "writing each line as aiohttp's reader finds it (`bench/passthrough_lines.py`); "
+                             "*no-op transform_event plugin*: `bench/plugins/noop_event.py`, every event "
+                             "parsed and serialised again.")
         self.goal("M3", "≥ 80% of pass-through chunks/s (per full core; measured)",
                   f"{spread(by_core, '{:.0f}%')}; {spread(measured, '{:.0f}%')}", median(by_core) >= 80)
+        self.goal("M3", "with a no-op transform_event plugin: ≥ 50% of pass-through chunks/s (per full core)",
+                  spread(event, "{:.0f}%"), median(event) >= 50)
+
+    def _pt_lines(self) -> str:
+        """The line-by-line pass-through in front of nginx, on the pass-through's CPU; checked to stream
+        what the other one does."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.pids[url] = self.procs.start("passthrough-lines", [sys.executable, str(HERE / "passthrough_lines.py"),
+                                          "--port", str(port), "--upstream", self.nginx],
+                                          cpus=os.sched_getaffinity(self.pids[self.pt_nginx]), port=port).pid
+        body = request_body(True, model="x")
+        if post(f"{url}/sse/v1/completions", body, self.key) != post(f"{self.pt_nginx}/sse/v1/completions", body,
+                                                                        self.key):
+            raise LoadError("the line-by-line pass-through streamed something else than the pass-through")
+        return url
+
+    def _gw_event(self) -> str:
+        return self.gateway("kilnproxy-noop-event", plugin=str(HERE / "plugins" / "noop_event.py"))
 
     def m4(self) -> None:
         body = request_body(True, model="bench-mock")

@@ -60,4 +60,6 @@ def machine() -> str:
         f"- machine: {cpu}, {os.cpu_count()} CPUs, {mem} RAM, Linux {platform.release()}",
         f"- kilnproxy {rev}; Python {sys.version.split()[0]}; {packages}",
         f"- {_run(['nginx', '-v'])}; {_run(['wrk', '-v'])[:40].strip()}",
+        "- load average when the run ended (1, 5, 15 min): {:.1f}, {:.1f}, {:.1f} (other work on the machine "
+        "makes the figures noisier)".format(*os.getloadavg()),
     ])

@@ -1,11 +1,14 @@
 """The streamed response: upstream SSE -> rules of SPEC section 5 -> plugins -> client.
 
-``EventRelay`` decides, event by event, what the client gets. Events that no
-rule and no plugin changes are forwarded as the upstream's own bytes without
-being parsed: the checks that decide this are substring tests on the bytes,
-prepared once per model. An event is parsed only when it carries usage, an
-error or a finish reason, names the model differently, or a
-``transform_event`` plugin is loaded.
+``EventRelay`` decides what the client gets, a chunk at a time. The whole
+events of a chunk are checked together by ``PlainRun`` (``plain.py``) with a
+handful of bytes operations; when no rule changes any of them they go out as
+the upstream's own bytes, the model's name replaced. The last events of a
+chunk, where a stream's finish reason, usage and ``[DONE]`` are, are set apart
+and read one by one, with the same substring tests per event. An event is
+parsed only when it carries usage, an error or a finish reason, names the
+model differently, or a ``transform_event`` plugin is loaded (then each event
+is parsed once, shown to the plugins and serialised once).
 
 Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
@@ -17,8 +20,8 @@ for it. The last counts reported win, except that zeros never replace counts.
 from __future__ import annotations
 
 import logging
-from itertools import repeat
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import orjson
 
@@ -26,6 +29,7 @@ from .call import DROP, STOP, Call
 from .errors import plugin_failed
 from .plugins import Impl, call_impl
 from .record import RequestRecord
+from .plain import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
 from .sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
 from .upstream import Route
 from .usage import Usage
@@ -33,14 +37,12 @@ from .usage import Usage
 log = logging.getLogger("kilnproxy.plugins")
 
 
-# A chat stream's opening chunk names the role and carries no token: not counted
-# when the completion tokens must be counted from what was streamed.
-ROLE = b'"role":'
-
-
 class EventRelay:
-    __slots__ = ("call", "route", "record", "impls", "parse_all", "rename", "ended", "error",
-                 "usage_raw", "usage_event", "last_event", "clean_end")
+    """One stream's relay: ``feed_chunk()`` for each chunk the upstream sends, ``close()`` at its
+    end of body, ``tail()`` for what follows the last event."""
+
+    __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
+                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -48,6 +50,7 @@ class EventRelay:
         self.record = record
         self.impls = impls
         self.parse_all = bool(impls)
+        self.transforms = tuple(_event_only(impl, call) for impl in impls)
         self.rename = route.model_bytes != route.upstream_model_bytes
         self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
         self.error: bytes | None = None
@@ -55,46 +58,98 @@ class EventRelay:
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream sent [DONE]
+        self.parser = SSEParser()
+        self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
+        self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
+        self.by_parser = False  # the parser is inside an event, or a CR was seen: it takes every chunk
+        self.crlf = False  # a CR was seen: the parser for good
 
     # -- per chunk ----------------------------------------------------------
 
-    def feed_chunk(self, parser: SSEParser, chunk: bytes) -> bytes:
-        """``feed(parser.feed(chunk))``; leading events that no rule changes go in one piece.
+    def feed_chunk(self, chunk: bytes) -> bytes:
+        """The bytes to send for this chunk of the upstream's body (possibly none).
 
-        When a chunk holds several events (an upstream that is ahead of us), its
-        first events up to one that carries usage, an error, a finish reason or
-        ``[DONE]`` are checked and forwarded together, with a few substring counts
-        over the whole run instead of parsing it line by line. ``_unchanged`` must
-        accept only what ``_event`` forwards as it is: a new per-event rule needs its
-        marker in ``_CUT`` (tests/test_relay_chunks.py compares both paths).
+        The same bytes, and the same record, as ``feed(parser.feed(chunk))`` chunk after
+        chunk (tests/test_relay_chunks.py compares both on random cuts), sooner: the
+        whole events of a chunk are taken together. When ``PlainRun`` finds that none
+        of them needs a change they go out as they came, renamed by one ``replace``;
+        else the last few events, where a stream's finish reason, usage and
+        ``[DONE]`` are, are set apart and only they are read one by one. The
+        unfinished event at the end of a chunk waits in ``rest`` for its blank line,
+        so the parser is always between events and can take over at any chunk.
         """
-        if len(chunk) < BULK_BYTES or self.parse_all or not parser.idle():
-            return self.feed(parser.feed(chunk))  # one token's event or a few: the usual case
-        end = _plain_prefix(chunk)
-        if not end:
-            return self.feed(parser.feed(chunk))
-        head = chunk[:end]
-        n = head.count(b"\n\n")
-        if not self._unchanged(head, n):
-            return self.feed(parser.feed(chunk))
-        if self.rename:
-            head = head.replace(self.route.upstream_model_bytes, self.route.model_bytes)
-        self.record.streamed_chunks += n - head.count(ROLE)  # as _event: a role-only chunk is no token
-        return head if end == len(chunk) else head + self.feed(parser.feed(chunk[end:]))
+        if self.by_parser:
+            out = self.feed(self.parser.feed(chunk))
+            self.by_parser = self.crlf or not self.parser.idle()
+            return out
+        rest = self.rest
+        if rest:
+            rest.append(chunk)
+            if b"\n" not in chunk and b"\r" not in chunk:
+                return b""
+            chunk = b"".join(rest)
+            rest.clear()
+        if b"\r" in chunk:  # CR or CRLF line ends: the parser's business
+            self.by_parser = self.crlf = True
+            return self.feed(self.parser.feed(chunk))
+        end = chunk.rfind(b"\n\n") + 2
+        if end < 2:
+            end = 0
+        if end < len(chunk):
+            tail = chunk[end:]
+            if tail[:1] == b":" or b"\n:" in tail:  # a comment goes out when its line ends: the parser's way
+                out = self._events(chunk[:end]) if end else b""
+                if self.ended:
+                    return out
+                self.by_parser = True
+                return out + self.feed_chunk(tail)
+            if not end:
+                rest.append(chunk)
+                return b""
+            rest.append(tail)
+            chunk = chunk[:end]
+        if chunk.find(b"\n") == len(chunk) - 2 and chunk[:6] == b"data: ":
+            return self.feed_data([chunk[6:-2]])  # one data line: a model server's token, as the parser reads it
+        if self.parse_all:
+            return self._events(chunk)
+        cut = self._tail_start(chunk)
+        if cut:
+            head = chunk if cut == len(chunk) else chunk[:cut]
+            n = self.plain.count(head)
+            if n:
+                out = self._forward(head, n)
+                return out if head is chunk else out + self._events(chunk[cut:])
+        return self._events(chunk)
 
-    def _unchanged(self, head: bytes, n: int) -> bool:
-        """``head`` is ``n`` one-line ``data:`` events that ``_event`` would forward as they are
-        (renamed)."""
-        if (head[:6] != b"data: " or head.count(b"\n") != 2 * n or head.count(b"\n\ndata: ") != n - 1
-                or head.count(b'"finish_reason"') != head.count(b'"finish_reason":null')):
-            return False
-        if not self.rename:
-            return True
-        if self.route.model_bytes in head:
-            return False
-        parts = head.split(self.route.upstream_model_bytes)
-        # one in each event: an event boundary between every two occurrences
-        return len(parts) == n + 1 and all(map(bytes.__contains__, parts[1:-1], repeat(b"\n\n")))
+    def close(self) -> bytes:
+        """The upstream's body has ended: what is left, and a last event with no blank line."""
+        items = self.parser.feed(b"".join(self.rest)) if self.rest else []
+        self.rest.clear()
+        return self.feed(items + self.parser.close())
+
+    def _forward(self, head: bytes, n: int) -> bytes:
+        """``head``: ``n`` events that ``PlainRun`` found unchanged; counted as ``_event`` does."""
+        self.record.streamed_chunks += n - head.count(ROLE) if ROLE in head else n
+        return self.plain.renamed(head)
+
+    def _tail_start(self, events: bytes) -> int:
+        """Where the last events begin that carry a marker (at most ``TAIL_EVENTS`` of them; the
+        whole length when the last one carries none). Only a guess of where to cut: what comes
+        before is then checked by ``PlainRun`` like any run."""
+        cut = len(events)
+        for _ in range(TAIL_EVENTS):
+            start = events.rfind(b"\n\n", 0, cut - 2) + 2
+            if start < 2 or not _marked(events[start:cut]):
+                return cut
+            cut = start
+        return cut
+
+    def _events(self, events: bytes) -> bytes:
+        """Whole events one by one: split at C speed when each is one ``data:`` line, else parsed."""
+        if events[:6] == b"data: " and events.count(b"\n") == 2 * events.count(b"\n\ndata: ") + 2:
+            payloads = events[6:-2].split(b"\n\ndata: ")
+            return self._plugged_data(payloads) if self.parse_all else self.feed_data(payloads)
+        return self.feed(self.parser.feed(events))
 
     # -- per event ----------------------------------------------------------
 
@@ -115,12 +170,27 @@ class EventRelay:
                 break
         return b"".join(out)
 
+    def feed_data(self, payloads: list[bytes]) -> bytes:
+        """``feed`` for events that are all data (no comment)."""
+        out = []
+        for payload in payloads:
+            if payload == DONE:
+                self.ended = self.clean_end = True
+                break
+            frame = self._event(payload)
+            if frame is not None:
+                out.append(frame)
+            if self.ended:
+                break
+        return b"".join(out)
+
     def _event(self, payload: bytes) -> bytes | None:
-        if not self.parse_all and (
-            (b'"usage"' not in payload or b'"usage":null' in payload)
-            and b'"error"' not in payload
-            and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)
-        ):
+        if self.parse_all:
+            data = self._plugged(payload)
+            return None if data is None else data_frame(data)
+        if ((b'"usage"' not in payload or b'"usage":null' in payload)
+                and b'"error"' not in payload
+                and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)):
             if not self.rename or self.route.model_bytes in payload:
                 self.record.streamed_chunks += ROLE not in payload
                 return data_frame(payload)
@@ -130,12 +200,54 @@ class EventRelay:
         return self._parsed_event(payload)
 
     def _parsed_event(self, payload: bytes) -> bytes | None:
+        """An event that carries usage, an error or a finish reason (no plugin loaded)."""
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return data_frame(payload)  # not ours to judge; the client sees what was sent
         if not isinstance(event, dict):
             return data_frame(payload)
+        if "error" in event or event.get("object") == "error":
+            return data_frame(self._upstream_error(event))
+        choices = event.get("choices")
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self._take_usage(usage)
+            if not choices:
+                self.usage_event = event
+                return None
+            event["usage"] = None
+        if choices:
+            self.record.streamed_chunks += ROLE not in payload
+            self._take_finish_reason(choices)
+        if "model" in event:
+            event["model"] = self.call.model
+        self.last_event = event
+        return data_frame(orjson.dumps(event))
+
+    def _plugged_data(self, payloads: list[bytes]) -> bytes:
+        """``feed_data`` with ``transform_event`` plugins: the frames put together once."""
+        out = []
+        for payload in payloads:
+            if payload == DONE:
+                self.ended = self.clean_end = True
+                break
+            data = self._plugged(payload)
+            if data is not None:
+                out.append(data)
+            if self.ended:
+                break
+        return b"data: " + b"\n\ndata: ".join(out) + b"\n\n" if out else b""
+
+    def _plugged(self, payload: bytes) -> bytes | None:
+        """With plugins, every event: one parse, the rules, the plugins, one serialisation; the
+        event's new data, or None when it is dropped."""
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return payload
+        if not isinstance(event, dict):
+            return payload
         if "error" in event or event.get("object") == "error":
             return self._upstream_error(event)
         choices = event.get("choices")
@@ -148,20 +260,24 @@ class EventRelay:
             event["usage"] = None
         if choices:
             self.record.streamed_chunks += ROLE not in payload
-            if not self.parse_all:
-                self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
-        if self.parse_all:
+        if len(self.transforms) == 1:  # the usual case, without the loop
+            try:
+                verdict = self.transforms[0](event)
+            except Exception as exc:
+                raise self._failed(self.impls[0], exc) from exc
+        else:
             verdict = self._transform(event)
-            if verdict is DROP:
-                return None
-            if verdict is STOP:
-                self.ended = True
-            self._take_finish_reason(event.get("choices"))  # what the client sees
-            return self._dump(event)
-        return data_frame(orjson.dumps(event))
+        if verdict is DROP:
+            return None
+        if verdict is STOP:
+            self.ended = True
+        choices = event.get("choices")
+        if choices:
+            self._take_finish_reason(choices)  # what the client sees
+        return self._dumps(event)
 
     def _take_finish_reason(self, choices: Any) -> None:
         for choice in choices or ():
@@ -177,31 +293,36 @@ class EventRelay:
         self.record.usage = counts
 
     def _upstream_error(self, event: dict) -> bytes:
+        """The error event's data (in OpenAI's form); the stream ends with it."""
         if "error" not in event:  # vLLM before 0.10.1: a flat error object
             event = {"error": {k: v for k, v in event.items() if k != "object"}}
         error = event["error"]
         code = error.get("code") if isinstance(error, dict) else None
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
-        self.error = data_frame(orjson.dumps(event))
+        data = orjson.dumps(event)
+        self.error = data_frame(data)
         self.ended = True
-        return self.error
+        return data
 
     def _transform(self, event: dict) -> Any:
-        kwargs = {"call": self.call, "event": event}
         verdict = None
-        for impl in self.impls:
+        for impl, function in zip(self.impls, self.transforms):
             try:
-                result = call_impl(impl, kwargs)
+                result = function(event)
             except Exception as exc:
-                log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
-                raise StreamPluginError(impl.plugin, exc) from exc
+                raise self._failed(impl, exc) from exc
             if result is STOP or result is DROP:
                 verdict = result if verdict is None else verdict
         return verdict
 
-    def _dump(self, event: dict) -> bytes:
+    @staticmethod
+    def _failed(impl: Impl, exc: Exception) -> "StreamPluginError":
+        log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
+        return StreamPluginError(impl.plugin, exc)
+
+    def _dumps(self, event: dict) -> bytes:
         try:
-            return data_frame(orjson.dumps(event))
+            return orjson.dumps(event)
         except TypeError as exc:  # a plugin put something in the event that is not JSON
             names = ", ".join(impl.plugin for impl in self.impls)
             raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
@@ -218,7 +339,7 @@ class EventRelay:
         try:
             if self._transform(event) is DROP:
                 return DONE_FRAME
-            return self._dump(event) + DONE_FRAME
+            return data_frame(self._dumps(event)) + DONE_FRAME
         except StreamPluginError as exc:
             self.record.error_code = exc.error.code
             return exc.frame() + DONE_FRAME
@@ -244,23 +365,27 @@ class EventRelay:
         return event
 
 
-BULK_BYTES = 1024  # smaller chunks hold one event or a few: parsed one by one
-_CUT = (b'"finish_reason":"', b'"usage"', b'"error"', b"data: [DONE]", b"\r")
+# The finish chunk, the usage chunk and [DONE] end a stream: a chunk's last events are looked
+# at one by one before the rest is checked as a whole.
+TAIL_EVENTS = 4
+DONE_LINE = b"data: [DONE]"
 
 
-def _plain_prefix(chunk: bytes) -> int:
-    """Length of the run of whole events at the start of ``chunk`` before the first one that
-    holds a marker of ``_CUT`` (0 when there is none, or just one event)."""
-    stop = chunk.rfind(b"\n\n") + 2
-    if chunk.find(b"\n\n") + 2 == stop:
-        return 0
-    for marker in _CUT:
-        at = chunk.find(marker, 0, stop)
-        if at >= 0:
-            stop = chunk.rfind(b"\n\n", 0, at) + 2
-            if stop < 2:
-                return 0
-    return stop
+def _marked(event: bytes) -> bool:
+    """The event carries what ends a stream or must be read: [DONE], an error, usage or a finish reason."""
+    return (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
+            or FINISH in event and FINISH_NULL not in event)
+
+
+def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:
+    """A ``transform_event`` implementation as a function of the event alone, its ``call`` bound
+    once per stream (pluggy passes arguments by name; these are its names in order)."""
+    function, names = impl.function, impl.argnames
+    if names == ("event",):
+        return function
+    if names == ("call", "event"):
+        return partial(function, call)
+    return lambda event: call_impl(impl, {"call": call, "event": event})
 
 
 class StreamPluginError(Exception):

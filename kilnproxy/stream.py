@@ -1,4 +1,4 @@
-"""Writing a streamed answer: upstream chunks -> ``SSEParser`` -> ``EventRelay`` -> client.
+"""Writing a streamed answer: upstream chunks -> ``EventRelay`` -> client.
 
 From ``prepare()`` on, the status is 200 and any failure can only be told as
 a ``data: {"error": ...}`` event followed by ``data: [DONE]``. The row is
@@ -21,7 +21,7 @@ from .gateway import Gateway
 from .lifecycle import ShuttingDown
 from .record import RequestRecord
 from .relay import EventRelay, StreamPluginError, error_frame
-from .sse import DONE_FRAME, KEEPALIVE_FRAME, SSEParser
+from .sse import DONE_FRAME, KEEPALIVE_FRAME
 from .upstream import Route
 
 SSE_HEADERS = {
@@ -46,8 +46,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
         tail = await _pump(upstream, response, relay, record, keepalive)
         keepalive.cancel()
         await gw.submit(record)
-        await response.write(tail)
-        await response.write_eof()
+        await response.write_eof(tail)  # with the end of the chunked body: one write
         if relay.clean_end and not upstream.content.at_eof():
             await _drain(upstream)
     except ConnectionResetError:  # the client went away; the caller records it
@@ -60,7 +59,6 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
 async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: EventRelay,
                 record: RequestRecord, keepalive: "KeepAlive") -> bytes:
     """Relay until the upstream ends; return what must follow (usage chunk, ``[DONE]``)."""
-    parser = SSEParser()
     content = upstream.content
     while True:
         try:
@@ -73,7 +71,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             return _failed(record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
         if not chunk:
             try:
-                out = relay.feed(parser.close())
+                out = relay.close()
             except StreamPluginError as exc:
                 return _plugin_failed(record, exc)
             if out:
@@ -85,7 +83,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
         if record.ttft_ms is None:
             record.first_byte()
         try:
-            out = relay.feed_chunk(parser, chunk)
+            out = relay.feed_chunk(chunk)
         except StreamPluginError as exc:
             return _plugin_failed(record, exc)
         if out:

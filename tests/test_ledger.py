@@ -336,16 +336,16 @@ async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_cuts_the_stream
     (never a second HTTP response inside the first), the row says internal_error."""
     from kilnproxy import stream as stream_module
 
-    class Broken(stream_module.SSEParser):
+    class Broken(stream_module.EventRelay):
         calls = 0
 
-        def feed(self, chunk):
+        def feed_chunk(self, chunk):
             Broken.calls += 1
             if Broken.calls == 2:
                 raise ZeroDivisionError("a bug")
-            return super().feed(chunk)
+            return super().feed_chunk(chunk)
 
-    monkeypatch.setattr(stream_module, "SSEParser", Broken)
+    monkeypatch.setattr(stream_module, "EventRelay", Broken)
     async with gw.post("/v1/completions", body(stream=True, max_tokens=8, mock={"delay": 0.01})) as resp:
         assert resp.status == 200
         gen_id = resp.headers[GEN]

@@ -1,40 +1,52 @@
 """``EventRelay.feed_chunk`` (whole runs of unchanged events in one piece) gives exactly the bytes
-and the record that parsing the same stream event by event gives, however the stream is cut."""
+and the record that parsing the same stream event by event gives, however the stream is cut:
+every flavor of the mock upstream and odd streams, each cut in fixed ways, at every byte, and at
+random (seeded, so that a failure names a cut that can be replayed)."""
+
+import random
+from pathlib import Path
 
 import orjson
 import pytest
 
-from kilnproxy.call import Call
+from kilnproxy.call import DROP, STOP, Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.mock_upstream import _Generation
 from kilnproxy.record import RequestRecord
-from kilnproxy.relay import EventRelay, _plain_prefix
-from kilnproxy.sse import SSEParser
+from kilnproxy.plain import PlainRun
+from kilnproxy.plugins import Impl
+from kilnproxy.relay import EventRelay, StreamPluginError
+from kilnproxy.sse import DONE_FRAME, SSEParser
 from kilnproxy.upstream import Route
 
 UPSTREAM_MODEL = "org/Test-Model-7B"
 
 
-def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions") -> EventRelay:
-    route = Route(ModelConfig(catalog_id, ("http://127.0.0.1:1/v1",), UPSTREAM_MODEL,
+def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions", impls=(),
+              upstream_model: str = UPSTREAM_MODEL) -> EventRelay:
+    route = Route(ModelConfig(catalog_id, ("http://127.0.0.1:1/v1",), upstream_model,
                               pricing=Pricing(0.1, 0.3)), ServerConfig())
     call = Call("gen-test", "acme", "key", endpoint)
     call.model, call.stream, call.include_usage, call.pricing = catalog_id, True, include_usage, route.pricing
-    return EventRelay(call, route, RequestRecord(call), ())
+    return EventRelay(call, route, RequestRecord(call), impls)
 
 
 def run(relay: EventRelay, chunks: list[bytes], bulk: bool) -> tuple:
+    """``bulk``: the relay's own path; else every chunk parsed and relayed event by event."""
     parser = SSEParser()
-    out = []
-    for chunk in chunks:
-        out.append(relay.feed_chunk(parser, chunk) if bulk else relay.feed(parser.feed(chunk)))
-        if relay.ended:
-            break
-    else:
-        out.append(relay.feed(parser.close()))
-    out.append(relay.tail())
+    out = []  # what each chunk gives: the same bytes at the same time
+    try:
+        for chunk in chunks:
+            out.append(relay.feed_chunk(chunk) if bulk else relay.feed(parser.feed(chunk)))
+            if relay.ended:
+                break
+        else:
+            out.append(relay.close() if bulk else relay.feed(parser.close()))
+        out.append(relay.tail())
+    except StreamPluginError as exc:
+        out.append(exc.frame() + DONE_FRAME)
     rec = relay.record
-    return (b"".join(out), rec.streamed_chunks, rec.finish_reason, rec.error_code, relay.ended, relay.clean_end,
+    return (out, rec.streamed_chunks, rec.finish_reason, rec.error_code, relay.ended, relay.clean_end,
             rec.usage)
 
 
@@ -45,17 +57,24 @@ def mock_stream(flavor: str, chat: bool, words: int = 40, **opts) -> bytes:
     return b"".join(frames) + b"data: [DONE]\n\n"
 
 
-def cuts(stream: bytes) -> dict[str, list[bytes]]:
-    return {
+def cuts(stream: bytes, seed: int = 0, random_cuts: int = 20) -> dict[str, list[bytes]]:
+    rng = random.Random(seed)
+    fixed = {
         "whole": [stream],
         "halves": [stream[:len(stream) // 2], stream[len(stream) // 2:]],
         "1500 bytes": [stream[i:i + 1500] for i in range(0, len(stream), 1500)],
         "1031 bytes": [stream[i:i + 1031] for i in range(0, len(stream), 1031)],
+        "7 bytes": [stream[i:i + 7] for i in range(0, len(stream), 7)],
     }
+    for i in range(random_cuts):
+        at = sorted(rng.sample(range(1, len(stream)), rng.choice((1, 2, 3, 8, 30, len(stream) // 40))))
+        fixed[f"random {seed}/{i}: {at}"] = [stream[a:b] for a, b in zip([0, *at], [*at, len(stream)])]
+    return fixed
 
 
-def assert_same(stream: bytes, catalog_id: str, include_usage: bool, endpoint: str = "completions") -> None:
-    for name, chunks in cuts(stream).items():
+def assert_same(stream: bytes, catalog_id: str, include_usage: bool, endpoint: str = "completions",
+                seed: int = 0) -> None:
+    for name, chunks in cuts(stream, seed).items():
         bulk = run(relay_for(catalog_id, include_usage, endpoint), chunks, bulk=True)
         plain = run(relay_for(catalog_id, include_usage, endpoint), chunks, bulk=False)
         assert bulk == plain, name
@@ -70,14 +89,44 @@ def test_mock_shapes_relay_the_same_in_bulk(flavor, chat, catalog_id, include_us
     assert_same(stream, catalog_id, include_usage, "chat/completions" if chat else "completions")
 
 
-def test_a_vllm_stream_in_one_chunk_takes_the_bulk_path_up_to_its_finish_chunk():
+SHORT = {
+    "vllm": lambda: mock_stream("vllm", True, words=3),
+    "llamacpp": lambda: mock_stream("llamacpp", True, words=3),
+    "comments, one inside an event": lambda: (
+        b": ping\n\n" + event(model=UPSTREAM_MODEL, **TEXT) * 2 + event(model=UPSTREAM_MODEL, **TEXT)[:-1]
+        + b": inside\n\n" + event(model=UPSTREAM_MODEL, **TEXT) + b"data: [DONE]\n\n"),
+    "a comment after [DONE]": lambda: event(model=UPSTREAM_MODEL, **TEXT) * 2 + b"data: [DONE]\n\n: after\n\n",
+}
+
+
+@pytest.mark.parametrize("short", list(SHORT))
+@pytest.mark.parametrize("catalog_id", ["test-model", UPSTREAM_MODEL])
+def test_a_short_stream_cut_in_two_at_every_byte_relays_the_same(short, catalog_id):
+    stream = SHORT[short]()
+    for at in range(1, len(stream)):
+        chunks = [stream[:at], stream[at:]]
+        bulk = run(relay_for(catalog_id, True, "chat/completions"), chunks, bulk=True)
+        assert bulk == run(relay_for(catalog_id, True, "chat/completions"), chunks, bulk=False), at
+
+
+def test_a_vllm_stream_in_one_chunk_is_checked_whole_up_to_its_finish_chunk():
+    """Its 40 word chunks go out after one check of the run; only the last three events are parsed."""
     stream = mock_stream("vllm", False)
-    end = _plain_prefix(stream)
-    assert stream[end:].startswith(b'data: {"id"') and b'"finish_reason":"length"' in stream[end:].split(b"\n\n")[0]
-    relay = relay_for("test-model", True)
-    assert relay._unchanged(stream[:end], stream[:end].count(b"\n\n"))
-    out = run(relay, [stream], bulk=True)
-    assert out[0].count(b'"model":"test-model"') == 42 and UPSTREAM_MODEL.encode() not in out[0]
+    seen = []
+
+    class Seen(EventRelay):
+        def feed_data(self, payloads):
+            seen.extend(payloads)
+            return super().feed_data(payloads)
+
+    base = relay_for("test-model", True)
+    relay = Seen(base.call, base.route, base.record, ())
+    relay.feed_chunk(stream)
+    assert len(seen) == 3 and b'"finish_reason":"length"' in seen[0] and seen[2] == b"[DONE]"
+    words = b"\n\n".join(stream.split(b"\n\n")[:40]) + b"\n\n"
+    assert PlainRun(relay.route.upstream_model_bytes, relay.route.model_bytes).count(words) == 40
+    out = run(relay_for("test-model", True), [stream], bulk=True)
+    assert b"".join(out[0]).count(b'"model":"test-model"') == 42 and UPSTREAM_MODEL.encode() not in b"".join(out[0])
     assert out[1:3] == (41, "length")  # the 40 words and the finish chunk
 
 
@@ -86,10 +135,23 @@ def event(**fields) -> bytes:
 
 
 TEXT = {"choices": [{"index": 0, "text": " a", "finish_reason": None}]}
+
+
+def late(text: str = " a") -> bytes:
+    """An event that names the model after its text, as llama.cpp's do."""
+    return (b'data: {"choices":[{"text":' + orjson.dumps(text) + b',"finish_reason":null}],"model":"'
+            + UPSTREAM_MODEL.encode() + b'","id":"x"}\n\n')
+
+
+LATE_END = late()[late().index(b'"model"'):]  # how every late() event ends
 ODD_STREAMS = {
     "model twice in one event, none in the next":
         event(model=UPSTREAM_MODEL, extra={"model": UPSTREAM_MODEL}, **TEXT) + event(**TEXT) * 8,
     "catalog id already": event(model="test-model", **TEXT) * 8 + event(model=UPSTREAM_MODEL, **TEXT) * 8,
+    "model twice in one event": event(model=UPSTREAM_MODEL, **TEXT) * 4
+        + event(model=UPSTREAM_MODEL, extra={"model": UPSTREAM_MODEL}, **TEXT) + event(model=UPSTREAM_MODEL, **TEXT) * 4,
+    "catalog id inside an event": event(model=UPSTREAM_MODEL, **TEXT) * 4
+        + event(model=UPSTREAM_MODEL, extra={"model": "test-model"}, **TEXT) + event(model=UPSTREAM_MODEL, **TEXT) * 4,
     "comment in between": event(model=UPSTREAM_MODEL, **TEXT) * 6 + b": ping\n\n" + event(model=UPSTREAM_MODEL, **TEXT) * 6,
     "two data lines": event(model=UPSTREAM_MODEL, **TEXT) * 6 + b"data: {\"a\":\ndata: 1}\n\n"
                       + event(model=UPSTREAM_MODEL, **TEXT) * 6,
@@ -103,10 +165,105 @@ ODD_STREAMS = {
     "event: and id: fields": (b"event: message\nid: 7\n" + event(model=UPSTREAM_MODEL, **TEXT)) * 10,
     "empty data": event(model=UPSTREAM_MODEL, **TEXT) * 8 + b"data: \n\n" + event(model=UPSTREAM_MODEL, **TEXT) * 8,
     "not JSON": event(model=UPSTREAM_MODEL, **TEXT) * 8 + b"data: hello\n\n" * 8,
+    "CR line ends only": event(model=UPSTREAM_MODEL, **TEXT).replace(b"\n", b"\r") * 12,
+    "model last": late() * 6 + late(" b") * 6 + late('say "usage"') + late() * 3,
+    "model last, an id: line that ends as the events do": late() * 6 + b"id: 1," + LATE_END + late() * 6,
+    "model last, two data lines": late() * 6 + late()[:-2].replace(b',"model"', b'\ndata: ,"model"') + b"\n\n"
+                                  + late() * 6,
+    "model last, comment in between": late() * 6 + b": ping\n\n" + late() * 6,
+    "usage null on every event, as OpenAI's": event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 12,
+    "usage null, then counts mid-stream": event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6
+        + event(model=UPSTREAM_MODEL, usage={"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}, **TEXT)
+        + event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6,
+    "usage null and usage counts in one event": event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6
+        + event(model=UPSTREAM_MODEL, usage=None, x={"usage": {"prompt_tokens": 1}}, **TEXT)
+        + event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6,
 }
 
 
 @pytest.mark.parametrize("name", list(ODD_STREAMS))
 @pytest.mark.parametrize("catalog_id", ["test-model", UPSTREAM_MODEL])
 def test_odd_streams_relay_the_same_in_bulk(name, catalog_id):
-    assert_same(ODD_STREAMS[name] + b"data: [DONE]\n\n", catalog_id, include_usage=True)
+    assert_same(ODD_STREAMS[name] + b"data: [DONE]\n\n", catalog_id, include_usage=True,
+                seed=list(ODD_STREAMS).index(name))
+
+
+def _upper(event):
+    for choice in event.get("choices") or ():
+        if choice.get("text"):
+            choice["text"] = choice["text"].upper()
+
+
+def _drop_some(call, event):
+    call.state["n"] = call.state.get("n", 0) + 1
+    return DROP if call.state["n"] % 3 == 0 else None
+
+
+def _stop_late(event, call):
+    call.state["n"] = call.state.get("n", 0) + 1
+    return STOP if call.state["n"] == 20 else None
+
+
+def _raise_late(call):
+    call.state["n"] = call.state.get("n", 0) + 1
+    if call.state["n"] == 9:
+        raise ValueError("boom")
+
+
+PLUGINS = {
+    "no-op": [Impl("noop", "transform_event", lambda event: None, ("event",))],
+    "changes text": [Impl("upper", "transform_event", _upper, ("event",))],
+    "drops every third": [Impl("drop", "transform_event", _drop_some, ("call", "event"))],
+    "stops at the 20th": [Impl("stop", "transform_event", _stop_late, ("event", "call"))],
+    "two, one raising": [Impl("upper", "transform_event", _upper, ("event",)),
+                         Impl("raise", "transform_event", _raise_late, ("call",))],
+}
+
+
+@pytest.mark.parametrize("plugins", list(PLUGINS))
+@pytest.mark.parametrize("flavor", ["vllm", "llamacpp", "ollama"])
+@pytest.mark.parametrize("chat", [False, True])
+def test_with_transform_event_plugins_the_stream_is_the_same(plugins, flavor, chat):
+    """Every event parsed once and shown to the plugins, split at C speed, gives what the parser gives."""
+    stream = mock_stream(flavor, chat, words=30)
+    endpoint = "chat/completions" if chat else "completions"
+    for name, chunks in cuts(stream, seed=len(plugins), random_cuts=8).items():
+        bulk = run(relay_for("test-model", True, endpoint, tuple(PLUGINS[plugins])), chunks, bulk=True)
+        plain = run(relay_for("test-model", True, endpoint, tuple(PLUGINS[plugins])), chunks, bulk=False)
+        assert bulk == plain, name
+    by_event = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+    out, streamed, finish = run(relay_for("test-model", True, endpoint, tuple(PLUGINS[plugins])), by_event, True)[:3]
+    frames = b"".join(out).split(b"\n\n")
+    assert (b"plugin_error" in frames[-3]) == (plugins == "two, one raising")
+    if flavor == "vllm":  # 31 events (30 words and the finish chunk), the usage chunk, [DONE], ""
+        assert len(frames) - 2 == {"drops every third": 22, "stops at the 20th": 20 + 1,
+                                   "two, one raising": 8 + 1}.get(plugins, 32)
+        assert finish == (None if plugins in ("stops at the 20th", "two, one raising") else "length")
+
+
+@pytest.mark.parametrize("ending", [b"", b"\n", b"\r"])
+def test_a_last_event_with_no_blank_line_counts_at_the_end_of_the_body(ending):
+    """llama.cpp ends a failed stream without [DONE]; a body may also end right after a data line."""
+    stream = event(model=UPSTREAM_MODEL, **TEXT) * 20 + event(model=UPSTREAM_MODEL, **TEXT)[:-2] + ending
+    for name, chunks in cuts(stream).items():
+        bulk = run(relay_for("test-model", True), chunks, bulk=True)
+        assert bulk == run(relay_for("test-model", True), chunks, bulk=False), name
+        assert bulk[1] == 21, name
+
+
+RECORDED = sorted((Path(__file__).parent / "data" / "streams").glob("*.sse"))  # tests/e2e/record_streams.py
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda path: path.stem)
+@pytest.mark.parametrize("catalog_id", ["test-model", "gemma3-270m"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_recorded_llamacpp_streams_relay_the_same(path, catalog_id, include_usage):
+    """Real streams of llama.cpp (Gemma 3 270M), cut at random; with and without a no-op plugin."""
+    stream = path.read_bytes()
+    endpoint = "chat/completions" if "chat" in path.stem else "completions"
+    for impls in ((), tuple(PLUGINS["no-op"])):
+        for name, chunks in cuts(stream, seed=len(stream), random_cuts=30).items():
+            relays = [relay_for(catalog_id, include_usage, endpoint, impls, "gemma3-270m") for _ in range(2)]
+            bulk, plain = run(relays[0], chunks, bulk=True), run(relays[1], chunks, bulk=False)
+            assert bulk == plain, name
+    assert bulk[2] in ("length", "stop") and bulk[4:6] == (True, True)  # a finish reason, [DONE]

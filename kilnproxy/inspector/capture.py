@@ -126,10 +126,11 @@ class TappedRelay(EventRelay):
         super().__init__(record.call, route, record, impls)
         self.tap = tap
 
-    def feed_chunk(self, parser, chunk: bytes) -> bytes:
-        """Every chunk event by event (no bulk fast path), as the capture's reader will see it."""
+    def feed_chunk(self, chunk: bytes) -> bytes:
+        """Every chunk through the parser, event by event (no bulk fast path); the tap keeps
+        the raw chunk, and the capture's reader parses it as the relay did."""
         self.tap.upstream_chunk(chunk)
-        return self.feed(parser.feed(chunk))
+        return self.feed(self.parser.feed(chunk))
 
 
 class TappedResponse(web.StreamResponse):
@@ -142,6 +143,11 @@ class TappedResponse(web.StreamResponse):
     async def write(self, data: bytes) -> None:
         self._tap.client_write(data)
         await super().write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if data:
+            self._tap.client_write(data)
+        await super().write_eof(data)
 
 
 # -- what the API shows -----------------------------------------------------------
