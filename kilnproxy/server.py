@@ -3,7 +3,10 @@
 ``start_gateway`` is what both the CLI and the tests use, so tests run the
 gateway exactly as users do: ``handler_cancellation`` on (a client that hangs
 up cancels its handler, which closes the upstream request at once), no
-aiohttp access log (the gateway writes its own usage rows).
+aiohttp access log (the gateway writes its own usage rows), and aiohttp's
+``auto_decompress`` off: request bodies reach the handlers as the client sent
+them, and the gateway decodes them itself under its size limit
+(``kilnproxy.request_body``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class Running:
 
 async def start_app(app: web.Application, host: str, port: int) -> Running:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_SECONDS)
+                           shutdown_timeout=SHUTDOWN_SECONDS, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
     try:
