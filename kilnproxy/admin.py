@@ -23,6 +23,7 @@ from .health import HealthChecker
 from .lifecycle import Shutdown
 from .metrics import ReloadStats, RequestStats, build_registry
 from .reload import Reloader
+from .routing import expect_handler
 
 REGISTRY = web.AppKey("metrics_registry", object)
 RELOADER = web.AppKey("reloader", Reloader)
@@ -40,7 +41,7 @@ def install(app: web.Application) -> None:
     if config.metrics.enabled:
         stats = RequestStats()
         app[REGISTRY] = build_registry(gw, stats, reloads, health.failures)
-        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/metrics", metrics, expect_handler=expect_handler)
     reloader = Reloader(gw, reloads, health, stats.observe if stats is not None else None)
     gw.row_observers = reloader.observers_for(config)
     app[RELOADER] = reloader
@@ -49,7 +50,7 @@ def install(app: web.Application) -> None:
     app.middlewares.append(shutdown.middleware)
     app.on_shutdown.append(shutdown.drain)
     app.cleanup_ctx.append(_operations_ctx)
-    app.router.add_post("/admin/reload", reload_config)
+    app.router.add_post("/admin/reload", reload_config, expect_handler=expect_handler)
 
 
 async def _operations_ctx(app: web.Application):

@@ -39,7 +39,7 @@ def address(url: str) -> tuple[str, int]:
 
 
 async def exchange(url: str, data: bytes) -> RawResponse:
-    """Send ``data`` on a new connection and read one response."""
+    """Send ``data`` on a new connection and read one response (no body if ``data`` is a HEAD)."""
     responses = await exchange_all(url, data)
     assert responses, "the server closed the connection without an answer"
     return responses[0]
@@ -56,7 +56,7 @@ async def exchange_all(url: str, *requests: bytes) -> list[RawResponse]:
                 writer.write(data)
                 await writer.drain()
                 try:
-                    out.append(await read_response(reader))
+                    out.append(await read_response(reader, head=data.startswith(b"HEAD ")))
                 except (asyncio.IncompleteReadError, ConnectionResetError):
                     break
                 if out[-1].closed:
@@ -66,16 +66,21 @@ async def exchange_all(url: str, *requests: bytes) -> list[RawResponse]:
         writer.close()
 
 
-async def read_response(reader: asyncio.StreamReader) -> RawResponse:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
+async def read_response(reader: asyncio.StreamReader, head: bool = False) -> RawResponse:
+    while True:  # past interim answers (100 Continue)
+        raw_head = await reader.readuntil(b"\r\n\r\n")
+        lines = raw_head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        if status >= 200:
+            break
     headers = {}
     for line in lines[1:]:
         if line:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
-    if "content-length" in headers:
+    if head or status in (204, 304):
+        body = b""
+    elif "content-length" in headers:
         body = await reader.readexactly(int(headers["content-length"]))
     elif headers.get("transfer-encoding", "").lower() == "chunked":
         body = await _read_chunked(reader)

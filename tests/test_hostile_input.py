@@ -144,3 +144,26 @@ async def test_a_body_nested_up_to_the_limit_is_forwarded(gw):
     for _ in range(MAX_DEPTH - 1):
         sent = sent[0]
     assert sent == "x"
+
+
+# -- Expect, and what no route serves ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("expect", ["100-continue", "bogus", b"\xff\xfe"])
+async def test_any_expect_header_gets_the_usual_answer(gw, expect):
+    resp = await exchange(gw.url, post(BODY, Expect=expect))
+    assert resp.status == 200, resp.body
+    assert (await gw.row(resp.headers[GEN]))["status"] == 200
+
+
+@pytest.mark.parametrize("method, path, status, code", [
+    ("PUT", "/v1/completions", 405, "method_not_allowed"), ("DELETE", "/metrics", 405, "method_not_allowed"),
+    ("GET", "/no/such/path", 404, "not_found"), ("POST", "/ui/api/nothing", 404, "not_found")])
+@pytest.mark.parametrize("expect", [None, "bogus", b"\xff"])
+async def test_what_no_route_serves_is_a_json_error_whatever_the_expect_header(gw, method, path, status, code,
+                                                                               expect):
+    headers = {} if expect is None else {"Expect": expect}
+    resp = await exchange(gw.url, request(method, path, headers))
+    assert_error(resp, status, code)
+    if status == 405:
+        assert resp.headers["allow"] in ("POST", "GET,HEAD")

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from ..access import bearer_token, local_request, token_digest, token_matches
 from ..errors import GatewayError
+from ..routing import expect_handler
 from ..gateway import Gateway
 from ..stream import SSE_HEADERS
 from .capture import describe
@@ -48,14 +49,14 @@ class InspectorAPI:
 
     def routes(self) -> list[web.RouteDef]:
         return [
-            web.get("/ui", self.redirect),
-            web.get("/ui/", self.index),
-            web.get("/ui/static/{name:.+}", self.static),
-            web.get("/ui/api/meta", self.meta),
-            web.get("/ui/api/requests", self.requests),
-            web.get("/ui/api/requests/{generation_id}", self.request_detail),
-            web.get("/ui/api/usage", self.usage),
-            web.get("/ui/api/events", self.events),
+            web.get("/ui", self.redirect, expect_handler=expect_handler),
+            web.get("/ui/", self.index, expect_handler=expect_handler),
+            web.get("/ui/static/{name:.+}", self.static, expect_handler=expect_handler),
+            web.get("/ui/api/meta", self.meta, expect_handler=expect_handler),
+            web.get("/ui/api/requests", self.requests, expect_handler=expect_handler),
+            web.get("/ui/api/requests/{generation_id}", self.request_detail, expect_handler=expect_handler),
+            web.get("/ui/api/usage", self.usage, expect_handler=expect_handler),
+            web.get("/ui/api/events", self.events, expect_handler=expect_handler),
         ]
 
     # -- access -------------------------------------------------------------------
