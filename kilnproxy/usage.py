@@ -38,6 +38,16 @@ class Usage:
         total = usage.get("total_tokens")
         return cls(prompt, completion, _count(cached), _count(total) if total is not None else None)
 
+    @classmethod
+    def combined(cls, reports: list["Usage"]) -> "Usage":
+        """One request's usage from one report per choice (llama.cpp with ``n`` > 1), in OpenAI's
+        form: the completions added up, the prompt counted once (its cached part as the least any
+        choice reported)."""
+        if len(reports) == 1:
+            return reports[0]
+        return cls(max(r.prompt_tokens for r in reports), sum(r.completion_tokens for r in reports),
+                   min(r.cached_tokens for r in reports))
+
     def is_zero(self) -> bool:
         return not (self.prompt_tokens or self.completion_tokens or self.total_tokens)
 

@@ -52,6 +52,7 @@ MALFORMED = {
     "an unknown method": post(line=b"BREW /v1/completions HTTP/1.1"),
     "an HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
     "an unknown HTTP version": post(line=b"POST /v1/completions HTTP/7.1"),
+    "an asterisk target on GET": b"GET * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     "TLS on the plain port": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32),
 }
 
