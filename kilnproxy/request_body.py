@@ -1,5 +1,7 @@
 """Step 3 of SPEC section 4: the request body, read, decoded and parsed, or a 4xx JSON error.
 
+* Not all there within ``request_body_timeout`` seconds (a client that
+  announces more than it sends, or trickles it) -> 408 ``request_timeout``.
 * Larger than ``max_request_bytes`` -> 413 ``request_too_large``. The limit
   applies to the body as sent and, for a compressed body, to the decoded body
   too: decoding stops at the limit, so a small body cannot expand without bound.
@@ -24,6 +26,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .config import ServerConfig
 from .errors import GatewayError, bad_request
 
 # orjson reads up to 1024 levels of arrays and objects but writes at most 254. Real bodies (JSON
@@ -33,14 +36,20 @@ MAX_DEPTH = 128
 _ENCODINGS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
 
 
-async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
+async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str, Any]:
     """The body as a JSON object with a string ``model``, or the ``GatewayError`` that refuses it."""
+    max_bytes = server.max_request_bytes
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in _ENCODINGS and encoding not in ("", "identity"):
         raise GatewayError(415, "unsupported_content_encoding",
                            f"Content-Encoding {encoding!r} is not supported; send the body as it is, "
                            "or compressed with gzip or deflate.")
-    raw = await _read(request, max_bytes)
+    try:
+        async with asyncio.timeout(server.request_body_timeout):
+            raw = await _read(request, max_bytes)
+    except TimeoutError:
+        raise GatewayError(408, "request_timeout", f"The request body did not arrive within "
+                           f"{server.request_body_timeout:g} s (server.request_body_timeout).") from None
     if encoding in _ENCODINGS:
         raw = _decoded(raw, encoding, max_bytes)
     try:

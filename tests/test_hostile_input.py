@@ -119,6 +119,16 @@ async def test_the_size_limit_applies_to_the_decoded_body(harness):
         assert len(await h.mock_requests()) == 1
 
 
+async def test_a_body_that_does_not_arrive_in_time_is_408(harness):
+    """A client that announces more than it sends (or trickles it) holds a connection for
+    ``request_body_timeout`` at most, never for ever."""
+    async with harness(overrides={"server": {"request_body_timeout": 0.2}}) as h:
+        resp = await exchange(h.url, post(BODY, **{"Content-Length": str(len(BODY) + 100)}))
+        assert_error(resp, 408, "request_timeout")
+        assert (await h.row(resp.headers[GEN]))["status"] == 408
+        assert await h.mock_requests() == []
+
+
 # -- depth ---------------------------------------------------------------------------------
 
 
