@@ -39,7 +39,7 @@ _ENCODINGS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "defla
 async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str, Any]:
     """The body as a JSON object with a string ``model``, or the ``GatewayError`` that refuses it."""
     max_bytes = server.max_request_bytes
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    encoding = ", ".join(request.headers.getall("Content-Encoding", ())).strip().lower()  # two lines: a list
     if encoding not in _ENCODINGS and encoding not in ("", "identity"):
         raise GatewayError(415, "unsupported_content_encoding",
                            f"Content-Encoding {encoding!r} is not supported; send the body as it is, "

@@ -86,6 +86,9 @@ ODD_JSON = st.sampled_from([
     '"' + "x" * 70_000 + '"', '[' + ",".join(["1"] * 5000) + ']',
 ])
 
+# A lone byte, a cut sequence, an encoded surrogate, NUL, a code point beyond U+10FFFF.
+NOT_UTF8 = st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"\xf4\x90\x80\x80"])
+
 
 @st.composite
 def body_bytes(draw) -> bytes:
@@ -109,7 +112,7 @@ def body_bytes(draw) -> bytes:
         return draw(st.binary(max_size=200))
     if how == "bad utf8":
         cut = draw(st.integers(0, len(raw)))
-        return raw[:cut] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"\xf4\x90\x80\x80"])) + raw[cut:]
+        return raw[:cut] + draw(NOT_UTF8) + raw[cut:]
     if how == "empty":
         return b""
     return raw

@@ -108,6 +108,12 @@ async def test_other_encodings_are_415(gw, encoding):
     assert len(await gw.mock_requests()) == 1
 
 
+async def test_two_content_encoding_lines_are_a_list_of_encodings(gw):
+    data = request("POST", "/v1/completions", [*AUTH.items(), ("Content-Encoding", "gzip"),
+                                               ("Content-Encoding", "br")], gzip.compress(BODY))
+    assert_error(await exchange(gw.url, data), 415, "unsupported_content_encoding")
+
+
 async def test_the_size_limit_applies_to_the_decoded_body(harness):
     async with harness(overrides={"server": {"max_request_bytes": 4000}}) as h:
         bomb = gzip.compress(orjson.dumps(completion_body(prompt="a" * 100_000)))
