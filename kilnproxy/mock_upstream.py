@@ -178,7 +178,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 16))
     if not isinstance(max_tokens, int) or max_tokens < 1:
         return _error(flavor, 400, "max_tokens must be at least 1", "BadRequestError")
-    prompt_tokens = count_tokens(body)
+    try:
+        prompt_tokens = count_tokens(body)
+    except (TypeError, AttributeError) as exc:  # e.g. "messages": 1; vLLM's validation answers 400
+        return _error(flavor, 400, f"Invalid prompt or messages: {exc}", "BadRequestError")
     window = opts["context_window"]
     if prompt_tokens + max_tokens > window:
         if flavor == "llamacpp":

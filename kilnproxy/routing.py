@@ -28,7 +28,8 @@ async def expect_handler(request: web.Request) -> None:
 
 def add_fallback(app: web.Application) -> None:
     """Call last, once every other route is in place."""
-    fallback = app.router.add_route("*", "/{unrouted:.*}", _unrouted, expect_handler=expect_handler)
+    # [\s\S], not ".": a path may hold a newline (%0A), which "." would leave to aiohttp's own 404
+    fallback = app.router.add_route("*", r"/{unrouted:[\s\S]*}", _unrouted, expect_handler=expect_handler)
     app[_FALLBACK] = fallback.resource
 
 

@@ -60,22 +60,24 @@ class Target:
     def check(self, resp: RawResponse, *, method: str, path: str, known_key: bool) -> None:
         """What must hold of one answer of the gateway's own handlers (not of aiohttp's parser)."""
         self.requests += 1
+        generation_id = resp.headers.get(GEN)
+        if generation_id is not None:  # first: the end state counts it even if a check below fails
+            assert generation_id not in self.ids, f"generation id {generation_id} handed out twice"
+            self.ids.add(generation_id)
         assert self.gateway.proc.returncode is None, "the gateway died"
         assert resp.status < 500, (resp.status, resp.headers, resp.body[:500])
         if resp.status >= 400 and method != "HEAD":
             assert resp.headers.get("content-type", "").startswith("application/json"), (resp.status, resp.body[:300])
             error = resp.json()["error"]
             assert error.get("code") is not None, resp.body[:300]
-        generation_id = resp.headers.get(GEN)
-        if path.split("?")[0] in COMPLETION_PATHS and method == "POST" and known_key:
+        completions = path.split("?")[0] in COMPLETION_PATHS
+        if completions and method == "POST" and known_key:
             assert generation_id, (resp.status, resp.headers)
         if generation_id is not None:
-            assert generation_id not in self.ids, f"generation id {generation_id} handed out twice"
-            self.ids.add(generation_id)
             rows = self.rows_of(generation_id)
             assert len(rows) == 1, (generation_id, rows)
             assert rows[0][0] == resp.status, (rows, resp.status, resp.body[:300])
-        if resp.status == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
+        if completions and resp.status == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
             assert resp.body.endswith(b"data: [DONE]\n\n"), resp.body[-300:]
 
     async def in_flight(self) -> dict[str, float]:

@@ -183,3 +183,20 @@ async def test_what_no_route_serves_is_a_json_error_whatever_the_expect_header(g
     assert_error(resp, status, code)
     if status == 405:
         assert resp.headers["allow"] in ("POST", "GET,HEAD")
+
+
+@pytest.mark.parametrize("path", ["/v1/models/%0A", "/x%0Ay", "/%0D%0A"])
+@pytest.mark.parametrize("expect", [None, "bogus", b"\x80"])
+async def test_a_path_with_a_newline_is_a_json_404(gw, path, expect):
+    """Found by the long fuzz run: a path no route's ``.`` matched got aiohttp's own 404, or with an
+    ``Expect`` header that is not UTF-8, its 500."""
+    resp = await exchange(gw.url, request("GET", path, {} if expect is None else {"Expect": expect, **AUTH}))
+    assert_error(resp, 404, "not_found")
+
+
+async def test_the_mock_answers_odd_messages_as_vllm_does(gw):
+    """Found by the long fuzz run: the mock crashed (500, so the gateway's 502) on a number as
+    ``messages``; vLLM's validation answers 400, which the gateway passes through."""
+    resp = await exchange(gw.url, post(orjson.dumps({"model": MODEL, "messages": 1})))
+    assert resp.status == 400 and resp.json()["error"]["type"] == "BadRequestError"
+    assert (await gw.row(resp.headers[GEN]))["status"] == 400
