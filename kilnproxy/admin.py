@@ -73,8 +73,8 @@ def check_admin(request: web.Request) -> None:
         raise GatewayError(401, "invalid_admin_token",
                            "Send 'Authorization: Bearer <token>' with the [admin] token of the gateway's config.",
                            type="authentication_error")
-    raise forbidden("Admin endpoints answer loopback clients under a loopback Host only; "
-                    "set [admin] token to allow others.")
+    raise forbidden("Admin endpoints answer local clients only (a loopback address and Host, no other "
+                    "site's Origin); set [admin] token to allow others.")
 
 
 async def metrics(request: web.Request) -> web.Response:
