@@ -4,21 +4,18 @@ shutdown into the app (``install``).
 
 Both endpoints are for the operator, not for API keys. ``[admin]`` says who
 may call them: a request with ``Authorization: Bearer <[admin] token>``, and
-(``allow_loopback = true``, the default) any client on the loopback
-interface. The peer address is what counts; ``X-Forwarded-For`` is ignored.
-Refused: 401 ``invalid_admin_token`` when a token is configured, else 403
-``forbidden``.
+(``allow_loopback = true``, the default) a local request as
+``kilnproxy.access.local_request`` defines it (loopback peer, loopback
+``Host``, no foreign ``Origin``), the inspector's rule. Refused: 401
+``invalid_admin_token`` when a token is configured, else 403 ``forbidden``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import ipaddress
-
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+from .access import bearer_token, local_request, token_matches
 from .accesslog import AccessLog
 from .appkeys import GATEWAY
 from .errors import GatewayError, forbidden
@@ -26,6 +23,7 @@ from .health import HealthChecker
 from .lifecycle import Shutdown
 from .metrics import ReloadStats, RequestStats, build_registry
 from .reload import Reloader
+from .routing import expect_handler
 
 REGISTRY = web.AppKey("metrics_registry", object)
 RELOADER = web.AppKey("reloader", Reloader)
@@ -43,7 +41,7 @@ def install(app: web.Application) -> None:
     if config.metrics.enabled:
         stats = RequestStats()
         app[REGISTRY] = build_registry(gw, stats, reloads, health.failures)
-        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/metrics", metrics, expect_handler=expect_handler)
     reloader = Reloader(gw, reloads, health, stats.observe if stats is not None else None)
     gw.row_observers = reloader.observers_for(config)
     app[RELOADER] = reloader
@@ -52,7 +50,7 @@ def install(app: web.Application) -> None:
     app.middlewares.append(shutdown.middleware)
     app.on_shutdown.append(shutdown.drain)
     app.cleanup_ctx.append(_operations_ctx)
-    app.router.add_post("/admin/reload", reload_config)
+    app.router.add_post("/admin/reload", reload_config, expect_handler=expect_handler)
 
 
 async def _operations_ctx(app: web.Application):
@@ -67,25 +65,16 @@ async def _operations_ctx(app: web.Application):
 
 def check_admin(request: web.Request) -> None:
     admin = request.app[GATEWAY].config.admin
-    header = request.headers.get("Authorization", "")
-    if admin.token_sha256 is not None and header[:7].lower() == "bearer ":
-        digest = hashlib.sha256(header[7:].strip().encode()).hexdigest()
-        if hmac.compare_digest(digest, admin.token_sha256):
-            return
-    if admin.allow_loopback and _is_loopback(request.remote):
+    if token_matches(bearer_token(request.headers.get("Authorization")), (admin.token_sha256,)):
+        return
+    if admin.allow_loopback and local_request(request):
         return
     if admin.token_sha256 is not None:
         raise GatewayError(401, "invalid_admin_token",
                            "Send 'Authorization: Bearer <token>' with the [admin] token of the gateway's config.",
                            type="authentication_error")
-    raise forbidden("Admin endpoints answer loopback clients only; set [admin] token to allow others.")
-
-
-def _is_loopback(remote: str | None) -> bool:
-    try:
-        return remote is not None and ipaddress.ip_address(remote).is_loopback
-    except ValueError:
-        return False
+    raise forbidden("Admin endpoints answer local clients only (a loopback address and Host, no other "
+                    "site's Origin); set [admin] token to allow others.")
 
 
 async def metrics(request: web.Request) -> web.Response:

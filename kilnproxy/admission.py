@@ -1,5 +1,5 @@
 """The request rules of SPEC section 4, steps 1 to 7, one function each, called in order
-by ``completions.handle``.
+by ``completions.handle`` (step 3, the body, is ``kilnproxy.request_body``).
 
 Each check raises ``GatewayError`` with the status and code the SPEC fixes;
 the first that fails answers the request.
@@ -7,19 +7,12 @@ the first that fails answers the request.
 
 from __future__ import annotations
 
-from typing import Any
-
-import asyncio
-
-import aiohttp
-import orjson
-from aiohttp import web
-
 from .call import Call
 from .auth import key_disabled
 from .config import KeyConfig, MaintenanceConfig
 from .limits import Admission, Credits, Hold, insufficient_credits
 from .errors import GatewayError, bad_request, forbidden, model_not_found
+from .request_body import read_json_body  # step 3  # noqa: F401 (called as admission.read_json_body)
 from .upstream import Route
 
 _TRUE = ("true",)
@@ -43,47 +36,6 @@ async def take_slot(admission: Admission, hold: Hold, limit: int) -> None:
     minus its other holds are used up. From here on the slot and hold are released when the
     request's row is submitted (``Gateway.submit``), whatever happens."""
     await admission.admit(hold, limit)
-
-
-async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """Step 3: 413 for a body over ``max_bytes``, 400 for one that is not a JSON object with ``model``."""
-    length = request.content_length
-    if length is not None and length > max_bytes:
-        raise too_large(max_bytes)
-    try:
-        raw = await request.content.readexactly(length) if length is not None else await _read_capped(
-            request, max_bytes)
-    except GatewayError:
-        raise
-    except (asyncio.IncompleteReadError, web.HTTPException, aiohttp.ClientPayloadError, ValueError):
-        raise bad_request("The request body ended before its Content-Length.") from None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
-    if "model" not in body:
-        raise bad_request("The request body has no `model`.", param="model")
-    if not isinstance(body["model"], str):
-        raise bad_request("`model` must be a string.", param="model")
-    return body
-
-
-async def _read_capped(request: web.Request, max_bytes: int) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large(max_bytes)
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def too_large(max_bytes: int) -> GatewayError:
-    return GatewayError(413, "request_too_large",
-                        f"The request body is larger than {max_bytes} bytes (server.max_request_bytes).")
 
 
 def check_model(body: dict, key: KeyConfig, routes: dict[str, Route]) -> Route:

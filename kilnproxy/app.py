@@ -21,6 +21,7 @@ from .errors import GatewayError
 from .gateway import Gateway
 from .inspector import setup_inspector
 from .plugins import build_plugin_manager
+from .routing import add_fallback, expect_handler
 
 log = logging.getLogger("kilnproxy")
 
@@ -34,15 +35,16 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     app[HOT_ROUTES] = hot_routes(gateway)  # answered by the server's own route table (kilnproxy.fastpath)
     app.cleanup_ctx.append(_gateway_ctx)
     # also here: a path with a query string or an escape, or an Expect header, comes through the router
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", handlers.list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", handlers.get_model)
-    app.router.add_get("/v1/credits", handlers.credits)
-    app.router.add_get("/v1/generations/{generation_id}", handlers.generation)
-    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_handler)
+    app.router.add_get("/v1/models", handlers.list_models, expect_handler=expect_handler)
+    app.router.add_get("/v1/models/{model_id:.+}", handlers.get_model, expect_handler=expect_handler)
+    app.router.add_get("/v1/credits", handlers.credits, expect_handler=expect_handler)
+    app.router.add_get("/v1/generations/{generation_id}", handlers.generation, expect_handler=expect_handler)
+    app.router.add_get("/healthz", handlers.healthz, expect_handler=expect_handler)
     admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
     setup_inspector(app, gateway)
+    add_fallback(app)  # last: JSON 404/405 for whatever no route above serves
     return app
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-
+from .access import bearer_token, token_digest
 from .config import KeyConfig
 from .errors import GatewayError, forbidden, invalid_api_key
 
@@ -13,18 +12,19 @@ class KeyRing:
 
     def __init__(self, keys: tuple[KeyConfig, ...]):
         self._by_digest = {k.key_sha256: k for k in keys}
-        self._by_token: dict[str, KeyConfig] = {}  # tokens already matched: one per key at most
+        self._by_token: dict[bytes, KeyConfig] = {}  # tokens already matched: one per key at most
 
     def authenticate(self, header: str | None) -> KeyConfig:
-        """The key of a request, or 401 ``invalid_api_key``. A disabled key is returned:
-        the caller answers 403 after it knows whom to record the request against."""
-        if not header or header[:7].lower() != "bearer ":
+        """The key of a request, or 401 ``invalid_api_key`` (whatever bytes the header holds).
+        A disabled key is returned: the caller answers 403 after it knows whom to record
+        the request against."""
+        token = bearer_token(header)
+        if token is None:
             raise invalid_api_key()
-        token = header[7:].strip()
         key = self._by_token.get(token)
         if key is not None:
             return key
-        key = self._by_digest.get(hashlib.sha256(token.encode()).hexdigest()) if token else None
+        key = self._by_digest.get(token_digest(token))
         if key is None:
             raise invalid_api_key()
         self._by_token[token] = key

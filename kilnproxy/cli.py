@@ -1,4 +1,4 @@
-"""``python -m kilnproxy``: the gateway and its sub-commands.
+"""``python -m kilnproxy`` (or the ``kilnproxy`` console script): the gateway and its sub-commands.
 
 A ``KilnError`` is printed as one line (``kilnproxy: error: ...``) with exit
 status 2; anything else is a bug and keeps its traceback.
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kilnproxy", description="A self-hostable LLM gateway.")
+    prog = "kilnproxy" if Path(sys.argv[0]).name == "kilnproxy" else "python -m kilnproxy"  # console script or -m
+    p = argparse.ArgumentParser(prog=prog, description="A self-hostable LLM gateway.")
     sub = p.add_subparsers(dest="command")
 
     serve = sub.add_parser("serve", help="serve the gateway (the default; the demo when no config is given)")

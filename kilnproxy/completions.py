@@ -72,7 +72,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
     headers = {GENERATION_HEADER: call.generation_id}
     try:
         admission.check_account(key, gw.credits, gw.config.maintenance)  # steps 1-2
-        body = await admission.read_json_body(request, gw.config.server.max_request_bytes)  # step 3
+        body = await admission.read_json_body(request, gw.config.server)  # step 3
         record.model, record.body = body["model"], body
         if gw.capture is not None:
             record.tap = gw.capture.tap(record, body)

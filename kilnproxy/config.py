@@ -159,6 +159,7 @@ def _server(r: _Reader) -> ServerConfig:
         upstream_max_failures=r.positive("upstream_max_failures", d.upstream_max_failures, integer=True),
         upstream_down_seconds=float(r.positive("upstream_down_seconds", d.upstream_down_seconds)),
         shutdown_grace_seconds=float(r.positive("shutdown_grace_seconds", d.shutdown_grace_seconds)),
+        request_body_timeout=float(r.positive("request_body_timeout", d.request_body_timeout)),
     )
     r.done()
     return server

@@ -9,6 +9,7 @@ from .appkeys import GATEWAY
 from .auth import key_disabled
 from .config import KeyConfig, ModelConfig
 from .errors import GatewayError, model_not_found
+from .usage import round_usd
 
 
 def json_response(data: object, status: int = 200) -> web.Response:
@@ -64,7 +65,8 @@ async def credits(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     granted = gw.credits.granted.get(key.org, 0.0)
     spent = await gw.spent(key.org)
-    return json_response({"org": key.org, "granted": granted, "spent": spent, "remaining": granted - spent})
+    return json_response({"org": key.org, "granted": granted, "spent": round_usd(spent),
+                          "remaining": round_usd(granted - spent)})
 
 
 async def generation(request: web.Request) -> web.Response:

@@ -23,6 +23,12 @@ unknown fields untouched)::
         "id": null, "created": null  # fixed chunk id and timestamp, for byte-exact comparisons
     }
 
+With the ``llamacpp`` flavor, ``n`` > 1 (at most 8) gives ``n`` choices as
+llama.cpp does: choice ``i`` has ``max_tokens - i`` words (at least one), their
+chunks interleave, and each choice reports its own usage (in its last chunk on
+/v1/completions, in a ``choices: []`` chunk of its own on chat); a non-streamed
+answer reports the usage of choice 0 only, as llama.cpp does.
+
 Test helpers: ``GET /mock/requests`` lists the bodies and headers received,
 ``GET /mock/stats`` counts requests, open streams and streams the client
 hung up on, ``GET /mock/wait?hangups=N`` returns once that many hang-ups were seen.
@@ -173,7 +179,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 16))
     if not isinstance(max_tokens, int) or max_tokens < 1:
         return _error(flavor, 400, "max_tokens must be at least 1", "BadRequestError")
-    prompt_tokens = count_tokens(body)
+    try:
+        prompt_tokens = count_tokens(body)
+    except (TypeError, AttributeError) as exc:  # e.g. "messages": 1; vLLM's validation answers 400
+        return _error(flavor, 400, f"Invalid prompt or messages: {exc}", "BadRequestError")
     window = opts["context_window"]
     if prompt_tokens + max_tokens > window:
         if flavor == "llamacpp":
@@ -185,7 +194,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                       f"{max_tokens} in the completion). Please reduce the length of the messages or "
                       "completion.", "BadRequestError")
 
-    gen = _Generation(body, opts, chat, prompt_tokens, max_tokens)
+    n = body.get("n", 1) if flavor == "llamacpp" else 1
+    if type(n) is not int or not 1 <= n <= 8:
+        return _error(flavor, 400, f"Field 'n': Value must be between 1 <= value <= 8, but got {n}",
+                      "invalid_request_error")
+    gen = _Generation(body, opts, chat, prompt_tokens, max_tokens, n)
     if not stream:
         await bump(app, "completed")
         return _json(gen.whole())
@@ -195,8 +208,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 class _Generation:
     """The words of one completion and the JSON shapes they travel in."""
 
-    def __init__(self, body: dict, opts: dict, chat: bool, prompt_tokens: int, max_tokens: int):
+    def __init__(self, body: dict, opts: dict, chat: bool, prompt_tokens: int, max_tokens: int, n: int = 1):
         self.body = body
+        self.n = n
         self.opts = opts
         self.chat = chat
         self.flavor = opts["flavor"]
@@ -220,16 +234,22 @@ class _Generation:
     def finish_reason(self) -> str:
         return "length"
 
+    def words_of(self, index: int) -> list[str]:
+        """The words of choice ``index``: one fewer for each later choice, so that their counts differ."""
+        return self.words[:max(1, len(self.words) - index)]
+
     def whole(self) -> dict:
-        text = " " + " ".join(self.words)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text.strip()},
-                      "logprobs": None, "finish_reason": self.finish_reason(), "stop_reason": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason(),
-                      "stop_reason": None}
+        choices = []
+        for index in range(self.n):
+            text = " " + " ".join(self.words_of(index))
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text.strip()},
+                                "logprobs": None, "finish_reason": self.finish_reason(), "stop_reason": None})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None,
+                                "finish_reason": self.finish_reason(), "stop_reason": None})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
+                "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage(len(self.words))}
 
     def chunk(self, choices: list, **extra: Any) -> dict:
@@ -242,16 +262,18 @@ class _Generation:
         out.update(extra)
         return out
 
-    def choice(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+    def choice(self, text: str | None, finish: str | None, first: bool = False, index: int = 0) -> dict:
         if self.chat:
             delta = {"content": text} if text is not None else {}
             if first:
                 delta = {"role": "assistant", "content": None if self.flavor == "llamacpp" else ""}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
 
     def frames(self) -> list[dict]:
         """Every chunk of the stream but [DONE], in order."""
+        if self.n > 1:
+            return self.llama_choice_frames()
         out = []
         if self.chat:
             out.append(self.chunk([self.choice(None, None, first=True)]))
@@ -277,6 +299,26 @@ class _Generation:
             out.append(self.chunk([self.choice("", self.finish_reason())]))
         if self.include_usage and not (self.flavor == "llamacpp" and not self.chat):
             out.append(self.chunk([], usage=self.usage(n)))
+        return out
+
+
+    def llama_choice_frames(self) -> list[dict]:
+        """llama.cpp with ``n`` > 1: the choices' chunks interleaved, each choice ending with its own usage."""
+        per_choice = []
+        for index in range(self.n):
+            words = self.words_of(index)
+            frames = [self.chunk([self.choice(None, None, first=True, index=index)])] if self.chat else []
+            frames += [self.chunk([self.choice(" " + word, None, index=index)]) for word in words]
+            last = self.chunk([self.choice(None if self.chat else "", self.finish_reason(), index=index)])
+            if not self.chat:
+                last["usage"] = self.usage(len(words))
+            frames.append(last)
+            if self.chat and self.include_usage:
+                frames.append(self.chunk([], usage=self.usage(len(words))))
+            per_choice.append(frames)
+        out = []
+        for step in range(max(map(len, per_choice))):
+            out += [frames[step] for frames in per_choice if step < len(frames)]
         return out
 
 

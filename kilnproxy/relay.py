@@ -14,7 +14,11 @@ Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
 removed from the chunks as they pass and comes back as exactly one
 ``choices: []`` chunk, priced, just before ``[DONE]``, when the client asked
-for it. The last counts reported win, except that zeros never replace counts.
+for it. The last counts reported win, except that zeros never replace counts,
+and that a stream with several choices (``n`` > 1) may report each choice on
+its own: llama.cpp puts each choice's usage in that choice's last chunk, or in
+a ``choices: []`` chunk per choice on chat. Then the reports are combined
+(``Usage.combined``: completions added, the prompt counted once).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ class EventRelay:
     end of body, ``tail()`` for what follows the last event."""
 
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
-                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf")
+                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
+                 "choice_usage", "request_usage")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -63,6 +68,8 @@ class EventRelay:
         self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
         self.by_parser = False  # the parser is inside an event, or a CR was seen: it takes every chunk
         self.crlf = False  # a CR was seen: the parser for good
+        self.choice_usage: dict[Any, Usage] = {}  # the latest report on each choice's chunks, by index
+        self.request_usage: list[Usage] = []  # the reports of choices: [] chunks
 
     # -- per chunk ----------------------------------------------------------
 
@@ -212,7 +219,7 @@ class EventRelay:
         choices = event.get("choices")
         usage = event.get("usage")
         if isinstance(usage, dict):
-            self._take_usage(usage)
+            self._take_usage(usage, choices)
             if not choices:
                 self.usage_event = event
                 return None
@@ -253,7 +260,7 @@ class EventRelay:
         choices = event.get("choices")
         usage = event.get("usage")
         if isinstance(usage, dict):
-            self._take_usage(usage)
+            self._take_usage(usage, choices)
             if not choices:
                 self.usage_event = event
                 return None
@@ -285,12 +292,17 @@ class EventRelay:
             if reason:
                 self.record.finish_reason = reason
 
-    def _take_usage(self, usage: dict) -> None:
+    def _take_usage(self, usage: dict, choices: Any) -> None:
         counts = Usage.from_upstream(usage)
         if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
         self.usage_raw = usage
-        self.record.usage = counts
+        if choices:  # on a choice's chunk: the latest count of that choice replaces the one before
+            index = choices[0].get("index") if isinstance(choices[0], dict) else None
+            self.choice_usage[index if type(index) is int else 0] = counts
+        else:  # a choices: [] chunk: the whole request's (vLLM), or one choice's of several (llama.cpp chat)
+            self.request_usage.append(counts)
+        self.record.usage = Usage.combined(self.request_usage or list(self.choice_usage.values()))
 
     def _upstream_error(self, event: dict) -> bytes:
         """The error event's data (in OpenAI's form); the stream ends with it."""
@@ -360,6 +372,12 @@ class EventRelay:
             "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
         }
+        if self.usage_raw is not None and usage != Usage.from_upstream(self.usage_raw):  # combined reports
+            raw.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                       total_tokens=usage.total_tokens)
+            details = raw.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                raw["prompt_tokens_details"] = {**details, "cached_tokens": usage.cached_tokens}
         raw["cost"] = usage.cost(self.call.pricing)
         event["usage"] = raw
         return event

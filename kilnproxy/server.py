@@ -3,7 +3,14 @@
 ``start_gateway`` is what both the CLI and the tests use, so tests run the
 gateway exactly as users do: ``handler_cancellation`` on (a client that hangs
 up cancels its handler, which closes the upstream request at once), no
-aiohttp access log (the gateway writes its own usage rows).
+aiohttp access log (the gateway writes its own usage rows), and aiohttp's
+``auto_decompress`` off: request bodies reach the handlers as the client sent
+them, and the gateway decodes them itself under its size limit
+(``kilnproxy.request_body``). A request aiohttp cannot parse (a header line
+without a colon, a line over 8 KiB, more than 128 headers, a Content-Length
+that disagrees with Transfer-Encoding) gets aiohttp's own 400 and never
+reaches a handler; it is logged as one line, without the traceback aiohttp
+would log, so that garbage from clients cannot flood the log.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .app import create_app
 from .appkeys import HOT_ROUTES
@@ -26,6 +34,24 @@ log = logging.getLogger("kilnproxy")
 
 # What is still running after the app's own grace period (kilnproxy.lifecycle) is cancelled after this.
 SHUTDOWN_SECONDS = 2.0
+
+
+class _MalformedRequestsAsOneLine(logging.Filter):
+    """aiohttp logs each request it cannot parse at ERROR level with a traceback: make it one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            reason = str(exc.message).strip().splitlines()[0][:120] if exc.message else ""
+            record.msg = "refused a malformed request from %s: %s %s"
+            record.args = (record.args[0] if record.args else "?", exc.code, reason)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+HTTP_LOG = logging.getLogger("kilnproxy.http")
+HTTP_LOG.addFilter(_MalformedRequestsAsOneLine())
 
 
 @dataclass
@@ -48,7 +74,8 @@ class Running:
 
 async def start_app(app: web.Application, host: str, port: int) -> Running:
     """A gateway app's hot endpoints (``HOT_ROUTES``) go to the server's own route table."""
-    options = dict(handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS)
+    options = dict(handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS,
+                   auto_decompress=False, logger=HTTP_LOG)
     if HOT_ROUTES in app:
         runner = FastRunner(app, app[HOT_ROUTES], **options)
     else:

@@ -6,6 +6,15 @@ from typing import Any, Mapping
 
 from .config import Pricing
 
+# USD amounts are rounded to this many decimals wherever they are computed, so that answers,
+# rows and logs show 1.6e-06 and not 1.6000000000000001e-06 (a ten-billionth of a dollar is far
+# below any price per token).
+COST_DECIMALS = 10
+
+
+def round_usd(amount: float) -> float:
+    return round(amount, COST_DECIMALS)
+
 
 class Usage:
     """Final token counts of one request, as the upstream reported them."""
@@ -29,13 +38,24 @@ class Usage:
         total = usage.get("total_tokens")
         return cls(prompt, completion, _count(cached), _count(total) if total is not None else None)
 
+    @classmethod
+    def combined(cls, reports: list["Usage"]) -> "Usage":
+        """One request's usage from one report per choice (llama.cpp with ``n`` > 1), in OpenAI's
+        form: the completions added up, the prompt counted once (its cached part as the least any
+        choice reported)."""
+        if len(reports) == 1:
+            return reports[0]
+        return cls(max(r.prompt_tokens for r in reports), sum(r.completion_tokens for r in reports),
+                   min(r.cached_tokens for r in reports))
+
     def is_zero(self) -> bool:
         return not (self.prompt_tokens or self.completion_tokens or self.total_tokens)
 
     def cost(self, pricing: Pricing | None) -> float:
+        """USD, rounded to ``COST_DECIMALS``: what the answer shows and the row records."""
         if pricing is None:
             return 0.0
-        return pricing.cost(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return round_usd(pricing.cost(self.prompt_tokens, self.completion_tokens, self.cached_tokens))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Usage) and all(getattr(self, s) == getattr(other, s) for s in self.__slots__)

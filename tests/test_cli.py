@@ -90,3 +90,21 @@ async def test_port_in_use_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert err.decode().strip().startswith(f"kilnproxy: error: cannot listen on 127.0.0.1:{port}")
     assert "Traceback" not in err.decode()
+
+
+async def test_pip_install_gives_a_kilnproxy_command(tmp_path):
+    """The ``kilnproxy`` console script of the installed package runs the same CLI as ``python -m``."""
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="kilnproxy")
+    assert script.value == "kilnproxy.cli:main"
+    command = Path(sys.executable).parent / "kilnproxy"
+    proc = await asyncio.create_subprocess_exec(
+        str(command), "check-config", str(ROOT / "config.example.toml"), cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert "qwen3-32b" in out.decode()
+    proc = await asyncio.create_subprocess_exec(str(command), "--help", stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert out.decode().startswith("usage: kilnproxy ")

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from kilnproxy.appkeys import GATEWAY
-from kilnproxy.inspector.api import _loopback_host, _loopback_peer
+from kilnproxy.access import loopback_host as _loopback_host, loopback_peer as _loopback_peer
 from kilnproxy.inspector.hub import QUEUE_SIZE, RESET, LiveHub
 from kilnproxy.record import COLUMNS
 from kilnproxy.testing import OTHER_KEY, UPSTREAM_MODEL

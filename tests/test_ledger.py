@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from kilnproxy.appkeys import GATEWAY
+from kilnproxy.usage import round_usd
 from kilnproxy.record import COLUMNS
 from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
 
@@ -16,8 +17,8 @@ PRICE = {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05}  # the Harne
 
 
 def price(prompt, completion, cached=0):
-    return ((prompt - cached) * PRICE["prompt"] + cached * PRICE["cached_prompt"]
-            + completion * PRICE["completion"]) / 1_000_000
+    return round_usd(((prompt - cached) * PRICE["prompt"] + cached * PRICE["cached_prompt"]
+                      + completion * PRICE["completion"]) / 1_000_000)
 
 
 

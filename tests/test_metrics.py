@@ -149,7 +149,8 @@ def _request(app, remote: str, headers: dict | None = None):
         def is_closing(self):
             return False
 
-    return make_mocked_request("GET", "/metrics", headers=headers or {}, app=app, transport=Transport())
+    return make_mocked_request("GET", "/metrics", headers={"Host": "127.0.0.1:8080", **(headers or {})}, app=app,
+                               transport=Transport())
 
 
 async def test_loopback_only_by_default_and_token_for_others(harness):

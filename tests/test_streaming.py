@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
+from kilnproxy.usage import round_usd
 
 GEN = "X-Neocloud-Generation-Id"
 FIXED = {"id": "cmpl-fixed", "created": 1700000000}
@@ -13,8 +14,8 @@ PRICE = {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05}
 
 
 def cost(prompt, completion, cached=0):
-    return ((prompt - cached) * PRICE["prompt"] + cached * PRICE["cached_prompt"]
-            + completion * PRICE["completion"]) / 1_000_000
+    return round_usd(((prompt - cached) * PRICE["prompt"] + cached * PRICE["cached_prompt"]
+                      + completion * PRICE["completion"]) / 1_000_000)
 
 
 def events(raw: bytes) -> list[bytes]:

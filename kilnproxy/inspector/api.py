@@ -1,13 +1,16 @@
 """The inspector's HTTP side: access rule, the page's files, the JSON API and the live SSE feed.
 
-Access (``access()``), checked before every handler here:
+Access (``access()``), checked before every handler here, with the rule of
+``kilnproxy.access`` that ``/metrics`` and ``/admin/*`` use too:
 
-* no ``[inspector] token``: loopback clients only, and only under a loopback
-  ``Host`` (``localhost``, ``127.x``, ``[::1]``) so that a web page elsewhere
-  cannot read the API through DNS rebinding; anything else gets 403;
+* no ``[inspector] token``: local requests only (loopback peer, loopback
+  ``Host``, no foreign ``Origin``), so that a web page elsewhere cannot read
+  the API through DNS rebinding; anything else gets 403;
 * a token: the API needs ``Authorization: Bearer <token>`` (or ``?token=``, for
   ``EventSource``, which cannot send headers), from any address, loopback
-  included; the page's own files hold no data and are served to anyone.
+  included; the page's own files hold no data and are served to anyone;
+* the ``[admin]`` token, when set, opens the inspector like its own token: an
+  operator with it can use the inspector from another machine.
 
 See docs/inspector.md for the API.
 """
@@ -16,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
-import ipaddress
 import mimetypes
 import os
 from pathlib import Path
@@ -25,7 +26,9 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
+from ..access import bearer_token, local_request, token_digest, token_matches
 from ..errors import GatewayError
+from ..routing import expect_handler
 from ..gateway import Gateway
 from ..stream import SSE_HEADERS
 from .capture import describe, fixture_of
@@ -43,35 +46,39 @@ class InspectorAPI:
         self.store = store
         self.hub = hub
         self.files = load_static(STATIC)
+        self.token_sha256 = token_digest(self.config.token.encode()) if self.config.token is not None else None
 
     def routes(self) -> list[web.RouteDef]:
         return [
-            web.get("/ui", self.redirect),
-            web.get("/ui/", self.index),
-            web.get("/ui/static/{name:.+}", self.static),
-            web.get("/ui/api/meta", self.meta),
-            web.get("/ui/api/requests", self.requests),
-            web.get("/ui/api/requests/{generation_id}", self.request_detail),
-            web.get("/ui/api/requests/{generation_id}/fixture", self.fixture),
-            web.get("/ui/api/usage", self.usage),
-            web.get("/ui/api/events", self.events),
+            web.get("/ui", self.redirect, expect_handler=expect_handler),
+            web.get("/ui/", self.index, expect_handler=expect_handler),
+            web.get("/ui/static/{name:.+}", self.static, expect_handler=expect_handler),
+            web.get("/ui/api/meta", self.meta, expect_handler=expect_handler),
+            web.get("/ui/api/requests", self.requests, expect_handler=expect_handler),
+            web.get("/ui/api/requests/{generation_id}", self.request_detail, expect_handler=expect_handler),
+            web.get("/ui/api/requests/{generation_id}/fixture", self.fixture, expect_handler=expect_handler),
+            web.get("/ui/api/usage", self.usage, expect_handler=expect_handler),
+            web.get("/ui/api/events", self.events, expect_handler=expect_handler),
         ]
 
     # -- access -------------------------------------------------------------------
 
     def access(self, request: web.Request, *, data: bool = True) -> None:
-        token = self.config.token
-        if token is None:
-            if not (_loopback_peer(request.remote) and _loopback_host(request.host)):
-                raise GatewayError(403, "forbidden", "The inspector answers loopback clients only; set "
-                                   "[inspector] token to open it to others.", type="forbidden")
+        """Let the request through or raise 403 ``forbidden`` / 401 ``invalid_token``.
+        ``data=False``: the page's own files, which hold no data."""
+        admin_sha256 = self.gateway.config.admin.token_sha256  # read per request: [admin] reloads
+        if self.token_sha256 is None and local_request(request):
             return
+        if self.token_sha256 is None and admin_sha256 is None:
+            raise GatewayError(403, "forbidden", "The inspector answers local clients only; set "
+                               "[inspector] token (or [admin] token) to open it to others.", type="forbidden")
         if not data:
             return
-        given = request.headers.get("Authorization", "")
-        given = given[7:] if given[:7].lower() == "bearer " else request.query.get("token", "")
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise GatewayError(401, "invalid_token", "The inspector needs its token: "
+        given = bearer_token(request.headers.get("Authorization"))
+        if given is None:
+            given = request.query.get("token", "").encode("utf-8", "surrogateescape") or None
+        if not token_matches(given, (self.token_sha256, admin_sha256)):
+            raise GatewayError(401, "invalid_token", "The inspector needs its token or the [admin] token: "
                                "`Authorization: Bearer <token>` or `?token=<token>`.", type="invalid_request_error")
 
     # -- the page -------------------------------------------------------------------
@@ -208,21 +215,3 @@ def _limit(raw: str) -> int:
 
 def _json(payload: dict) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
-
-
-def _loopback_peer(remote: str | None) -> bool:
-    try:
-        return remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def _loopback_host(host: str) -> bool:
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    name = name.strip("[]").lower()
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from kilnproxy.testing import usage_rows
+from kilnproxy.usage import round_usd
 
 from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
 
@@ -88,10 +89,10 @@ class Stack:
 
 
 def expected_cost(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> float:
-    """The model's pricing applied to token counts, as the gateway must compute it."""
+    """The model's pricing applied to token counts, as the gateway must compute it (rounded as it rounds)."""
     micro = (prompt_tokens - cached_tokens) * PRICING["prompt"] + cached_tokens * PRICING["cached_prompt"]
     micro += completion_tokens * PRICING["completion"]
-    return micro / 1_000_000
+    return round_usd(micro / 1_000_000)
 
 
 def rows(stack: Stack, **where) -> list[dict]:

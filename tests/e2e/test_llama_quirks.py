@@ -61,6 +61,37 @@ async def test_usage_in_last_choice_chunk_becomes_one_usage_chunk(stack, http):
     assert row(stack, generation_id)["cost"] == usage["cost"]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+async def test_usage_of_n_choices_is_added_up(stack, http, endpoint):
+    """With ``n`` > 1 llama.cpp reports each choice's usage on its own (in the choice's last chunk on
+    /v1/completions, in a ``choices: []`` chunk per choice on chat): the gateway adds the completions
+    up and counts the prompt once, in the client's one usage chunk and in the row."""
+    source = {"prompt": "The capital of France is"} if endpoint == "completions" else {
+        "messages": [{"role": "user", "content": "The capital of France is"}]}
+    body = {"model": MODEL, **source, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+            "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(f"{stack.llama_url}/v1/{endpoint}", json={**body, "model": LLAMA_ALIAS}) as resp:
+        reports = [e["usage"] for e in events(frames(await resp.read())) if e.get("usage")]
+    # The quirk: one report per choice, each with the prompt and that choice's own completion.
+    assert [r["completion_tokens"] for r in reports] == [5, 5]
+    prompt = reports[0]["prompt_tokens"]
+    assert reports[1]["prompt_tokens"] == prompt
+
+    async with http.post(f"{stack.url}/v1/{endpoint}", json=body, headers=AUTH) as resp:
+        parts = frames(await resp.read())
+        generation_id = resp.headers[GENERATION_HEADER]
+    assert parts[-1] == b"data: [DONE]"
+    chunks = events(parts)
+    with_usage = [c for c in chunks if c.get("usage")]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and with_usage[0]["choices"] == []
+    usage = with_usage[0]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (prompt, 10, prompt + 10)
+    assert usage["cost"] == expected_cost(prompt, 10)
+    r = row(stack, generation_id)
+    assert (r["prompt_tokens"], r["completion_tokens"], r["cost"]) == (prompt, 10, usage["cost"])
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
+
+
 async def test_llamas_keepalive_comments_reach_the_client(stack, http):
     """While llama.cpp reads a long prompt it sends ``:`` comment lines; they pass through as sent."""
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0, "cache_prompt": False,
