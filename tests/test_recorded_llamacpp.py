@@ -30,7 +30,9 @@ def fixture_path(name: str):
 
 
 def cost(usage: dict) -> float:
-    return (usage["prompt_tokens"] * PRICING["prompt"] + usage["completion_tokens"] * PRICING["completion"]) / 1e6
+    """The price of ``usage`` as the gateway states it (USD, rounded to 10 decimals)."""
+    return round(
+        (usage["prompt_tokens"] * PRICING["prompt"] + usage["completion_tokens"] * PRICING["completion"]) / 1e6, 10)
 
 
 def upstream_items(content: bytes) -> list[tuple[int, bytes]]:
@@ -40,8 +42,9 @@ def upstream_items(content: bytes) -> list[tuple[int, bytes]]:
 
 def expected_frames(content: bytes, include_usage: bool) -> tuple[list[bytes], dict | None]:
     """What SPEC section 5 makes of llama.cpp's stream, except the usage chunk: the frames, and the
-    usage llama.cpp reported last."""
-    frames, usage = [], None
+    request's usage: llama.cpp's last report, or with ``n`` > 1 its reports per choice added up
+    (completions summed, the prompt once)."""
+    frames, usage, per_choice = [], None, {}
     for kind, payload in upstream_items(content):
         if kind == COMMENT:
             frames.append(payload)
@@ -51,10 +54,15 @@ def expected_frames(content: bytes, include_usage: bool) -> tuple[list[bytes], d
         event = orjson.loads(payload)
         if isinstance(event.get("usage"), dict):
             usage = event["usage"]
+            per_choice[event["choices"][0]["index"] if event["choices"] else len(per_choice)] = usage
             if event["choices"]:
                 frames.append(b"data: " + orjson.dumps({**event, "model": MODEL, "usage": None}))
             continue
         frames.append(b"data: " + payload.replace(UPSTREAM_MODEL, f'"model":"{MODEL}"'.encode()))
+    if len(per_choice) > 1:
+        prompt = max(u["prompt_tokens"] for u in per_choice.values())
+        completion = sum(u["completion_tokens"] for u in per_choice.values())
+        usage = {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     return frames, usage
 
 
