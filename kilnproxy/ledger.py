@@ -177,7 +177,7 @@ class SQLiteLedger:
             batch, self._pending = self._pending, []
             started = loop.time()
             if self.checkpointer.over_bound():
-                await self._truncate_wal()
+                await self._restart_wal()
             await self._commit([row for row, _, _ in batch])
             self.checkpointer.committed()
             self.commits += 1
@@ -210,11 +210,11 @@ class SQLiteLedger:
                 pass
             await asyncio.sleep(self.RETRY_SECONDS)
 
-    async def _truncate_wal(self) -> None:
+    async def _restart_wal(self) -> None:
         try:
-            async with self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
+            async with self._db.execute("PRAGMA wal_checkpoint(RESTART)") as cur:
                 busy, _, _ = await cur.fetchone()
-            self.checkpointer.truncations += 1 - busy
+            self.checkpointer.restarts += 1 - busy
         except sqlite3.Error as exc:  # readers in the way: the commit goes on, the next batch tries again
             log.warning("usage ledger: WAL checkpoint at its size bound failed: %s", exc)
 
