@@ -26,7 +26,7 @@ browser:  ## Debian's chromium, for the inspector's browser test (Playwright dri
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y chromium chromium-driver; }
 
-bench: $(STAMP)  ## what the gateway adds over a bare pass-through (M1-M6, < 10 min): bench/results/<date>.md
+bench: $(STAMP)  ## what the gateway adds over a bare pass-through, beside Portkey and LiteLLM (M1-M6, ~10 min): bench/results/<date>-<time>.md
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || { \
 		command -v apt-get >/dev/null || { echo "make bench needs wrk and nginx"; exit 1; }; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq wrk nginx >/dev/null; }
