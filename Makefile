@@ -30,7 +30,7 @@ postgres:  ## Debian's PostgreSQL server binaries: the tests and the benchmark s
 	test -x "$$(pg_config --bindir 2>/dev/null)/initdb" || \
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y postgresql; }
 
-bench: $(STAMP) postgres  ## what the gateway adds over a bare pass-through (M1-M6, < 10 min): bench/results/<date>.md
+bench: $(STAMP) postgres  ## what the gateway adds over a bare pass-through, beside Portkey and LiteLLM, and on PostgreSQL (M1-M6, PG; ~12 min): bench/results/<date>-<time>.md
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || { \
 		command -v apt-get >/dev/null || { echo "make bench needs wrk and nginx"; exit 1; }; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq wrk nginx >/dev/null; }

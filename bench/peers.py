@@ -116,7 +116,7 @@ def version(name: str) -> str:
             hono = json.loads((modules / "@hono" / "node-server" / "package.json").read_text())["version"]
             return f"{gateway} (@hono/node-server {hono})"
         info = next((CACHE / "litellm").glob("lib/python*/site-packages/litellm-*.dist-info"))
-        return info.name.split("-")[1].removesuffix(".dist-info")
+        return info.name.removesuffix(".dist-info").split("-", 1)[1]
     except (OSError, StopIteration, KeyError, ValueError):
         return "?"
 

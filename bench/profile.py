@@ -8,8 +8,8 @@ Each sample's stack is charged to the feature of its innermost frame that belong
 one (a frame of asyncio, aiohttp's stream buffers and the like defers to its caller),
 and each feature's share of the samples times the CPU time per request (from
 ``/proc``; the GIL's wall time overstates CPU on a shared core) gives microseconds
-per request. Writes ``results/profile-<date>-<label>.md``
-and the raw stacks beside it.
+per request. Writes ``results/profile-<date>-<label>.md``, and the raw stacks (py-spy's
+collapsed format, for a flame graph) to ``results/raw/``.
 
     python bench/profile.py [--label after] [--seconds 8] [--only M1,M2,M3]
 
@@ -121,7 +121,7 @@ def main() -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     stem = f"profile-{started:%Y-%m-%d-%H%M}-{args.label}"
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
     loadavg = open("/proc/loadavg").read().split()[:3]
     sections = []
     with Procs(work) as procs:
@@ -145,7 +145,7 @@ def main() -> int:
             for target, proc, url in (("kilnproxy", gw, f"http://127.0.0.1:{gw_port}/v1/completions"),
                                       ("pass-through", pt, f"http://127.0.0.1:{pt_port}{pt_path}")):
                 wrk(url, body, KEY, conns, 1)  # warm-up
-                raw = out / f"{stem}-{name}-{target}.txt"
+                raw = out / "raw" / f"{stem}-{name}-{target}.txt"
                 summary = record(proc.pid, raw, args.seconds,
                                  lambda: wrk(url, body, KEY, conns, args.seconds, proc.pid))
                 per_request[target] = (summarise(raw), summary)

@@ -13,10 +13,15 @@ waits for all of it. The ledger's writer turns that off
   readers; it copies what it can, and a commit running beside it is not held.
 - The bound: SQLite starts the WAL again from its beginning only at a write
   that finds every frame copied, which a load that never pauses may not give.
-  So when the WAL file has grown past ``max_wal_bytes``, the writer itself
-  checkpoints (TRUNCATE) between two commits. The background has copied most
-  frames by then, so this is rare (once per ``max_wal_bytes`` written) and
-  short; the WAL file never grows much past ``max_wal_bytes``.
+  So when the WAL holds more than ``max_wal_bytes`` of frames, the writer
+  itself checkpoints (RESTART) between two commits: rare (once per
+  ``max_wal_bytes`` written) and short, as the background has copied most
+  frames by then. The WAL file never grows much past ``max_wal_bytes``, and
+  is not truncated: appending to blocks the file already has is cheaper than
+  growing it, commit after commit.
+- The WAL's frame count is read from the wal-index header (``-shm`` file,
+  ``mxFrame`` at offset 16, SQLite's documented WAL format): one ``pread`` a
+  batch, no query.
 
 Durability is unchanged: a checkpoint moves committed rows from one file to
 the other, and SQLite fsyncs before it lets the WAL be overwritten.
@@ -28,6 +33,7 @@ import asyncio
 import logging
 import os
 import sqlite3
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +41,7 @@ from pathlib import Path
 log = logging.getLogger("kilnproxy.ledger")
 
 LOWEST_PRIORITY = 19
+WAL_FRAME_HEADER = 24
 
 
 class Checkpointer:
@@ -44,16 +51,18 @@ class Checkpointer:
         self.interval = interval
         self.max_wal_bytes = max_wal_bytes
         self.checkpoints = 0          # background checkpoints run
-        self.truncations = 0          # checkpoints the writer ran because the WAL reached its bound
+        self.restarts = 0             # checkpoints the writer ran because the WAL reached its bound
         self.last = (0, 0)            # (frames in the WAL, frames copied) at the last background checkpoint
         self._wake = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kilnproxy-checkpoint")
         self._db: sqlite3.Connection | None = None
+        self._shm = -1
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._thread, self._connect)
+        self._shm = os.open(f"{self.path}-shm", os.O_RDONLY)  # exists: a connection in WAL mode is open
         self._task = asyncio.create_task(self._loop(), name="kilnproxy-checkpoint")
 
     def committed(self) -> None:
@@ -61,11 +70,14 @@ class Checkpointer:
         self._wake.set()
 
     def over_bound(self) -> bool:
-        """True when the WAL file has grown past ``max_wal_bytes`` (the writer then truncates it)."""
+        """True when the WAL holds more than ``max_wal_bytes`` of frames (the writer then restarts it)."""
         try:
-            return os.stat(self.wal).st_size > self.max_wal_bytes
-        except FileNotFoundError:
+            header = os.pread(self._shm, 20, 0)
+        except OSError:
             return False
+        page = int.from_bytes(header[14:16], sys.byteorder) or 1
+        frames = int.from_bytes(header[16:20], sys.byteorder)
+        return frames * ((65536 if page == 1 else page) + WAL_FRAME_HEADER) > self.max_wal_bytes
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -75,6 +87,9 @@ class Checkpointer:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self._shm >= 0:
+            os.close(self._shm)
+            self._shm = -1
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._thread, self._close)
         self._thread.shutdown(wait=True)

@@ -114,6 +114,7 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Rout
     if record.tap is not None:
         record.tap.sent_upstream(payload)
     upstream, resp = await route.open(gw.session, call.endpoint, payload)
+    del payload  # orjson's 4 KiB buffer, sent: a stream that lasts hours does not keep it
     call.upstream = upstream.base_url
     gw.open_upstreams.add(resp)
     try:

@@ -158,7 +158,7 @@ class SQLiteLedger(GroupCommitted):
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
         if self.checkpointer.over_bound():
-            await self._truncate_wal()
+            await self._restart_wal()
         params = [_values(r) for r in rows]
         while True:
             try:
@@ -176,11 +176,11 @@ class SQLiteLedger(GroupCommitted):
                 pass
             await asyncio.sleep(self.RETRY_SECONDS)
 
-    async def _truncate_wal(self) -> None:
+    async def _restart_wal(self) -> None:
         try:
-            async with self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
+            async with self._db.execute("PRAGMA wal_checkpoint(RESTART)") as cur:
                 busy, _, _ = await cur.fetchone()
-            self.checkpointer.truncations += 1 - busy
+            self.checkpointer.restarts += 1 - busy
         except sqlite3.Error as exc:  # readers in the way: the commit goes on, the next batch tries again
             log.warning("usage ledger: WAL checkpoint at its size bound failed: %s", exc)
 

@@ -43,7 +43,7 @@ async def test_commits_run_no_checkpoint_of_their_own(tmp_path):
     await ledger.open()
     try:
         sizes = await commit_one_by_one(ledger, COMMITS)
-        assert checkpointer.checkpoints == 1 and checkpointer.truncations == 0
+        assert checkpointer.checkpoints == 1 and checkpointer.restarts == 0
         assert sizes[-1] > 1200 * PAGE
     finally:
         await ledger.close()
@@ -57,7 +57,7 @@ async def test_the_background_checkpoint_copies_every_frame_back(tmp_path, event
     try:
         await commit_one_by_one(ledger, 300)
         await eventually(lambda: checkpointer.last[0] > 0 and checkpointer.last[0] == checkpointer.last[1])
-        assert checkpointer.truncations == 0
+        assert checkpointer.restarts == 0
     finally:
         await ledger.close()
     assert count_rows(tmp_path / "usage.db") == 300
@@ -65,8 +65,8 @@ async def test_the_background_checkpoint_copies_every_frame_back(tmp_path, event
 
 async def test_the_wal_stays_within_its_bound(tmp_path, eventually):
     """Commits without a pause and a checkpointer that does not keep up (it runs once, after the
-    first commit, then waits an hour): the writer truncates the WAL whenever it has grown past its
-    bound, so it never gets past it by more than a commit's pages."""
+    first commit, then waits an hour): the writer restarts the WAL whenever it holds more than its
+    bound, so the file never gets past it by more than a commit's pages."""
     bound = 64 * PAGE
     checkpointer = Checkpointer(tmp_path / "usage.db", interval=3600, max_wal_bytes=bound)
     ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
@@ -78,5 +78,5 @@ async def test_the_wal_stays_within_its_bound(tmp_path, eventually):
     finally:
         await ledger.close()
     assert max(sizes) <= bound + 16 * PAGE, max(sizes)
-    assert checkpointer.truncations >= 10
+    assert checkpointer.restarts >= 10
     assert count_rows(tmp_path / "usage.db") == COMMITS + 1
