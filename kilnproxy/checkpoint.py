@@ -6,22 +6,24 @@ files (about 10 ms on an ordinary disk), and the response waiting for its row
 waits for all of it. The ledger's writer turns that off
 (``PRAGMA wal_autocheckpoint=0``) and starts a ``Checkpointer``:
 
-- In the background: after a commit, at most once per ``interval`` seconds,
+- In the background: once ``checkpoint_bytes`` of frames wait to be copied,
   a PASSIVE checkpoint on a connection of its own, in a thread of its own at
   the lowest CPU priority (on a gateway pinned to one core it must not take
   the core from the event loop). PASSIVE never waits for the writer or for
-  readers; it copies what it can, and a commit running beside it is not held.
+  readers. It is rare on purpose: its two fsyncs slow the commits that run
+  beside them (on ext4, appends wait for the journal), so checkpoints of 64 MiB
+  rather than SQLite's 4 MiB make that happen 16 times less often.
 - The bound: SQLite starts the WAL again from its beginning only at a write
   that finds every frame copied, which a load that never pauses may not give.
-  So when the WAL holds more than ``max_wal_bytes`` of frames, the writer
-  itself checkpoints (RESTART) between two commits: rare (once per
-  ``max_wal_bytes`` written) and short, as the background has copied most
-  frames by then. The WAL file never grows much past ``max_wal_bytes``, and
-  is not truncated: appending to blocks the file already has is cheaper than
-  growing it, commit after commit.
-- The WAL's frame count is read from the wal-index header (``-shm`` file,
-  ``mxFrame`` at offset 16, SQLite's documented WAL format): one ``pread`` a
-  batch, no query.
+  So once the WAL holds more than ``max_wal_bytes``, the writer itself
+  checkpoints (RESTART) between two commits, right after a background
+  checkpoint has left little to copy: once per ``max_wal_bytes`` written. The
+  WAL file stays within about ``max_wal_bytes`` (twice that at worst, when
+  the background cannot keep up), and is not truncated: appending to blocks
+  the file already has is cheaper than growing it.
+- Both sizes come from the wal-index header (``-shm`` file: ``mxFrame`` at
+  offset 16, ``nBackfill`` at 96, SQLite's documented WAL format): one
+  ``pread`` per check, no query.
 
 Durability is unchanged: a checkpoint moves committed rows from one file to
 the other, and SQLite fsyncs before it lets the WAL be overwritten.
@@ -42,13 +44,14 @@ log = logging.getLogger("kilnproxy.ledger")
 
 LOWEST_PRIORITY = 19
 WAL_FRAME_HEADER = 24
+RESTART_COPY_BYTES = 4 << 20  # what the writer's restart may have left to copy: a few ms of copying
 
 
 class Checkpointer:
-    def __init__(self, path: Path, interval: float = 1.0, max_wal_bytes: int = 64 << 20):
+    def __init__(self, path: Path, checkpoint_bytes: int = 64 << 20, max_wal_bytes: int = 256 << 20):
         self.path = Path(path)
         self.wal = Path(f"{self.path}-wal")
-        self.interval = interval
+        self.checkpoint_bytes = checkpoint_bytes
         self.max_wal_bytes = max_wal_bytes
         self.checkpoints = 0          # background checkpoints run
         self.restarts = 0             # checkpoints the writer ran because the WAL reached its bound
@@ -66,18 +69,30 @@ class Checkpointer:
         self._task = asyncio.create_task(self._loop(), name="kilnproxy-checkpoint")
 
     def committed(self) -> None:
-        """Called by the writer after each commit: cheap, never blocks."""
-        self._wake.set()
+        """Called by the writer after each commit: cheap, never blocks. Wakes the background
+        checkpoint once ``checkpoint_bytes`` of frames wait to be copied."""
+        wal, uncopied = self._sizes()
+        if uncopied >= self.checkpoint_bytes:
+            self._wake.set()
 
     def over_bound(self) -> bool:
-        """True when the WAL holds more than ``max_wal_bytes`` of frames (the writer then restarts it)."""
+        """True when the writer should restart the WAL before its next commit: it holds more than
+        ``max_wal_bytes`` and the background has just copied nearly all of it (so the restart's
+        copy is short), or more than twice that whatever is left to copy."""
+        wal, uncopied = self._sizes()
+        return wal > 2 * self.max_wal_bytes or (wal > self.max_wal_bytes and uncopied <= RESTART_COPY_BYTES)
+
+    def _sizes(self) -> tuple[int, int]:
+        """(bytes of frames in the WAL, bytes of them not yet copied into the database)."""
         try:
-            header = os.pread(self._shm, 20, 0)
+            header = os.pread(self._shm, 100, 0)
         except OSError:
-            return False
+            return 0, 0
         page = int.from_bytes(header[14:16], sys.byteorder) or 1
+        frame = (65536 if page == 1 else page) + WAL_FRAME_HEADER
         frames = int.from_bytes(header[16:20], sys.byteorder)
-        return frames * ((65536 if page == 1 else page) + WAL_FRAME_HEADER) > self.max_wal_bytes
+        copied = int.from_bytes(header[96:100], sys.byteorder)  # nBackfill, in the checkpoint info
+        return frames * frame, max(frames - copied, 0) * frame
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -100,8 +115,6 @@ class Checkpointer:
             await self._wake.wait()
             self._wake.clear()
             await loop.run_in_executor(self._thread, self._checkpoint)
-            if self.interval:
-                await asyncio.sleep(self.interval)
 
     def _connect(self) -> None:
         try:  # Linux: a thread's nice value is its own

@@ -36,47 +36,48 @@ def count_rows(path) -> int:
 
 
 async def test_commits_run_no_checkpoint_of_their_own(tmp_path):
-    """The background checkpointer runs once (after the first commit) and then waits an hour:
-    the WAL keeps every later frame, which SQLite's own checkpoint would have copied back at 1000 pages."""
-    checkpointer = Checkpointer(tmp_path / "usage.db", interval=3600)
+    """A background checkpoint only past a size never reached here: the WAL keeps every frame,
+    which SQLite's own checkpoint, inside some commit, would have copied back at 1000 pages."""
+    checkpointer = Checkpointer(tmp_path / "usage.db", checkpoint_bytes=1 << 40)
     ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
     await ledger.open()
     try:
         sizes = await commit_one_by_one(ledger, COMMITS)
-        assert checkpointer.checkpoints == 1 and checkpointer.restarts == 0
+        assert checkpointer.checkpoints == 0 and checkpointer.restarts == 0
         assert sizes[-1] > 1200 * PAGE
     finally:
         await ledger.close()
     assert count_rows(tmp_path / "usage.db") == COMMITS
 
 
-async def test_the_background_checkpoint_copies_every_frame_back(tmp_path, eventually):
-    checkpointer = Checkpointer(tmp_path / "usage.db", interval=0)
+async def test_the_background_checkpoints_once_enough_frames_wait(tmp_path, eventually):
+    """300 commits of a few pages each, a checkpoint due every 64 pages: the background copies
+    them back (and only the writer's bound, never reached here, would make a commit do it)."""
+    checkpointer = Checkpointer(tmp_path / "usage.db", checkpoint_bytes=64 * PAGE)
     ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
     await ledger.open()
     try:
         await commit_one_by_one(ledger, 300)
-        await eventually(lambda: checkpointer.last[0] > 0 and checkpointer.last[0] == checkpointer.last[1])
+        await eventually(lambda: checkpointer.checkpoints >= 1)
+        assert checkpointer.last[1] >= 64  # frames copied by the last one
         assert checkpointer.restarts == 0
     finally:
         await ledger.close()
     assert count_rows(tmp_path / "usage.db") == 300
 
 
-async def test_the_wal_stays_within_its_bound(tmp_path, eventually):
-    """Commits without a pause and a checkpointer that does not keep up (it runs once, after the
-    first commit, then waits an hour): the writer restarts the WAL whenever it holds more than its
-    bound, so the file never gets past it by more than a commit's pages."""
-    bound = 64 * PAGE
-    checkpointer = Checkpointer(tmp_path / "usage.db", interval=3600, max_wal_bytes=bound)
+async def test_the_wal_stays_within_its_bound(tmp_path):
+    """Commits without a pause and no background checkpoint at all: the writer restarts the WAL
+    whenever it holds more than twice its bound, so the file never gets past that by more than
+    a commit's pages."""
+    bound = 32 * PAGE
+    checkpointer = Checkpointer(tmp_path / "usage.db", checkpoint_bytes=1 << 40, max_wal_bytes=bound)
     ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
     await ledger.open()
     try:
-        await ledger.submit(row(-1))
-        await eventually(lambda: checkpointer.checkpoints == 1)  # done: it holds no lock from here on
         sizes = await commit_one_by_one(ledger, COMMITS)
     finally:
         await ledger.close()
-    assert max(sizes) <= bound + 16 * PAGE, max(sizes)
-    assert checkpointer.restarts >= 10
-    assert count_rows(tmp_path / "usage.db") == COMMITS + 1
+    assert max(sizes) <= 2 * bound + 16 * PAGE, max(sizes)
+    assert checkpointer.checkpoints == 0 and checkpointer.restarts >= 10
+    assert count_rows(tmp_path / "usage.db") == COMMITS
