@@ -158,7 +158,9 @@ class InspectorStore:
             raise QueryError("since", "since must be before until")
         if (end - start) / step > MAX_BUCKETS:
             raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
-        where, params = ["created_at >= ?", "created_at < ?"], [_iso(start), _iso(end)]
+        # Without ``until`` the span ends now, and a row stamped in this very millisecond is in it.
+        where = ["created_at >= ?", "created_at < ?" if until else "created_at <= ?"]
+        params = [_iso(start), _iso(end)]
         for column, value in (("org", org), ("model", model)):
             if value:
                 where.append(f"{column} = ?")
