@@ -306,6 +306,39 @@ async def test_slow_subscriber_is_reset_never_waited_for():
 # -- usage --------------------------------------------------------------------------------
 
 
+async def test_usage_up_to_now_counts_a_row_of_this_very_millisecond(tmp_path, monkeypatch):
+    """A request answered in under a millisecond and read back at once: its row is in the span."""
+    from datetime import datetime, timezone
+
+    from kilnproxy.inspector import store as store_module
+    from kilnproxy.inspector.store import InspectorStore, SQLiteReader
+    from kilnproxy.ledger import SQLiteLedger
+    from kilnproxy.record import COLUMNS
+
+    now = datetime(2026, 11, 30, 13, 4, 59, 999000, tzinfo=timezone.utc)
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return now
+
+    ledger = SQLiteLedger(tmp_path / "usage.db")
+    await ledger.open()
+    row = dict.fromkeys(COLUMNS, 0)
+    row.update(id="gen-now", created_at=now.isoformat(timespec="milliseconds"), org="acme", key_id="k",
+               model="m", endpoint="completions", status=200, error_code=None, finish_reason="stop")
+    await ledger.submit(row)
+    await ledger.close()
+    store = InspectorStore(SQLiteReader(tmp_path / "usage.db"))
+    await store.open()
+    try:
+        monkeypatch.setattr(store_module, "datetime", Frozen)
+        usage = await store.usage("minute", None, None)
+    finally:
+        await store.close()
+    assert [(s["org"], s["requests"]) for s in usage["series"]] == [("acme", 1)]
+
+
 async def test_usage_buckets_add_up_to_the_rows(any_gw):
     for key in (None, None, OTHER_KEY):
         await complete(any_gw, key=key)

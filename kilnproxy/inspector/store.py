@@ -214,17 +214,19 @@ class InspectorStore:
             raise QueryError("since", "since must be before until")
         if (end - start) / step > MAX_BUCKETS:
             raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
-        sql, params = usage_query(width, _iso(start), _iso(end), org, model)
+        # Without ``until`` the span ends now, and a row stamped in this very millisecond is in it.
+        sql, params = usage_query(width, _iso(start), _iso(end), org, model, up_to_now=not until)
         series = sorted(await self.reader.fetch(sql, params), key=_series_order)
         return {"bucket": bucket, "since": _iso(start), "until": _iso(end),
                 "buckets": _bucket_labels(start, end, step, width), "series": series}
 
 
 def usage_query(width: int, start: str, end: str, org: str | None = None,
-                model: str | None = None) -> tuple[str, list[Any]]:
-    """Sums per bucket (the first ``width`` characters of ``created_at``), org and model. The
-    casts keep PostgreSQL's sums of BIGINT columns integers (not NUMERIC), as SQLite's are."""
-    where, params = ["created_at >= ?", "created_at < ?"], [start, end]
+                model: str | None = None, up_to_now: bool = False) -> tuple[str, list[Any]]:
+    """Sums per bucket (the first ``width`` characters of ``created_at``), org and model, from
+    ``start`` to ``end`` (included when ``up_to_now``). The casts keep PostgreSQL's sums of
+    BIGINT columns integers (not NUMERIC), as SQLite's are."""
+    where, params = ["created_at >= ?", "created_at <= ?" if up_to_now else "created_at < ?"], [start, end]
     for column, value in (("org", org), ("model", model)):
         if value:
             where.append(f"{column} = ?")
