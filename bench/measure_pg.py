@@ -67,8 +67,9 @@ def measure(bench, postgres) -> None:
         + "\n\nPostgreSQL 15 on this machine (fsync on), on the load generators' CPU. Per request the "
           "PostgreSQL store adds one round trip at admission (slot and credit hold, batched with the requests "
           "admitted at the same moment) and shares a group commit at the end (rows, holds released, "
-          "spending), whose commit waits for PostgreSQL's WAL flush: on this machine's disk an fdatasync "
-          f"takes {fsync_ms():.1f} ms, which is most of M1's added latency. The third row is "
+          "spending), whose commit waits for PostgreSQL's WAL flush: an fdatasync took "
+          f"{fsync_ms():.1f} ms on this machine's disk during the run (under other load it can take "
+          "several ms, and then dominates M1). The third row is "
           "the same gateway on a database set to `synchronous_commit = off` (rows of the last ~0.6 s may "
           "be lost if PostgreSQL itself crashes; a killed replica still loses none).")
     share = [p / s * 100 for p, s in zip(per_core(m2, 1)[PG], per_core(m2, 1)[SQLITE])]
