@@ -40,6 +40,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .tasks import cancelled
+
 log = logging.getLogger("kilnproxy.ledger")
 
 LOWEST_PRIORITY = 19
@@ -95,13 +97,7 @@ class Checkpointer:
         return frames * frame, max(frames - copied, 0) * frame
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        self._task = await cancelled(self._task)
         if self._shm >= 0:
             os.close(self._shm)
             self._shm = -1

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from .gateway import Gateway
+from .tasks import cancelled
 from .upstream import Upstream
 
 log = logging.getLogger("kilnproxy")
@@ -46,13 +47,7 @@ class HealthChecker:
         self._task = asyncio.create_task(self._run(), name="kilnproxy-health-checks")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        self._task = await cancelled(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -21,6 +21,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from .tasks import cancelled
+
 if TYPE_CHECKING:
     from .pg_store import PostgresStore
 
@@ -49,13 +51,7 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run(), name="kilnproxy-heartbeat")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        self._task = await cancelled(self._task)
 
     def poke(self) -> None:
         """The store just became unreachable: try again soon rather than at the next interval."""
