@@ -111,39 +111,53 @@ class Credits:
             self.spent[org] = self.spent.get(org, 0.0) + cost
 
 
-class LocalAdmission:
-    """Slots and holds of this process (one gateway on SQLite)."""
+class Counts:
+    """Requests of each org in flight in this process: ``count`` and ``snapshot`` of ``Admission``."""
 
-    def __init__(self, credits: Credits) -> None:
-        self.credits = credits
+    def __init__(self) -> None:
         self._counts: dict[str, int] = {}
-        self._held: dict[str, float] = {}
 
-    async def admit(self, hold: Hold, limit: int) -> None:
-        org = hold.org
-        n = self._counts.get(org, 0)
-        if n >= limit:
-            raise rate_limited(org, limit)
-        if self.credits.remaining(org) - self._held.get(org, 0.0) <= 0:
-            raise insufficient_credits(org, holding=True)
-        self._counts[org] = n + 1
-        self._held[org] = self._held.get(org, 0.0) + hold.amount
+    def taken(self, org: str) -> None:
+        self._counts[org] = self._counts.get(org, 0) + 1
 
-    def release(self, hold: Hold) -> None:
-        org = hold.org
+    def given_back(self, org: str) -> int:
+        """One fewer in flight; returns how many are left."""
         n = self._counts[org] - 1
         if n:
             self._counts[org] = n
-            self._held[org] -= hold.amount
         else:
             del self._counts[org]
-            del self._held[org]  # no float residue left behind once the org is idle
-
-    def held(self, org: str) -> float:
-        return self._held.get(org, 0.0)
+        return n
 
     def count(self, org: str) -> int:
         return self._counts.get(org, 0)
 
     def snapshot(self) -> dict[str, int]:
         return dict(self._counts)
+
+
+class LocalAdmission(Counts):
+    """Slots and holds of this process (one gateway on SQLite)."""
+
+    def __init__(self, credits: Credits) -> None:
+        super().__init__()
+        self.credits = credits
+        self._held: dict[str, float] = {}
+
+    async def admit(self, hold: Hold, limit: int) -> None:
+        org = hold.org
+        if self.count(org) >= limit:
+            raise rate_limited(org, limit)
+        if self.credits.remaining(org) - self._held.get(org, 0.0) <= 0:
+            raise insufficient_credits(org, holding=True)
+        self.taken(org)
+        self._held[org] = self._held.get(org, 0.0) + hold.amount
+
+    def release(self, hold: Hold) -> None:
+        if self.given_back(hold.org):
+            self._held[hold.org] -= hold.amount
+        else:
+            del self._held[hold.org]  # no float residue left behind once the org is idle
+
+    def held(self, org: str) -> float:
+        return self._held.get(org, 0.0)

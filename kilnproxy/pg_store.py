@@ -38,7 +38,7 @@ import orjson
 from .config import Config
 from .errors import GatewayError, StorageError
 from .batches import Batches, GroupCommitted
-from .limits import Credits, Hold, insufficient_credits, rate_limited
+from .limits import Counts, Credits, Hold, insufficient_credits, rate_limited
 from .pg_schema import migrate
 from .record import COLUMNS
 from .replicas import Heartbeat
@@ -88,7 +88,7 @@ class PostgresStore(GroupCommitted):
         self.pool: asyncpg.Pool | None = None
         self.available = False  # the last statement reached the database
         self.heartbeat = Heartbeat(self)
-        self._counts: dict[str, int] = {}
+        self.counts = Counts()  # this replica's requests in flight, for metrics
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
         self.admissions = Batches(self._admit, "kilnproxy-admitter")
         self._flushing = asyncio.Lock()
@@ -165,7 +165,7 @@ class PostgresStore(GroupCommitted):
             raise rate_limited(hold.org, limit)
         if verdict == "insufficient_credits":
             raise insufficient_credits(hold.org, holding=True)
-        self._counts[hold.org] = self._counts.get(hold.org, 0) + 1
+        self.counts.taken(hold.org)
 
     async def _admit(self, holds: list[dict[str, Any]]) -> list[tuple[str, float]]:
         try:
@@ -181,17 +181,13 @@ class PostgresStore(GroupCommitted):
 
     def release(self, hold: Hold) -> None:
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
-        n = self._counts[hold.org] - 1
-        if n:
-            self._counts[hold.org] = n
-        else:
-            del self._counts[hold.org]
+        self.counts.given_back(hold.org)
 
     def count(self, org: str) -> int:
-        return self._counts.get(org, 0)
+        return self.counts.count(org)
 
     def snapshot(self) -> dict[str, int]:
-        return dict(self._counts)
+        return self.counts.snapshot()
 
     # -- settlement ---------------------------------------------------------------
 

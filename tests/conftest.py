@@ -40,6 +40,16 @@ async def any_gw(harness, store):
 
 
 @pytest.fixture
+async def mock_url():
+    """A mock upstream in this process (vLLM-like): its OpenAI base URL, ending in ``/v1``."""
+    from kilnproxy.server import start_mock
+
+    running = await start_mock()
+    yield f"{running.url}/v1"
+    await running.runner.cleanup()
+
+
+@pytest.fixture
 def eventually():
     """``await eventually(predicate)``: wait, a few ms at a time and 20 s at most, until it is true.
 

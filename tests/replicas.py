@@ -32,6 +32,12 @@ async def replica(tmp_path: Path, name: str, mock_url: str, pg_url: str, **secti
     return await GatewayProcess(folder, replica_config(mock_url, pg_url, **sections)).start()
 
 
+async def two_replicas(tmp_path: Path, mock_url: str, pg_url: str, **sections: Any):
+    """Replicas ``a`` and ``b`` on one database, started at the same moment."""
+    return await asyncio.gather(replica(tmp_path, "a", mock_url, pg_url, **sections),
+                                replica(tmp_path, "b", mock_url, pg_url, **sections))
+
+
 def stalled(**extra: Any) -> dict[str, Any]:
     """A streamed request whose upstream stalls after its first chunk (held until the client leaves)."""
     return completion_body(stream=True, mock={"fail": "stall", "after": 1}, **extra)

@@ -67,9 +67,9 @@ async def hold(h, n, key=KEY, org="acme"):
     return held
 
 
-async def test_429_at_once_without_rate_limit_headers_and_per_org_override(harness, eventually):
+async def test_429_at_once_without_rate_limit_headers_and_per_org_override(harness, store, eventually):
     orgs = [{"id": "acme", "credits": 100.0, "max_in_flight": 2}, {"id": "globex", "credits": 100.0}]
-    async with harness(overrides={"orgs": orgs, "limits": {"max_in_flight_per_org": 3}}) as h:
+    async with harness(overrides={**store, "orgs": orgs, "limits": {"max_in_flight_per_org": 3}}) as h:
         held = await hold(h, 2)
         async with h.post("/v1/completions", body()) as resp:
             assert resp.status == 429
@@ -103,8 +103,10 @@ async def _count(h, n):
     "garbage_stream", "reset", "rewrite_request", "transform_event", "usage_event", "transform_response",
     "bad_headers", "idle_timeout_before_headers", "idle_timeout_mid_stream",
 ])
-async def test_slot_is_released(harness, boom_plugin, case):
-    overrides = {"server": {"upstream_idle_timeout": 0.3}, "limits": {"max_in_flight_per_org": 1}}
+async def test_slot_is_released(harness, store, boom_plugin, case):
+    """On every path; with PostgreSQL the hold's row goes with the request's row (the next request
+    is admitted only if it did)."""
+    overrides = {**store, "server": {"upstream_idle_timeout": 0.3}, "limits": {"max_in_flight_per_org": 1}}
     async with harness(plugins=[boom_plugin], overrides=overrides) as h:
         stream = case.endswith("_stream") or case in ("drop", "error_event", "transform_event", "usage_event",
                                                      "idle_timeout_mid_stream")
@@ -138,8 +140,8 @@ async def test_slot_is_released(harness, boom_plugin, case):
             assert resp.status == 200
 
 
-async def test_slot_is_released_on_client_disconnect(harness, eventually):
-    async with harness(overrides={"limits": {"max_in_flight_per_org": 1}}) as h:
+async def test_slot_is_released_on_client_disconnect(harness, store, eventually):
+    async with harness(overrides={**store, "limits": {"max_in_flight_per_org": 1}}) as h:
         held = await hold(h, 1)
         held[0].close()
         await h.mock_wait(hangups=1)
@@ -154,6 +156,8 @@ async def test_slot_is_released_on_client_disconnect(harness, eventually):
         await eventually(lambda: inflight(h).snapshot() == {})
         rows = await eventually(lambda: _count(h, 2))  # committed just after the slot was freed
         assert [r["disconnected"] for r in rows] == [1, 1]
+        async with h.post("/v1/completions", body()) as resp:  # the one slot (and hold) is free again
+            assert resp.status == 200
 
 
 async def test_thousands_of_requests_with_failures_and_hang_ups_leave_no_slot_taken(harness, eventually):

@@ -11,24 +11,16 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.server import start_mock
 from kilnproxy.testing import KEY, OTHER_KEY, completion_body
 from kilnproxy.pg_schema import migrate
-from replicas import Ledger, open_stream, replica, stalled, stop_all
+from replicas import Ledger, open_stream, replica, stalled, stop_all, two_replicas
 
 GEN = "X-Neocloud-Generation-Id"
 ORGS = [{"id": "acme", "credits": 100.0, "max_in_flight": 8}, {"id": "globex", "credits": 100.0}]
 
 
-@pytest.fixture
-async def mock():
-    running = await start_mock()
-    yield f"{running.url}/v1"
-    await running.runner.cleanup()
-
-
-async def test_two_replicas_started_at_once_on_an_empty_database_share_one_schema(tmp_path, mock, pg_url):
-    a, b = await asyncio.gather(replica(tmp_path, "a", mock, pg_url), replica(tmp_path, "b", mock, pg_url))
+async def test_two_replicas_started_at_once_on_an_empty_database_share_one_schema(tmp_path, mock_url, pg_url):
+    a, b = await two_replicas(tmp_path, mock_url, pg_url)
     try:
         async with aiohttp.ClientSession() as session, Ledger(pg_url) as db:
             for r in (a, b):
@@ -42,9 +34,8 @@ async def test_two_replicas_started_at_once_on_an_empty_database_share_one_schem
         await stop_all(a, b)
 
 
-async def test_the_org_limit_holds_across_replicas(tmp_path, mock, pg_url, eventually):
-    a, b = await asyncio.gather(replica(tmp_path, "a", mock, pg_url, orgs=ORGS),
-                                replica(tmp_path, "b", mock, pg_url, orgs=ORGS))
+async def test_the_org_limit_holds_across_replicas(tmp_path, mock_url, pg_url, eventually):
+    a, b = await two_replicas(tmp_path, mock_url, pg_url, orgs=ORGS)
     try:
         async with aiohttp.ClientSession() as session, Ledger(pg_url) as db:
             resps = await asyncio.gather(*(open_stream(session, (a, b)[i % 2].url, stalled()) for i in range(12)))
@@ -77,9 +68,8 @@ async def rows_counted(db: Ledger, n: int) -> bool:
 
 
 async def test_a_killed_replicas_slots_are_freed_and_its_requests_get_one_replica_lost_row_each(
-        tmp_path, mock, pg_url, eventually):
-    a, b = await asyncio.gather(replica(tmp_path, "a", mock, pg_url, orgs=ORGS),
-                                replica(tmp_path, "b", mock, pg_url, orgs=ORGS))
+        tmp_path, mock_url, pg_url, eventually):
+    a, b = await two_replicas(tmp_path, mock_url, pg_url, orgs=ORGS)
     try:
         async with aiohttp.ClientSession() as session, Ledger(pg_url) as db:
             held = [await open_stream(session, a.url, stalled()) for _ in range(3)]
@@ -114,9 +104,8 @@ async def test_a_killed_replicas_slots_are_freed_and_its_requests_get_one_replic
 
 
 async def test_a_replica_cut_off_and_back_replaces_its_replica_lost_rows_with_its_own(
-        tmp_path, mock, pg_url, eventually):
-    a, b = await asyncio.gather(replica(tmp_path, "a", mock, pg_url, orgs=ORGS),
-                                replica(tmp_path, "b", mock, pg_url, orgs=ORGS))
+        tmp_path, mock_url, pg_url, eventually):
+    a, b = await two_replicas(tmp_path, mock_url, pg_url, orgs=ORGS)
     try:
         async with aiohttp.ClientSession() as session, Ledger(pg_url) as db:
             held = [await open_stream(session, a.url, stalled()) for _ in range(2)]
@@ -144,10 +133,9 @@ async def test_a_replica_cut_off_and_back_replaces_its_replica_lost_rows_with_it
 
 
 async def test_kill_9_of_a_replica_under_load_loses_no_row_of_an_ended_response(
-        tmp_path, mock, pg_url, eventually):
+        tmp_path, mock_url, pg_url, eventually):
     orgs = [{"id": "acme", "credits": 100.0, "max_in_flight": 64}, {"id": "globex", "credits": 100.0}]
-    a, b = await asyncio.gather(replica(tmp_path, "a", mock, pg_url, orgs=orgs),
-                                replica(tmp_path, "b", mock, pg_url, orgs=orgs))
+    a, b = await two_replicas(tmp_path, mock_url, pg_url, orgs=orgs)
     ended: list[str] = []
     seen: dict[str, str] = {}  # generation id -> the replica's URL
     killed = asyncio.Event()
@@ -193,8 +181,8 @@ async def test_kill_9_of_a_replica_under_load_loses_no_row_of_an_ended_response(
         await stop_all(a, b)
 
 
-async def test_a_settlement_retried_after_its_commit_charges_nothing_twice(pg_url, tmp_path, mock):
-    a = await replica(tmp_path, "a", mock, pg_url)
+async def test_a_settlement_retried_after_its_commit_charges_nothing_twice(pg_url, tmp_path, mock_url):
+    a = await replica(tmp_path, "a", mock_url, pg_url)
     try:
         async with aiohttp.ClientSession() as session, Ledger(pg_url) as db:
             async with session.post(f"{a.url}/v1/completions", json=completion_body(),

@@ -10,7 +10,6 @@ import signal
 import aiohttp
 import pytest
 
-from kilnproxy.server import start_mock
 from kilnproxy.testing import KEY, completion_body
 from kilnproxy.testing_postgres import PostgresServer
 from processes import GatewayProcess
@@ -18,13 +17,6 @@ from replicas import Ledger, replica, replica_config, stop_all
 
 GEN = "X-Neocloud-Generation-Id"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture
-async def mock():
-    running = await start_mock()
-    yield f"{running.url}/v1"
-    await running.runner.cleanup()
 
 
 @pytest.fixture
@@ -42,9 +34,9 @@ async def metric(session, url: str, name: str) -> float:
 
 
 async def test_database_stopped_mid_stream_then_started_nothing_lost_nothing_twice(
-        tmp_path, mock, own_postgres, eventually):
+        tmp_path, mock_url, own_postgres, eventually):
     url = own_postgres.url()
-    a = await replica(tmp_path, "a", mock, url)
+    a = await replica(tmp_path, "a", mock_url, url)
     try:
         async with aiohttp.ClientSession() as session:
             slow = completion_body(stream=True, max_tokens=30, mock={"delay": 0.1})
@@ -92,9 +84,9 @@ async def metric_is(session, url, name, value) -> bool:
     return await metric(session, url, name) == value
 
 
-async def test_rows_spooled_before_a_restart_are_written_by_the_next_run(tmp_path, mock, own_postgres, eventually):
+async def test_rows_spooled_before_a_restart_are_written_by_the_next_run(tmp_path, mock_url, own_postgres, eventually):
     url = own_postgres.url()
-    a = await replica(tmp_path, "a", mock, url)
+    a = await replica(tmp_path, "a", mock_url, url)
     async with aiohttp.ClientSession() as session:
         own_postgres.stop("immediate")
         ids = []
@@ -105,7 +97,7 @@ async def test_rows_spooled_before_a_restart_are_written_by_the_next_run(tmp_pat
     a.send(signal.SIGTERM)
     assert await a.wait() == 0
     own_postgres.start()
-    again = await GatewayProcess(a.tmp_path, replica_config(mock, url)).start()  # same folder, same spool
+    again = await GatewayProcess(a.tmp_path, replica_config(mock_url, url)).start()  # same folder, same spool
     try:
         async with Ledger(url) as db:
             async def flushed():
@@ -119,11 +111,11 @@ async def test_rows_spooled_before_a_restart_are_written_by_the_next_run(tmp_pat
 
 @pytest.mark.parametrize("problem", ["password", "port", "database"])
 async def test_a_wrong_database_url_is_one_line_and_exit_2_without_the_password(
-        tmp_path, mock, postgres, problem):
+        tmp_path, mock_url, postgres, problem):
     url = {"password": postgres.url(password="not-the-password"),
            "port": postgres.url().replace(f":{postgres.port}/", ":1/"),
            "database": postgres.url(database="no_such_db")}[problem]
-    gateway = GatewayProcess(tmp_path, replica_config(mock, url))
+    gateway = GatewayProcess(tmp_path, replica_config(mock_url, url))
     await gateway.start_without_banner()
     assert await gateway.wait() == 2
     err = [line for line in gateway.lines["stderr"] if line.strip()]
@@ -133,21 +125,21 @@ async def test_a_wrong_database_url_is_one_line_and_exit_2_without_the_password(
     assert "Traceback" not in "\n".join(gateway.lines["stderr"] + gateway.lines["stdout"])
 
 
-async def test_a_database_of_a_newer_schema_is_refused_at_start_up(tmp_path, mock, pg_url):
-    a = await replica(tmp_path, "a", mock, pg_url)
+async def test_a_database_of_a_newer_schema_is_refused_at_start_up(tmp_path, mock_url, pg_url):
+    a = await replica(tmp_path, "a", mock_url, pg_url)
     await stop_all(a)
     async with Ledger(pg_url) as db:
         await db.conn.execute("INSERT INTO kiln_schema (version) VALUES (99)")
-    gateway = GatewayProcess(tmp_path / "a", replica_config(mock, pg_url))
+    gateway = GatewayProcess(tmp_path / "a", replica_config(mock_url, pg_url))
     await gateway.start_without_banner()
     assert await gateway.wait() == 2
     assert "newer than this kilnproxy knows" in "\n".join(gateway.lines["stderr"])
 
 
 async def test_connections_dropped_under_load_lose_no_row_and_charge_none_twice(
-        tmp_path, mock, postgres, pg_url, eventually):
+        tmp_path, mock_url, postgres, pg_url, eventually):
     orgs = [{"id": "acme", "credits": 100.0, "max_in_flight": 64}]
-    a = await replica(tmp_path, "a", mock, pg_url, orgs=orgs, keys=[{"key": KEY, "org": "acme", "id": "k"}])
+    a = await replica(tmp_path, "a", mock_url, pg_url, orgs=orgs, keys=[{"key": KEY, "org": "acme", "id": "k"}])
     database = pg_url.rsplit("/", 1)[1]
     sent = []
 
