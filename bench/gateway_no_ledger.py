@@ -13,7 +13,7 @@ import asyncio
 
 from kilnproxy import server
 from kilnproxy.app import create_app
-from kilnproxy.appkeys import GATEWAY
+from kilnproxy.gateway import GATEWAY
 from kilnproxy.config import load_config
 from kilnproxy.ledger import SQLiteLedger
 

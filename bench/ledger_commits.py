@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kilnproxy.ledger import SQLiteLedger
-from kilnproxy.record import COLUMNS
+from kilnproxy.usage import COLUMNS
 
 GAP_SECONDS = 0.0003
 

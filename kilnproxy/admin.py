@@ -17,7 +17,7 @@ from prometheus_client.exposition import choose_encoder
 
 from .access import bearer_token, local_request, token_matches
 from .accesslog import AccessLog
-from .appkeys import GATEWAY
+from .gateway import GATEWAY
 from .errors import GatewayError, forbidden
 from .health import HealthChecker
 from .lifecycle import Shutdown

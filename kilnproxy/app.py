@@ -14,11 +14,11 @@ from typing import Any, Iterable
 from aiohttp import web
 
 from . import admin, handlers
-from .appkeys import GATEWAY, HOT_ROUTES
 from .completions import chat_completions, completions, hot_routes
 from .config import Config
 from .errors import GatewayError
-from .gateway import Gateway
+from .fastpath import HOT_ROUTES
+from .gateway import GATEWAY, Gateway
 from .inspector import setup_inspector
 from .plugins import build_plugin_manager
 from .routing import add_fallback, expect_handler

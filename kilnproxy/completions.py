@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from . import admission
-from .appkeys import GATEWAY
+from .gateway import GATEWAY
 from .call import Call
 from .errors import GatewayError, UpstreamFailure
 from .gateway import Gateway

@@ -28,6 +28,9 @@ from aiohttp import hdrs, web
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
+# (method, raw path) -> handler: the table ``create_app`` puts in the app for ``FastRunner``
+HOT_ROUTES = web.AppKey("hot_routes", dict)
+
 
 class HotRequest(web.BaseRequest):
     """A request of the route table; ``route`` is its handler, middlewares included."""

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import aiohttp
 import pluggy
+from aiohttp import web
 
 from .auth import KeyRing
 from .call import Call
@@ -140,6 +141,9 @@ class Gateway:
         """Return once every row committed so far has been through ``record_usage``."""
         if self._usage_queue is not None:
             await self._usage_queue.join()
+
+
+GATEWAY = web.AppKey("gateway", Gateway)  # the app's Gateway: ``request.app[GATEWAY]``
 
 
 class _ReadOnlyRow(dict):

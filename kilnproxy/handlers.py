@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from .appkeys import GATEWAY
+from .gateway import GATEWAY
 from .auth import key_disabled
 from .config import KeyConfig, ModelConfig
 from .errors import GatewayError, model_not_found

@@ -28,7 +28,7 @@ import orjson
 from .config import load_config
 from .errors import KilnError, StorageError
 from .ledger_reads import pg_close, pg_connect, reason
-from .record import COLUMNS
+from .usage import COLUMNS
 
 BATCH_ROWS = 1000  # rows per kiln_settle call: one transaction, about 400 kB of JSON
 REPLICA = "import-ledger"  # the ``replica`` column of imported rows: where they came from

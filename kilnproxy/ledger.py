@@ -48,7 +48,7 @@ import aiosqlite
 from .batches import Batches, GroupCommitted
 from .checkpoint import Checkpointer
 from .errors import StorageError
-from .record import COLUMNS
+from .usage import COLUMNS
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -103,7 +103,7 @@ class Ledger(Protocol):
         """Commit everything submitted so far, then disconnect."""
 
     def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
-        """Queue ``row`` (the columns of ``record.COLUMNS``); never blocks, never raises.
+        """Queue ``row`` (the columns of ``usage.COLUMNS``); never blocks, never raises.
         The future resolves once the row is durable."""
 
     async def spent_by_org(self) -> dict[str, float]:

@@ -24,21 +24,13 @@ import logging
 import os
 import signal
 
-import aiohttp
 from aiohttp import web
+
+from .stream import ShuttingDown
 
 log = logging.getLogger("kilnproxy")
 
 END_SECONDS = 5.0  # after the grace period: time for ended streams to write their last events
-
-
-class ShuttingDown(aiohttp.ClientError):
-    """Set on an upstream response's stream when the gateway ends it at shutdown."""
-
-    code = "shutting_down"
-
-    def __init__(self) -> None:
-        super().__init__("The gateway is shutting down; retry the request.")
 
 
 class Shutdown:

@@ -40,7 +40,7 @@ from .errors import GatewayError, StorageError
 from .batches import Batches, GroupCommitted
 from .limits import Counts, Credits, Hold, insufficient_credits, rate_limited
 from .pg_schema import migrate
-from .record import COLUMNS
+from .usage import COLUMNS
 from .replicas import Heartbeat
 from .spool import Spool
 

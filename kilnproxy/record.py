@@ -6,13 +6,8 @@ import time
 from typing import Any
 
 from .call import Call
-from .usage import Usage, estimate_prompt_tokens
+from .usage import COLUMNS, Usage, estimate_prompt_tokens
 
-COLUMNS = (
-    "id", "created_at", "org", "key_id", "model", "endpoint", "stream", "status",
-    "error_code", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens",
-    "cost", "duration_ms", "ttft_ms", "finish_reason", "disconnected",
-)
 
 
 _second: list = [None, ""]  # the last whole second formatted, and its text

@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from .tasks import cancelled
-
-if TYPE_CHECKING:
-    from .pg_store import PostgresStore
 
 log = logging.getLogger("kilnproxy.replicas")
 
@@ -39,7 +35,7 @@ SELECT org, spent FROM kiln_orgs
 
 
 class Heartbeat:
-    def __init__(self, store: "PostgresStore"):
+    def __init__(self, store):  # the PostgresStore whose liveness this keeps
         self.store = store
         self.interval = min(store.timeout / 3, 5.0)
         self.in_touch_since: float | None = None  # loop time of the first beat since the last failure

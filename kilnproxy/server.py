@@ -25,8 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from .app import create_app
-from .appkeys import HOT_ROUTES
-from .fastpath import FastRunner
+from .fastpath import HOT_ROUTES, FastRunner
 from .config import Config
 from .mock_upstream import create_mock_app
 

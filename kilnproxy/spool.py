@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .ledger import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values
-from .record import COLUMNS
+from .usage import COLUMNS
 
 _ADD = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")
 

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from .call import Call
 from .gateway import Gateway
-from .lifecycle import ShuttingDown
 from .record import RequestRecord
 from .relay import EventRelay, StreamPluginError, error_frame
 from .sse import DONE_FRAME, KEEPALIVE_FRAME
@@ -30,6 +29,15 @@ SSE_HEADERS = {
     "Connection": "keep-alive",
     "X-Accel-Buffering": "no",
 }
+
+
+class ShuttingDown(aiohttp.ClientError):
+    """Set on an upstream response's stream when the gateway ends it at shutdown."""
+
+    code = "shutting_down"
+
+    def __init__(self) -> None:
+        super().__init__("The gateway is shutting down; retry the request.")
 
 
 async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,

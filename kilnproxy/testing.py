@@ -51,7 +51,7 @@ from typing import Any, Callable
 import aiohttp
 
 from .app import create_app
-from .appkeys import GATEWAY
+from .gateway import GATEWAY
 from .config import parse_config
 from .fixture import Fixture
 from .gateway import Gateway
@@ -99,7 +99,7 @@ async def pg_usage_rows(url: str, **where: Any) -> list[dict[str, Any]]:
     """``usage_rows`` for the PostgreSQL database at ``url``: the same columns (not ``rowid`` nor
     ``replica``), oldest first."""
     from .ledger_reads import pg_fetch
-    from .record import COLUMNS
+    from .usage import COLUMNS
     sql = f"SELECT {', '.join(COLUMNS)} FROM usage_events"
     if where:
         sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)

@@ -11,6 +11,13 @@ from .config import Pricing
 # below any price per token).
 COST_DECIMALS = 10
 
+# The columns of a usage row (table ``usage_events``), in the order every store keeps them.
+COLUMNS = (
+    "id", "created_at", "org", "key_id", "model", "endpoint", "stream", "status",
+    "error_code", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens",
+    "cost", "duration_ms", "ttft_ms", "finish_reason", "disconnected",
+)
+
 
 def round_usd(amount: float) -> float:
     return round(amount, COST_DECIMALS)

@@ -1,6 +1,6 @@
 """GET /v1/generations/{id}: the usage row, for the org that owns it only (SPEC section 3)."""
 
-from kilnproxy.record import COLUMNS
+from kilnproxy.usage import COLUMNS
 from kilnproxy.testing import KEY, MODEL, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"

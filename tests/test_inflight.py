@@ -7,7 +7,7 @@ import textwrap
 import orjson
 import pytest
 
-from kilnproxy.appkeys import GATEWAY
+from kilnproxy.gateway import GATEWAY
 from kilnproxy.limits import rate_limited
 from kilnproxy.testing import completion_body as body, KEY, OTHER_KEY
 

@@ -7,10 +7,10 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.appkeys import GATEWAY
+from kilnproxy.gateway import GATEWAY
 from kilnproxy.access import loopback_host as _loopback_host, loopback_peer as _loopback_peer
 from kilnproxy.inspector.hub import QUEUE_SIZE, RESET, LiveHub
-from kilnproxy.record import COLUMNS
+from kilnproxy.usage import COLUMNS
 from kilnproxy.testing import OTHER_KEY, UPSTREAM_MODEL
 
 CAPTURE = {"inspector": {"capture": True}}
@@ -313,7 +313,7 @@ async def test_usage_up_to_now_counts_a_row_of_this_very_millisecond(tmp_path, m
     from kilnproxy.inspector import store as store_module
     from kilnproxy.inspector.store import InspectorStore, SQLiteReader
     from kilnproxy.ledger import SQLiteLedger
-    from kilnproxy.record import COLUMNS
+    from kilnproxy.usage import COLUMNS
 
     now = datetime(2026, 11, 30, 13, 4, 59, 999000, tzinfo=timezone.utc)
 

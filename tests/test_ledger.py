@@ -7,9 +7,9 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.appkeys import GATEWAY
+from kilnproxy.gateway import GATEWAY
 from kilnproxy.usage import round_usd
-from kilnproxy.record import COLUMNS
+from kilnproxy.usage import COLUMNS
 from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"

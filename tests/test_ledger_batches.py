@@ -8,7 +8,7 @@ import pytest
 
 from kilnproxy.completions import new_generation_id
 from kilnproxy.ledger import ROWS_PER_INSERT, SQLiteLedger
-from kilnproxy.record import COLUMNS
+from kilnproxy.usage import COLUMNS
 
 
 def row(i: int) -> dict:

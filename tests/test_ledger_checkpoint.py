@@ -5,7 +5,7 @@ import sqlite3
 
 from kilnproxy.checkpoint import Checkpointer
 from kilnproxy.ledger import SQLiteLedger
-from kilnproxy.record import COLUMNS
+from kilnproxy.usage import COLUMNS
 
 PAGE = 4096
 COMMITS = 1500  # each commit appends a few pages: far past SQLite's own 1000-page checkpoint

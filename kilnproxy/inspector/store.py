@@ -39,7 +39,7 @@ from typing import Any, Iterable, Protocol
 
 import aiosqlite
 
-from ..record import COLUMNS
+from ..usage import COLUMNS
 
 INDEXES = """
 CREATE INDEX IF NOT EXISTS usage_events_model_created ON usage_events (model, created_at);
