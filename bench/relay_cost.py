@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import timeit
 
-from kilnproxy.call import Call
+from kilnproxy.plugins.call import Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
-from kilnproxy.plugins import Impl
+from kilnproxy.plugins.manager import Impl
 from kilnproxy.record import RequestRecord
 from kilnproxy.relay import EventRelay
 from kilnproxy.sse import SSEParser

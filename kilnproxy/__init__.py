@@ -1,6 +1,6 @@
 """kilnproxy: a self-hostable LLM gateway. Plugins import what they need from here."""
 
-from .call import DROP, STOP, Call
+from .plugins.call import DROP, STOP, Call
 from .errors import GatewayError as Refusal
 from .errors import KilnError
 from .hookspecs import hookimpl

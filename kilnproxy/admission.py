@@ -7,7 +7,7 @@ the first that fails answers the request.
 
 from __future__ import annotations
 
-from .call import Call
+from .plugins.call import Call
 from .auth import key_disabled
 from .config import KeyConfig, MaintenanceConfig
 from .limits import Admission, Credits, Hold, insufficient_credits

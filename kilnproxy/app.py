@@ -20,7 +20,7 @@ from .errors import GatewayError
 from .fastpath import HOT_ROUTES
 from .gateway import GATEWAY, Gateway
 from .inspector import setup_inspector
-from .plugins import build_plugin_manager
+from .plugins.manager import build_plugin_manager
 from .routing import add_fallback, expect_handler
 
 log = logging.getLogger("kilnproxy")

@@ -21,11 +21,11 @@ from aiohttp import web
 
 from . import admission
 from .gateway import GATEWAY
-from .call import Call
+from .plugins.call import Call
 from .errors import GatewayError, UpstreamFailure
 from .gateway import Gateway
 from .limits import Hold
-from .plugins import plugin_headers, run_request_hooks, transformed_response
+from .plugins.manager import plugin_headers, run_request_hooks, transformed_response
 from .record import RequestRecord
 from .stream import relay_stream
 from .upstream import Route

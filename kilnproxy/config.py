@@ -13,11 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from .config_types import (  # noqa: F401  (re-exported: callers import them from here)
-    ServerConfig, StorageConfig, LimitsConfig, MaintenanceConfig, Pricing, ModelConfig,
-    OrgConfig, KeyConfig, PluginsConfig, AdminConfig, MetricsConfig, LogConfig,
-    HealthConfig, InspectorConfig, Config, sha256_hex,
-)
+from .config_types import ServerConfig, StorageConfig, LimitsConfig, MaintenanceConfig, Pricing, ModelConfig, OrgConfig, KeyConfig, PluginsConfig, AdminConfig, MetricsConfig, LogConfig, HealthConfig, InspectorConfig, Config, sha256_hex
 from .errors import ConfigError
 
 

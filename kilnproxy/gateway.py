@@ -17,12 +17,12 @@ import pluggy
 from aiohttp import web
 
 from .auth import KeyRing
-from .call import Call
+from .plugins.call import Call
 from .config import Config
 from .errors import PluginError
 from .ledger import Ledger, SQLiteLedger
 from .limits import Admission, Credits, LocalAdmission
-from .plugins import Hooks, call_maybe_async
+from .plugins.manager import Hooks, call_maybe_async
 from .record import RequestRecord
 from .upstream import Route, client_session, routes_from
 

@@ -12,7 +12,7 @@ Order: for one request the hooks run in this order::
       -> (usage row committed) -> record_usage
 
 Within one hook, plugins run in pluggy's order: the built-ins of
-``kilnproxy.default_plugins`` first (they are ``tryfirst``), then the most
+``kilnproxy.plugins.builtin`` first (they are ``tryfirst``), then the most
 recently registered plugin first: ``[plugins] modules`` in reverse order of
 the list, then entry-point plugins. ``@hookimpl(tryfirst=True)`` or
 ``trylast=True`` moves an implementation. Hook wrappers are not supported.

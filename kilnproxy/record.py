@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .call import Call
+from .plugins.call import Call
 from .usage import COLUMNS, Usage, estimate_prompt_tokens
 
 

@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import orjson
 
-from .call import DROP, STOP, Call
+from .plugins.call import DROP, STOP, Call
 from .errors import plugin_failed
-from .plugins import Impl, call_impl
+from .plugins.manager import Impl, call_impl
 from .record import RequestRecord
 from .plain import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
 from .sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame

@@ -16,7 +16,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from .call import Call
+from .plugins.call import Call
 from .gateway import Gateway
 from .record import RequestRecord
 from .relay import EventRelay, StreamPluginError, error_frame

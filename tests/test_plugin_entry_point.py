@@ -3,7 +3,7 @@ installed by ``make install``) is loaded, listed, and can be turned off."""
 
 import importlib.metadata
 
-from kilnproxy.plugins import loaded_plugins
+from kilnproxy.plugins.manager import loaded_plugins
 
 
 def test_the_test_plugin_is_installed_as_a_distribution():

@@ -9,7 +9,7 @@ import pytest
 
 from kilnproxy import hookspecs
 from kilnproxy.config import parse_config
-from kilnproxy.plugins import HOOK_NAMES, Hooks, build_plugin_manager
+from kilnproxy.plugins.manager import HOOK_NAMES, Hooks, build_plugin_manager
 
 REPO = Path(__file__).parent.parent
 TESTS = Path(__file__).parent

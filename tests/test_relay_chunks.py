@@ -9,12 +9,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kilnproxy.call import DROP, STOP, Call
+from kilnproxy.plugins.call import DROP, STOP, Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.mock_upstream import _Generation
 from kilnproxy.record import RequestRecord
 from kilnproxy.plain import PlainRun
-from kilnproxy.plugins import Impl
+from kilnproxy.plugins.manager import Impl
 from kilnproxy.relay import EventRelay, StreamPluginError
 from kilnproxy.sse import DONE_FRAME, SSEParser
 from kilnproxy.upstream import Route

@@ -6,7 +6,7 @@ stream is metered; the relay later removes the usage chunk when the client
 did not ask for it (``call.include_usage``).
 """
 
-from kilnproxy.hookspecs import hookimpl
+from ...hookspecs import hookimpl
 
 
 @hookimpl(tryfirst=True)

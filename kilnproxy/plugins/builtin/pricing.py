@@ -5,8 +5,8 @@
 events nobody changes are forwarded without being parsed.)
 """
 
-from kilnproxy.hookspecs import hookimpl
-from kilnproxy.usage import Usage
+from ...hookspecs import hookimpl
+from ...usage import Usage
 
 
 @hookimpl(tryfirst=True)

@@ -30,15 +30,15 @@ from typing import Any, Callable, Iterable, Mapping
 import orjson
 import pluggy
 
-from . import hookspecs
-from .config import Config
-from .errors import GatewayError, PluginError, plugin_failed
+from .. import hookspecs
+from ..config import Config
+from ..errors import GatewayError, PluginError, plugin_failed
 
 log = logging.getLogger("kilnproxy.plugins")
 
 DEFAULT_PLUGINS = (
-    "kilnproxy.default_plugins.upstream_body",
-    "kilnproxy.default_plugins.pricing",
+    "kilnproxy.plugins.builtin.upstream_body",
+    "kilnproxy.plugins.builtin.pricing",
 )
 
 ENTRY_POINT_GROUP = "kilnproxy"
