@@ -15,7 +15,7 @@ from kilnproxy import server
 from kilnproxy.app import create_app
 from kilnproxy.gateway import GATEWAY
 from kilnproxy.config import load_config
-from kilnproxy.ledger import SQLiteLedger
+from kilnproxy.store.sqlite import SQLiteLedger
 
 
 class NullLedger:

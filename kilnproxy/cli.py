@@ -173,7 +173,7 @@ def cmd_check_config(args) -> int:
     print(f"{args.file}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
     if config.storage.url:
-        from .pg_store import redacted
+        from .store.postgres import redacted
         print(f"  storage  {redacted(config.storage.url)} (spool {config.spool_path})")
     else:
         print(f"  storage  {config.db_path}")

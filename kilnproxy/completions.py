@@ -24,7 +24,7 @@ from .gateway import GATEWAY
 from .plugins.call import Call
 from .errors import GatewayError, UpstreamFailure
 from .gateway import Gateway
-from .limits import Hold
+from .store.limits import Hold
 from .plugins.manager import plugin_headers, run_request_hooks, transformed_response
 from .record import RequestRecord
 from .stream import relay_stream

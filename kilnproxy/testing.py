@@ -98,7 +98,7 @@ def usage_rows(db: Path, **where: Any) -> list[dict[str, Any]]:
 async def pg_usage_rows(url: str, **where: Any) -> list[dict[str, Any]]:
     """``usage_rows`` for the PostgreSQL database at ``url``: the same columns (not ``rowid`` nor
     ``replica``), oldest first."""
-    from .ledger_reads import pg_fetch
+    from .store.reads import pg_fetch
     from .usage import COLUMNS
     sql = f"SELECT {', '.join(COLUMNS)} FROM usage_events"
     if where:

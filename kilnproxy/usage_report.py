@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import load_config
 from .errors import KilnError
-from .ledger_reads import fetch
+from .store.reads import fetch
 
 FIELDS = ("org", "model", "requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens",
           "total_tokens", "cost")

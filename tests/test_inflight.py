@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from kilnproxy.gateway import GATEWAY
-from kilnproxy.limits import rate_limited
+from kilnproxy.store.limits import rate_limited
 from kilnproxy.testing import completion_body as body, KEY, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"

@@ -312,7 +312,7 @@ async def test_usage_up_to_now_counts_a_row_of_this_very_millisecond(tmp_path, m
 
     from kilnproxy.inspector import store as store_module
     from kilnproxy.inspector.store import InspectorStore, SQLiteReader
-    from kilnproxy.ledger import SQLiteLedger
+    from kilnproxy.store.sqlite import SQLiteLedger
     from kilnproxy.usage import COLUMNS
 
     now = datetime(2026, 11, 30, 13, 4, 59, 999000, tzinfo=timezone.utc)

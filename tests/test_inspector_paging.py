@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from kilnproxy.inspector.store import INDEXES, page_query, usage_query
-from kilnproxy.ledger import SCHEMA
-from kilnproxy.pg_schema import migrate
-from kilnproxy.pg_store import numbered
+from kilnproxy.store.sqlite import SCHEMA
+from kilnproxy.store.postgres_schema import migrate
+from kilnproxy.store.postgres import numbered
 
 ROWS = 1_000_000
 START = 1_764_000_000  # unix seconds of row 0; row i is i seconds later

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kilnproxy.testing import KEY, OTHER_KEY, completion_body
-from kilnproxy.pg_schema import migrate
+from kilnproxy.store.postgres_schema import migrate
 from replicas import Ledger, open_stream, replica, stalled, stop_all, two_replicas
 
 GEN = "X-Neocloud-Generation-Id"

@@ -47,8 +47,8 @@ import aiosqlite
 
 from .batches import Batches, GroupCommitted
 from .checkpoint import Checkpointer
-from .errors import StorageError
-from .usage import COLUMNS
+from ..errors import StorageError
+from ..usage import COLUMNS
 
 log = logging.getLogger("kilnproxy.ledger")
 

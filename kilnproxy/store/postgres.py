@@ -35,12 +35,12 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import orjson
 
-from .config import Config
-from .errors import GatewayError, StorageError
+from ..config import Config
+from ..errors import GatewayError, StorageError
 from .batches import Batches, GroupCommitted
 from .limits import Counts, Credits, Hold, insufficient_credits, rate_limited
-from .pg_schema import migrate
-from .usage import COLUMNS
+from .postgres_schema import migrate
+from ..usage import COLUMNS
 from .replicas import Heartbeat
 from .spool import Spool
 

@@ -40,7 +40,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .tasks import cancelled
+from ..tasks import cancelled
 
 log = logging.getLogger("kilnproxy.ledger")
 

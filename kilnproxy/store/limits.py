@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol
 
-from .errors import GatewayError
-from .usage import estimate_prompt_tokens
+from ..errors import GatewayError
+from ..usage import estimate_prompt_tokens
 
 
 class Hold:

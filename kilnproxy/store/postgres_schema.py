@@ -25,7 +25,7 @@ for a whole batch of requests.
 
 from __future__ import annotations
 
-from .errors import StorageError
+from ..errors import StorageError
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 

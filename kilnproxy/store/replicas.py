@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .tasks import cancelled
+from ..tasks import cancelled
 
 log = logging.getLogger("kilnproxy.replicas")
 
