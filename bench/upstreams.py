@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 
-from kilnproxy.mock_upstream import _Generation
+from kilnproxy.fixtures.mock_upstream import _Generation
 
 UPSTREAM_MODEL = "org/Bench-7B"
 CHUNKS = 64

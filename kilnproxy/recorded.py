@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from .fixture import Fixture, load_all
-from .recorder import SAVED, create_recorder_app
-from .replay import create_replay_app
+from .fixtures.format import Fixture, load_all
+from .fixtures.recorder import SAVED, create_recorder_app
+from .fixtures.replay_server import create_replay_app
 from .server import Running, start_app
 from .sse import COMMENT, DONE, SSEParser
 

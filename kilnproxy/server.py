@@ -27,7 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from .app import create_app
 from .fastpath import HOT_ROUTES, FastRunner
 from .config import Config
-from .mock_upstream import create_mock_app
+from .fixtures.mock_upstream import create_mock_app
 
 log = logging.getLogger("kilnproxy")
 

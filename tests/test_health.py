@@ -8,7 +8,7 @@ from kilnproxy.admin import HEALTH
 from kilnproxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
 from kilnproxy.health import check_url
-from kilnproxy.mock_upstream import STATS
+from kilnproxy.fixtures.mock_upstream import STATS
 from kilnproxy.server import start_gateway, start_mock
 from kilnproxy.testing import KEY, MODEL, base_config
 from processes import GatewayProcess, MockProcess, gateway_config

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.fixture import FORMAT, load
+from kilnproxy.fixtures.format import FORMAT, load
 from kilnproxy.server import start_mock
 from kilnproxy.testing import Recorder
 
@@ -144,7 +144,7 @@ async def test_an_upstream_that_breaks_mid_stream_is_recorded_as_reset(tmp_path)
 
 
 def test_prose_is_not_taken_for_a_credential():
-    from kilnproxy.scrub import Scrubber
+    from kilnproxy.fixtures.scrub import Scrubber
     prose = b"Basic understanding: the bearer of the news, Bearer Instruments, basic arithmetic."
     assert Scrubber().data(prose) == prose
     basic = base64.b64encode(b"user:pass").decode()

@@ -11,7 +11,7 @@ import pytest
 
 from kilnproxy.plugins.call import DROP, STOP, Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
-from kilnproxy.mock_upstream import _Generation
+from kilnproxy.fixtures.mock_upstream import _Generation
 from kilnproxy.record import RequestRecord
 from kilnproxy.plain import PlainRun
 from kilnproxy.plugins.manager import Impl

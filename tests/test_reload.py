@@ -11,7 +11,7 @@ import pytest
 from kilnproxy.admin import RELOADER
 from kilnproxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
-from kilnproxy.mock_upstream import STATS
+from kilnproxy.fixtures.mock_upstream import STATS
 from kilnproxy.server import start_mock
 from kilnproxy.testing import KEY, MODEL
 from processes import GatewayProcess, gateway_config

@@ -8,8 +8,8 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.fixture import Chunk, Fixture, FixtureError, load, load_all
-from kilnproxy.replay import create_replay_app
+from kilnproxy.fixtures.format import Chunk, Fixture, FixtureError, load, load_all
+from kilnproxy.fixtures.replay_server import create_replay_app
 from kilnproxy.server import start_app
 from kilnproxy.testing import Replay
 

@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.mock_upstream import STATS
+from kilnproxy.fixtures.mock_upstream import STATS
 from kilnproxy.server import start_mock
 from kilnproxy.testing import KEY, MODEL
 from processes import GatewayProcess, gateway_config

@@ -4,7 +4,7 @@
 import orjson
 import pytest
 
-from kilnproxy.mock_upstream import OPTIONS
+from kilnproxy.fixtures.mock_upstream import OPTIONS
 from kilnproxy.server import start_mock
 from kilnproxy.testing import MODEL, free_port
 

@@ -26,10 +26,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..fixture import Chunk, Fixture
+from ..fixtures.format import Chunk, Fixture
 from ..record import RequestRecord
 from ..relay import EventRelay
-from ..scrub import Scrubber
+from ..fixtures.scrub import Scrubber
 from ..sse import COMMENT, SSEParser
 from ..upstream import Route
 

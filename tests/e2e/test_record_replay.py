@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kilnproxy.config import parse_config
-from kilnproxy.fixture import load
+from kilnproxy.fixtures.format import load
 from kilnproxy.server import start_gateway
 from kilnproxy.testing import Replay, usage_rows
 
