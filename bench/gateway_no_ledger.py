@@ -13,7 +13,7 @@ import asyncio
 
 from kilnproxy import server
 from kilnproxy.app import create_app
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import load_config
 from kilnproxy.store.sqlite import SQLiteLedger
 

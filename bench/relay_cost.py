@@ -18,10 +18,10 @@ import timeit
 from kilnproxy.plugins.call import Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.record import RequestRecord
-from kilnproxy.relay import EventRelay
+from kilnproxy.proxy.request_record import RequestRecord
+from kilnproxy.proxy.relay import EventRelay
 from kilnproxy.sse import SSEParser
-from kilnproxy.upstream import Route
+from kilnproxy.proxy.upstream import Route
 from upstreams import UPSTREAM_MODEL, canned_sse
 
 NOOP = (Impl("noop_event", "transform_event", lambda event: None, ("event",)),)

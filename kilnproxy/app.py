@@ -13,15 +13,16 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
-from . import admin, handlers
-from .completions import chat_completions, completions, hot_routes
+from . import admin
+from .proxy import read_endpoints as handlers
+from .proxy.completions import chat_completions, completions, hot_routes
 from .config import Config
 from .errors import GatewayError
 from .fastpath import HOT_ROUTES
-from .gateway import GATEWAY, Gateway
+from .proxy.gateway import GATEWAY, Gateway
 from .inspector import setup_inspector
 from .plugins.manager import build_plugin_manager
-from .routing import add_fallback, expect_handler
+from .proxy.json_routes import add_fallback, expect_handler
 
 log = logging.getLogger("kilnproxy")
 

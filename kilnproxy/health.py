@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .gateway import Gateway
+from .proxy.gateway import Gateway
 from .tasks import cancelled
-from .upstream import Upstream
+from .proxy.upstream import Upstream
 
 log = logging.getLogger("kilnproxy")
 

@@ -51,10 +51,10 @@ from typing import Any, Callable
 import aiohttp
 
 from .app import create_app
-from .gateway import GATEWAY
+from .proxy.gateway import GATEWAY
 from .config import parse_config
 from .fixtures.format import Fixture
-from .gateway import Gateway
+from .proxy.gateway import Gateway
 from .recorded import RECORDINGS, Recorder, Replay, sse_events, sse_frames  # re-exported for tests
 from .server import Running, start_app, start_mock
 

@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from kilnproxy.accesslog import AccessLog
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.server import start_mock
 from kilnproxy.testing import KEY, MODEL
 from processes import GatewayProcess, gateway_config

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
 
 GEN = "X-Neocloud-Generation-Id"

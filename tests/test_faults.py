@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.server import start_app
 from kilnproxy.testing import completion_body, KEY, MODEL, UPSTREAM_MODEL
 

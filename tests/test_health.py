@@ -5,7 +5,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kilnproxy.admin import HEALTH
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
 from kilnproxy.health import check_url
 from kilnproxy.fixtures.mock_upstream import STATS

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import completion_body
 
 # test model: prompt 0.10 and completion 0.30 USD per million tokens, context_window 4096

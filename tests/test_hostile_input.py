@@ -10,7 +10,7 @@ import zlib
 import orjson
 import pytest
 
-from kilnproxy.request_body import MAX_DEPTH
+from kilnproxy.proxy.request_body import MAX_DEPTH
 from kilnproxy.testing import KEY, MODEL, completion_body
 from rawhttp import exchange, exchange_all, request
 

@@ -7,7 +7,7 @@ import textwrap
 import orjson
 import pytest
 
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.store.limits import rate_limited
 from kilnproxy.testing import completion_body as body, KEY, OTHER_KEY
 

@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.access import loopback_host as _loopback_host, loopback_peer as _loopback_peer
 from kilnproxy.inspector.hub import QUEUE_SIZE, RESET, LiveHub
 from kilnproxy.usage import COLUMNS

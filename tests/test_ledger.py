@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.usage import round_usd
 from kilnproxy.usage import COLUMNS
 from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
@@ -335,7 +335,7 @@ async def test_chat_disconnect_counts_content_chunks_not_the_role_chunk(gw, even
 async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_cuts_the_stream(gw, monkeypatch, eventually):
     """An unexpected exception once the stream has begun: the client sees the body cut short
     (never a second HTTP response inside the first), the row says internal_error."""
-    from kilnproxy import stream as stream_module
+    from kilnproxy.proxy import stream as stream_module
 
     class Broken(stream_module.EventRelay):
         calls = 0

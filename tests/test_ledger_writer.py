@@ -8,7 +8,7 @@ import textwrap
 import orjson
 from aiohttp import web
 
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.server import start_app
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 

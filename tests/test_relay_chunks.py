@@ -12,12 +12,12 @@ import pytest
 from kilnproxy.plugins.call import DROP, STOP, Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.fixtures.mock_upstream import _Generation
-from kilnproxy.record import RequestRecord
-from kilnproxy.plain import PlainRun
+from kilnproxy.proxy.request_record import RequestRecord
+from kilnproxy.proxy.plain_events import PlainRun
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.relay import EventRelay, StreamPluginError
+from kilnproxy.proxy.relay import EventRelay, StreamPluginError
 from kilnproxy.sse import DONE_FRAME, SSEParser
-from kilnproxy.upstream import Route
+from kilnproxy.proxy.upstream import Route
 
 UPSTREAM_MODEL = "org/Test-Model-7B"
 

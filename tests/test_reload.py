@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from kilnproxy.admin import RELOADER
-from kilnproxy.gateway import GATEWAY
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.mock_upstream import STATS
 from kilnproxy.server import start_mock

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..gateway import Gateway
+from ..proxy.gateway import Gateway
 from .api import InspectorAPI
 from .capture import CaptureRing
 from .hub import LiveHub

@@ -28,9 +28,9 @@ from aiohttp import web
 
 from ..access import bearer_token, local_request, token_digest, token_matches
 from ..errors import GatewayError
-from ..routing import expect_handler
-from ..gateway import Gateway
-from ..stream import SSE_HEADERS
+from ..proxy.json_routes import expect_handler
+from ..proxy.gateway import Gateway
+from ..proxy.stream import SSE_HEADERS
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
 from .store import MAX_LIMIT, InspectorStore, QueryError

@@ -7,11 +7,11 @@ the first that fails answers the request.
 
 from __future__ import annotations
 
-from .plugins.call import Call
+from ..plugins.call import Call
 from .auth import key_disabled
-from .config import KeyConfig, MaintenanceConfig
-from .store.limits import Admission, Credits, Hold, insufficient_credits
-from .errors import GatewayError, bad_request, forbidden, model_not_found
+from ..config import KeyConfig, MaintenanceConfig
+from ..store.limits import Admission, Credits, Hold, insufficient_credits
+from ..errors import GatewayError, bad_request, forbidden, model_not_found
 from .request_body import read_json_body  # step 3  # noqa: F401 (called as admission.read_json_body)
 from .upstream import Route
 

@@ -17,13 +17,13 @@ import pluggy
 from aiohttp import web
 
 from .auth import KeyRing
-from .plugins.call import Call
-from .config import Config
-from .errors import PluginError
-from .store.sqlite import Ledger, SQLiteLedger
-from .store.limits import Admission, Credits, LocalAdmission
-from .plugins.manager import Hooks, call_maybe_async
-from .record import RequestRecord
+from ..plugins.call import Call
+from ..config import Config
+from ..errors import PluginError
+from ..store.sqlite import Ledger, SQLiteLedger
+from ..store.limits import Admission, Credits, LocalAdmission
+from ..plugins.manager import Hooks, call_maybe_async
+from .request_record import RequestRecord
 from .upstream import Route, client_session, routes_from
 
 log = logging.getLogger("kilnproxy")
@@ -40,7 +40,7 @@ class Gateway:
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         if ledger is None and config.storage.url:
-            from .store.postgres import PostgresStore  # asyncpg is imported only when PostgreSQL is configured
+            from ..store.postgres import PostgresStore  # asyncpg is imported only when PostgreSQL is configured
             ledger = admission = PostgresStore(config, self.credits, on_commit=self._committed)
         self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
         self.admission: Admission = admission or LocalAdmission(self.credits)

@@ -29,14 +29,14 @@ from typing import Any, Callable
 
 import orjson
 
-from .plugins.call import DROP, STOP, Call
-from .errors import plugin_failed
-from .plugins.manager import Impl, call_impl
-from .record import RequestRecord
-from .plain import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
-from .sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
+from ..plugins.call import DROP, STOP, Call
+from ..errors import plugin_failed
+from ..plugins.manager import Impl, call_impl
+from .request_record import RequestRecord
+from .plain_events import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
+from ..sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
 from .upstream import Route
-from .usage import Usage
+from ..usage import Usage
 
 log = logging.getLogger("kilnproxy.plugins")
 

@@ -7,9 +7,9 @@ from aiohttp import web
 
 from .gateway import GATEWAY
 from .auth import key_disabled
-from .config import KeyConfig, ModelConfig
-from .errors import GatewayError, model_not_found
-from .usage import round_usd
+from ..config import KeyConfig, ModelConfig
+from ..errors import GatewayError, model_not_found
+from ..usage import round_usd
 
 
 def json_response(data: object, status: int = 200) -> web.Response:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
-from .errors import GatewayError
+from ..errors import GatewayError
 
 
 async def expect_handler(request: web.Request) -> None:

@@ -19,17 +19,17 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from . import admission
+from . import rules as admission
 from .gateway import GATEWAY
-from .plugins.call import Call
-from .errors import GatewayError, UpstreamFailure
+from ..plugins.call import Call
+from ..errors import GatewayError, UpstreamFailure
 from .gateway import Gateway
-from .store.limits import Hold
-from .plugins.manager import plugin_headers, run_request_hooks, transformed_response
-from .record import RequestRecord
+from ..store.limits import Hold
+from ..plugins.manager import plugin_headers, run_request_hooks, transformed_response
+from .request_record import RequestRecord
 from .stream import relay_stream
 from .upstream import Route
-from .usage import Usage
+from ..usage import Usage
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before any response was sent

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .plugins.call import Call
-from .usage import COLUMNS, Usage, estimate_prompt_tokens
+from ..plugins.call import Call
+from ..usage import COLUMNS, Usage, estimate_prompt_tokens
 
 
 

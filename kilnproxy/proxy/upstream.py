@@ -20,8 +20,8 @@ import aiohttp
 import orjson
 from aiohttp.payload import BytesPayload
 
-from .config import ModelConfig, ServerConfig
-from .errors import UpstreamFailure, no_backend_available
+from ..config import ModelConfig, ServerConfig
+from ..errors import UpstreamFailure, no_backend_available
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
 # toward marking it down. A plain 500 is often caused by the request itself (llama.cpp answers 500

@@ -26,8 +26,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .config import ServerConfig
-from .errors import GatewayError, bad_request
+from ..config import ServerConfig
+from ..errors import GatewayError, bad_request
 
 # orjson reads up to 1024 levels of arrays and objects but writes at most 254. Real bodies (JSON
 # schemas included) stay far below 128, which leaves room for what wraps a body (plugins, the

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .access import bearer_token, token_digest
-from .config import KeyConfig
-from .errors import GatewayError, forbidden, invalid_api_key
+from ..access import bearer_token, token_digest
+from ..config import KeyConfig
+from ..errors import GatewayError, forbidden, invalid_api_key
 
 
 class KeyRing:

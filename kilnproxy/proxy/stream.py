@@ -16,11 +16,11 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from .plugins.call import Call
+from ..plugins.call import Call
 from .gateway import Gateway
-from .record import RequestRecord
+from .request_record import RequestRecord
 from .relay import EventRelay, StreamPluginError, error_frame
-from .sse import DONE_FRAME, KEEPALIVE_FRAME
+from ..sse import DONE_FRAME, KEEPALIVE_FRAME
 from .upstream import Route
 
 SSE_HEADERS = {
