@@ -91,7 +91,7 @@ def load_or_none(path: str | None) -> Config | None:
 
 
 def cmd_serve(args) -> int:
-    from . import server
+    from .web import server
     config = load_or_none(args.config)
     if config is not None and args.upstream:
         raise KilnError("--upstream only applies to the demo; set [[models]] upstreams in the config instead")
@@ -106,7 +106,7 @@ def cmd_serve(args) -> int:
 
 
 async def _serve(config: Config | None, host: str | None, port: int | None, upstream: str | None = None) -> None:
-    from . import server
+    from .web import server
     from .demo import banner, demo_config
     mock = None
     demo = config is None
@@ -125,8 +125,8 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
         raise
     text = (banner(gateway.url, upstream) if demo else
             f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})")
-    from .admin import RELOADER, SHUTDOWN
-    from .lifecycle import serve_until_stopped
+    from .ops.admin import RELOADER, SHUTDOWN
+    from .ops.lifecycle import serve_until_stopped
     try:
         await serve_until_stopped(gateway, gateway.app[SHUTDOWN], gateway.app[RELOADER].reload,
                                   ready=lambda: print(text, flush=True))
@@ -136,7 +136,7 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
 
 
 def cmd_mock(args) -> int:
-    from . import server
+    from .web import server
     if args.replay:
         from .fixture_cli import serve_replay
         return serve_replay(args)

@@ -37,7 +37,7 @@ def add_replay_options(mock: argparse.ArgumentParser) -> None:
 
 
 def cmd_record(args) -> int:
-    from . import server
+    from .web import server
     from .fixtures.recorder import create_recorder_app
     missing = [name for name in args.secret_env if not os.environ.get(name)]
     if missing:
@@ -60,7 +60,7 @@ def cmd_record(args) -> int:
 
 
 def serve_replay(args) -> int:
-    from . import server
+    from .web import server
     from .fixtures.replay_server import create_replay_app
     fixtures = load_all(args.replay)
     if not fixtures:

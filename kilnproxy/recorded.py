@@ -16,7 +16,7 @@ import orjson
 from .fixtures.format import Fixture, load_all
 from .fixtures.recorder import SAVED, create_recorder_app
 from .fixtures.replay_server import create_replay_app
-from .server import Running, start_app
+from .web.server import Running, start_app
 from .sse import COMMENT, DONE, SSEParser
 
 RECORDINGS = Path(__file__).parent / "recordings"

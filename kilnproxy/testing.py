@@ -50,13 +50,13 @@ from typing import Any, Callable
 
 import aiohttp
 
-from .app import create_app
+from .web.app import create_app
 from .proxy.gateway import GATEWAY
 from .config import parse_config
 from .fixtures.format import Fixture
 from .proxy.gateway import Gateway
 from .recorded import RECORDINGS, Recorder, Replay, sse_events, sse_frames  # re-exported for tests
-from .server import Running, start_app, start_mock
+from .web.server import Running, start_app, start_mock
 
 KEY = "sk-test-acme"
 OTHER_KEY = "sk-test-globex"

@@ -42,7 +42,7 @@ async def any_gw(harness, store):
 @pytest.fixture
 async def mock_url():
     """A mock upstream in this process (vLLM-like): its OpenAI base URL, ending in ``/v1``."""
-    from kilnproxy.server import start_mock
+    from kilnproxy.web.server import start_mock
 
     running = await start_mock()
     yield f"{running.url}/v1"

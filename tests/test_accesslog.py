@@ -5,9 +5,9 @@ import json
 import aiohttp
 import pytest
 
-from kilnproxy.accesslog import AccessLog
+from kilnproxy.ops.accesslog import AccessLog
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import KEY, MODEL
 from processes import GatewayProcess, gateway_config
 

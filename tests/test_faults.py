@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.server import start_app
+from kilnproxy.web.server import start_app
 from kilnproxy.testing import completion_body, KEY, MODEL, UPSTREAM_MODEL
 
 GEN = "X-Neocloud-Generation-Id"

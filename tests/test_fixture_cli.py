@@ -7,7 +7,7 @@ import re
 import aiohttp
 import orjson
 
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import free_port
 
 from processes import Process

@@ -4,12 +4,12 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kilnproxy.admin import HEALTH
+from kilnproxy.ops.admin import HEALTH
 from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
-from kilnproxy.health import check_url
+from kilnproxy.ops.health import check_url
 from kilnproxy.fixtures.mock_upstream import STATS
-from kilnproxy.server import start_gateway, start_mock
+from kilnproxy.web.server import start_gateway, start_mock
 from kilnproxy.testing import KEY, MODEL, base_config
 from processes import GatewayProcess, MockProcess, gateway_config
 

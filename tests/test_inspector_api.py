@@ -310,8 +310,8 @@ async def test_usage_up_to_now_counts_a_row_of_this_very_millisecond(tmp_path, m
     """A request answered in under a millisecond and read back at once: its row is in the span."""
     from datetime import datetime, timezone
 
-    from kilnproxy.inspector import store as store_module
-    from kilnproxy.inspector.store import InspectorStore, SQLiteReader
+    from kilnproxy.inspector import queries as store_module
+    from kilnproxy.inspector.queries import InspectorStore, SQLiteReader
     from kilnproxy.store.sqlite import SQLiteLedger
     from kilnproxy.usage import COLUMNS
 

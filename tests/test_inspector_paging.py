@@ -9,7 +9,7 @@ import asyncpg
 import orjson
 import pytest
 
-from kilnproxy.inspector.store import INDEXES, page_query, usage_query
+from kilnproxy.inspector.queries import INDEXES, page_query, usage_query
 from kilnproxy.store.sqlite import SCHEMA
 from kilnproxy.store.postgres_schema import migrate
 from kilnproxy.store.postgres import numbered

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 
 KEY = "sk-kill-acme"
 OTHER_KEY = "sk-kill-globex"

@@ -9,7 +9,7 @@ import orjson
 from aiohttp import web
 
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.server import start_app
+from kilnproxy.web.server import start_app
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
 GEN = "X-Neocloud-Generation-Id"

@@ -5,11 +5,11 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
-from kilnproxy.admin import check_admin
+from kilnproxy.ops.admin import check_admin
 from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import sha256_hex
 from kilnproxy.errors import GatewayError
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import KEY, MODEL
 from processes import GatewayProcess, gateway_config
 

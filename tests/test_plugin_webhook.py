@@ -6,7 +6,7 @@ import pytest
 from aiohttp import web
 
 from kilnproxy import KilnError
-from kilnproxy.server import start_app
+from kilnproxy.web.server import start_app
 
 PLUGIN = Path(__file__).parent.parent / "plugins" / "webhook.py"
 

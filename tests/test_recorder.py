@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kilnproxy.fixtures.format import FORMAT, load
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import Recorder
 
 STREAM = {"model": "m", "prompt": "The capital of France is", "max_tokens": 3, "stream": True,

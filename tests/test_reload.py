@@ -8,11 +8,11 @@ import sys
 import aiohttp
 import pytest
 
-from kilnproxy.admin import RELOADER
+from kilnproxy.ops.admin import RELOADER
 from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.mock_upstream import STATS
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import KEY, MODEL
 from processes import GatewayProcess, gateway_config
 

@@ -10,7 +10,7 @@ import pytest
 
 from kilnproxy.fixtures.format import Chunk, Fixture, FixtureError, load, load_all
 from kilnproxy.fixtures.replay_server import create_replay_app
-from kilnproxy.server import start_app
+from kilnproxy.web.server import start_app
 from kilnproxy.testing import Replay
 
 SSE = {"Content-Type": "text/event-stream"}

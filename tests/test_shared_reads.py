@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import KEY, OTHER_KEY, completion_body, pg_usage_rows
 from processes import GatewayProcess, gateway_config
 

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from kilnproxy.fixtures.mock_upstream import STATS
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import KEY, MODEL
 from processes import GatewayProcess, gateway_config
 

@@ -5,7 +5,7 @@ import orjson
 import pytest
 
 from kilnproxy.fixtures.mock_upstream import OPTIONS
-from kilnproxy.server import start_mock
+from kilnproxy.web.server import start_mock
 from kilnproxy.testing import MODEL, free_port
 
 GEN = "X-Neocloud-Generation-Id"
@@ -164,7 +164,7 @@ async def test_a_cookie_an_upstream_sets_is_never_sent_back(harness):
     (by host name: aiohttp's jar ignores cookies of a bare IP address anyway)."""
     from aiohttp import web
 
-    from kilnproxy.server import start_app
+    from kilnproxy.web.server import start_app
 
     seen = []
 

@@ -19,7 +19,7 @@ from ..proxy.gateway import Gateway
 from .api import InspectorAPI
 from .capture import CaptureRing
 from .hub import LiveHub
-from .store import InspectorStore, SharedReader, SQLiteReader
+from .queries import InspectorStore, SharedReader, SQLiteReader
 
 __all__ = ["setup_inspector"]
 

@@ -33,7 +33,7 @@ from ..proxy.gateway import Gateway
 from ..proxy.stream import SSE_HEADERS
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
-from .store import MAX_LIMIT, InspectorStore, QueryError
+from .queries import MAX_LIMIT, InspectorStore, QueryError
 
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_SECONDS = 15.0

@@ -19,7 +19,7 @@ import pytest
 
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.format import load
-from kilnproxy.server import start_gateway
+from kilnproxy.web.server import start_gateway
 from kilnproxy.testing import Replay, usage_rows
 
 from .support import GENERATION_HEADER, KEY, MODEL, gateway_toml

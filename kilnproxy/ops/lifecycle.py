@@ -26,7 +26,7 @@ import signal
 
 from aiohttp import web
 
-from .proxy.stream import ShuttingDown
+from ..proxy.stream import ShuttingDown
 
 log = logging.getLogger("kilnproxy")
 

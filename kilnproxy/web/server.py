@@ -26,8 +26,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from .app import create_app
 from .fastpath import HOT_ROUTES, FastRunner
-from .config import Config
-from .fixtures.mock_upstream import create_mock_app
+from ..config import Config
+from ..fixtures.mock_upstream import create_mock_app
 
 log = logging.getLogger("kilnproxy")
 

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from .accesslog import AccessLog
-from .proxy.auth import KeyRing
-from .config import Config, load_config
-from .errors import KilnError
-from .proxy.gateway import Gateway
-from .proxy.upstream import Route, routes_from
+from ..proxy.auth import KeyRing
+from ..config import Config, load_config
+from ..errors import KilnError
+from ..proxy.gateway import Gateway
+from ..proxy.upstream import Route, routes_from
 
 log = logging.getLogger("kilnproxy")
 

@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .proxy.gateway import Gateway
-from .tasks import cancelled
-from .proxy.upstream import Upstream
+from ..proxy.gateway import Gateway
+from ..tasks import cancelled
+from ..proxy.upstream import Upstream
 
 log = logging.getLogger("kilnproxy")
 

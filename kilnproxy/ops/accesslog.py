@@ -27,7 +27,7 @@ import sys
 
 import orjson
 
-from .proxy.request_record import RequestRecord
+from ..proxy.request_record import RequestRecord
 
 log = logging.getLogger("kilnproxy")
 

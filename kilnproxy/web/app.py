@@ -13,16 +13,16 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
-from . import admin
-from .proxy import read_endpoints as handlers
-from .proxy.completions import chat_completions, completions, hot_routes
-from .config import Config
-from .errors import GatewayError
+from ..ops import admin
+from ..proxy import read_endpoints as handlers
+from ..proxy.completions import chat_completions, completions, hot_routes
+from ..config import Config
+from ..errors import GatewayError
 from .fastpath import HOT_ROUTES
-from .proxy.gateway import GATEWAY, Gateway
-from .inspector import setup_inspector
-from .plugins.manager import build_plugin_manager
-from .proxy.json_routes import add_fallback, expect_handler
+from ..proxy.gateway import GATEWAY, Gateway
+from ..inspector import setup_inspector
+from ..plugins.manager import build_plugin_manager
+from ..proxy.json_routes import add_fallback, expect_handler
 
 log = logging.getLogger("kilnproxy")
 
