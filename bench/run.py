@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import measure_pg
-from kilnproxy.testing_postgres import PostgresServer
+from kilnproxy.testing.postgres import PostgresServer
 from loads import LoadError, post
 from measures import Bench
 import peers

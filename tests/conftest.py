@@ -4,7 +4,7 @@ import re
 import pytest
 
 from kilnproxy.testing import Harness
-from kilnproxy.testing_postgres import PostgresServer
+from kilnproxy.testing.postgres import PostgresServer
 
 # tests/e2e needs a real model server: `make e2e` runs it (`pytest tests/e2e`), `make test` does not.
 collect_ignore = ["e2e"]

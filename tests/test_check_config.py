@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kilnproxy.cli import main
+from kilnproxy.cli.main import main
 from processes import gateway_config, toml
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -97,7 +97,7 @@ async def test_pip_install_gives_a_kilnproxy_command(tmp_path):
     from importlib.metadata import entry_points
 
     (script,) = entry_points(group="console_scripts", name="kilnproxy")
-    assert script.value == "kilnproxy.cli:main"
+    assert script.value == "kilnproxy.cli.main:main"
     command = Path(sys.executable).parent / "kilnproxy"
     proc = await asyncio.create_subprocess_exec(
         str(command), "check-config", str(ROOT / "config.example.toml"), cwd=tmp_path,

@@ -5,7 +5,7 @@ import socket
 import asyncpg
 import pytest
 
-from kilnproxy.testing_postgres import PostgresServer
+from kilnproxy.testing.postgres import PostgresServer
 
 
 async def test_the_right_password_connects_as_kiln_to_its_own_database(postgres, pg_url):

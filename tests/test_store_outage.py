@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from kilnproxy.testing import KEY, completion_body
-from kilnproxy.testing_postgres import PostgresServer
+from kilnproxy.testing.postgres import PostgresServer
 from processes import GatewayProcess
 from replicas import Ledger, replica, replica_config, stop_all
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import aiohttp
 
-from .errors import KilnError
-from .fixtures.format import Fixture, load, load_all
+from ..errors import KilnError
+from ..fixtures.format import Fixture, load, load_all
 
 
 def add_fixture_commands(sub) -> None:
@@ -37,8 +37,8 @@ def add_replay_options(mock: argparse.ArgumentParser) -> None:
 
 
 def cmd_record(args) -> int:
-    from .web import server
-    from .fixtures.recorder import create_recorder_app
+    from ..web import server
+    from ..fixtures.recorder import create_recorder_app
     missing = [name for name in args.secret_env if not os.environ.get(name)]
     if missing:
         raise KilnError(f"--secret-env {missing[0]}: that variable is not set")
@@ -60,8 +60,8 @@ def cmd_record(args) -> int:
 
 
 def serve_replay(args) -> int:
-    from .web import server
-    from .fixtures.replay_server import create_replay_app
+    from ..web import server
+    from ..fixtures.replay_server import create_replay_app
     fixtures = load_all(args.replay)
     if not fixtures:
         raise KilnError(f"--replay {args.replay}: no *.json fixture in that folder")
@@ -79,7 +79,7 @@ def serve_replay(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .fixtures.shape import differences, shape
+    from ..fixtures.shape import differences, shape
     fixture = load(args.fixture)
     recorded = shape(fixture.status, fixture.headers.get("Content-Type", ""), [c.data for c in fixture.chunks])
     frames = fixture.content.count(b"\n\n") if fixture.end == "client_gone" else None

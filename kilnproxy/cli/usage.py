@@ -11,9 +11,9 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .config import load_config
-from .errors import KilnError
-from .store.reads import fetch
+from ..config import load_config
+from ..errors import KilnError
+from ..store.reads import fetch
 
 FIELDS = ("org", "model", "requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens",
           "total_tokens", "cost")

@@ -25,10 +25,10 @@ from typing import Any, Iterator
 
 import orjson
 
-from .config import load_config
-from .errors import KilnError, StorageError
-from .store.reads import pg_close, pg_connect, reason
-from .usage import COLUMNS
+from ..config import load_config
+from ..errors import KilnError, StorageError
+from ..store.reads import pg_close, pg_connect, reason
+from ..usage import COLUMNS
 
 BATCH_ROWS = 1000  # rows per kiln_settle call: one transaction, about 400 kB of JSON
 REPLICA = "import-ledger"  # the ``replica`` column of imported rows: where they came from
@@ -66,7 +66,7 @@ def cmd_import(args) -> int:
         added, present = asyncio.run(import_rows(source, url, args.batch, show))
     finally:
         source.close()
-    from .store.postgres import redacted
+    from ..store.postgres import redacted
     print(f"imported {added} rows from {source.path} into {redacted(url)}"
           f" ({present} already there)")
     return 0
@@ -115,8 +115,8 @@ async def import_rows(source: SQLiteSource, url: str, batch: int, show_progress:
     import asyncpg
     from tqdm import tqdm
 
-    from .store.postgres_schema import migrate
-    from .store.postgres import redacted
+    from ..store.postgres_schema import migrate
+    from ..store.postgres import redacted
     conn = await pg_connect(url)
     added = present = 0
     done_until = None

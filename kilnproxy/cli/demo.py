@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import Config, parse_config
+from ..config import Config, parse_config
 
 DEMO_KEY = "sk-kiln-demo"
 DEMO_MODEL = "kiln-demo"

@@ -1,44 +1,5 @@
-"""Start a real gateway in front of the mock upstream, in a few lines: for tests.
-
-Used by kilnproxy's own tests and by plugin authors::
-
-    from kilnproxy.testing import Harness
-
-    async def test_my_plugin(tmp_path):
-        async with Harness(tmp_path, plugins=["plugins/my_plugin.py"],
-                           settings={"my_plugin": {"level": 3}}) as h:
-            client = h.openai()
-            out = await client.completions.create(model=h.model, prompt="hi", max_tokens=3)
-            assert (await h.rows())[0]["status"] == 200
-
-With pytest, the ``kilnproxy_harness`` fixture (``kilnproxy.pytest_plugin``,
-loaded automatically once kilnproxy is installed) saves the ``tmp_path``:
-``async with kilnproxy_harness(plugins=[...]) as h``.
-
-``plugins`` takes what ``[plugins] modules`` takes (file paths, relative to
-``base_dir``, by default the current directory; dotted module names) and also
-plugin objects: a module, a class or an instance with ``@hookimpl`` methods,
-registered under its ``__name__`` (or class name). Entry-point plugins are
-off unless ``entry_points=True``, so that what is installed in the
-environment does not leak into a test.
-
-Both servers listen on real loopback ports; ``h.url`` is the gateway,
-``h.mock_url`` the mock. ``h.config`` is the TOML document as a dict (change
-it with ``overrides``, merged one level deep, or ``configure``, a function
-that edits the dict in place once the mock's URL is in it). ``h.rows()`` reads
-the usage table as dicts (from PostgreSQL when ``[storage] url`` is set),
-``h.mock_requests()`` what the mock received (what ``rewrite_request``
-left), ``h.usage_recorded()`` waits until every row so far has been through
-the ``record_usage`` plugins, and ``h.gw`` is the running ``Gateway``.
-
-Against a recorded real model server instead of the mock: ``replay=`` takes
-a fixture file, a folder of them, a list, or ``Replay(*sources, timing=True)``
-(docs/fixtures.md). The model's ``upstream_model`` becomes the fixtures'
-model, so a request built with ``h.client_body()`` reaches the upstream with
-the recorded body; ``h.fixtures`` are the loaded fixtures. ``Replay``,
-``Recorder``, ``RECORDINGS`` (the recordings shipped with kilnproxy) and
-``sse_frames`` / ``sse_events`` come from ``kilnproxy.recorded``.
-"""
+"""``Harness``: a real gateway in front of the mock upstream, and the helpers tests share
+(the test config, usage rows, bodies, free ports). Public through ``kilnproxy.testing``."""
 
 from __future__ import annotations
 
@@ -50,13 +11,13 @@ from typing import Any, Callable
 
 import aiohttp
 
-from .web.app import create_app
-from .proxy.gateway import GATEWAY
-from .config import parse_config
-from .fixtures.format import Fixture
-from .proxy.gateway import Gateway
-from .recorded import RECORDINGS, Recorder, Replay, sse_events, sse_frames  # re-exported for tests
-from .web.server import Running, start_app, start_mock
+from ..web.app import create_app
+from ..proxy.gateway import GATEWAY
+from ..config import parse_config
+from .recordings import Replay
+from ..fixtures.format import Fixture
+from ..proxy.gateway import Gateway
+from ..web.server import Running, start_app, start_mock
 
 KEY = "sk-test-acme"
 OTHER_KEY = "sk-test-globex"
@@ -98,8 +59,8 @@ def usage_rows(db: Path, **where: Any) -> list[dict[str, Any]]:
 async def pg_usage_rows(url: str, **where: Any) -> list[dict[str, Any]]:
     """``usage_rows`` for the PostgreSQL database at ``url``: the same columns (not ``rowid`` nor
     ``replica``), oldest first."""
-    from .store.reads import pg_fetch
-    from .usage import COLUMNS
+    from ..store.reads import pg_fetch
+    from ..usage import COLUMNS
     sql = f"SELECT {', '.join(COLUMNS)} FROM usage_events"
     if where:
         sql += " WHERE " + " AND ".join(f"{k} = ?" for k in where)

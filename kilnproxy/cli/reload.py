@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .errors import KilnError
+from ..errors import KilnError
 
 
 def add_reload_command(sub) -> None:

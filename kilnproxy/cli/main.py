@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import Config, load_config
-from .errors import KilnError
+from ..config import Config, load_config
+from ..errors import KilnError
 
 COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload", "import-ledger", "record",
             "replay")
@@ -58,11 +58,11 @@ def parser() -> argparse.ArgumentParser:
     mock.add_argument("--enable-prompt-tokens-details", action="store_true",
                       help="report usage.prompt_tokens_details.cached_tokens, as vLLM does with this flag")
     mock.set_defaults(func=cmd_mock)
-    from .fixture_cli import add_fixture_commands, add_replay_options
+    from .fixtures import add_fixture_commands, add_replay_options
     add_replay_options(mock)
     add_fixture_commands(sub)
 
-    from .usage_report import add_usage_command
+    from .usage import add_usage_command
     add_usage_command(sub, _config_arg)
 
     plugins = sub.add_parser("plugins", help="list the loaded plugins and the hooks each implements")
@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("file")
     check.set_defaults(func=cmd_check_config)
 
-    from .reload_command import add_reload_command
+    from .reload import add_reload_command
     add_reload_command(sub)
 
     from .import_ledger import add_import_command
@@ -91,7 +91,7 @@ def load_or_none(path: str | None) -> Config | None:
 
 
 def cmd_serve(args) -> int:
-    from .web import server
+    from ..web import server
     config = load_or_none(args.config)
     if config is not None and args.upstream:
         raise KilnError("--upstream only applies to the demo; set [[models]] upstreams in the config instead")
@@ -106,7 +106,7 @@ def cmd_serve(args) -> int:
 
 
 async def _serve(config: Config | None, host: str | None, port: int | None, upstream: str | None = None) -> None:
-    from .web import server
+    from ..web import server
     from .demo import banner, demo_config
     mock = None
     demo = config is None
@@ -125,8 +125,8 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
         raise
     text = (banner(gateway.url, upstream) if demo else
             f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})")
-    from .ops.admin import RELOADER, SHUTDOWN
-    from .ops.lifecycle import serve_until_stopped
+    from ..ops.admin import RELOADER, SHUTDOWN
+    from ..ops.lifecycle import serve_until_stopped
     try:
         await serve_until_stopped(gateway, gateway.app[SHUTDOWN], gateway.app[RELOADER].reload,
                                   ready=lambda: print(text, flush=True))
@@ -136,9 +136,9 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
 
 
 def cmd_mock(args) -> int:
-    from .web import server
+    from ..web import server
     if args.replay:
-        from .fixture_cli import serve_replay
+        from .fixtures import serve_replay
         return serve_replay(args)
     if args.timing:
         raise KilnError("--timing only applies with --replay DIR")
@@ -159,7 +159,7 @@ def cmd_mock(args) -> int:
 
 def cmd_plugins(args) -> int:
     from .demo import demo_config
-    from .plugins.manager import build_plugin_manager, loaded_plugins
+    from ..plugins.manager import build_plugin_manager, loaded_plugins
     config = load_or_none(args.config) or demo_config("http://127.0.0.1:1/v1", "127.0.0.1", 8080)
     for plugin in loaded_plugins(build_plugin_manager(config)):
         print(f"{plugin.name}  ({plugin.source})\n    hooks: {', '.join(plugin.hooks) or '-'}")
@@ -167,13 +167,13 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_check_config(args) -> int:
-    from .plugins.manager import build_plugin_manager
+    from ..plugins.manager import build_plugin_manager
     config = load_config(args.file)
     build_plugin_manager(config)
     print(f"{args.file}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
     if config.storage.url:
-        from .store.postgres import redacted
+        from ..store.postgres import redacted
         print(f"  storage  {redacted(config.storage.url)} (spool {config.spool_path})")
     else:
         print(f"  storage  {config.db_path}")

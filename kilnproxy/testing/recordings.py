@@ -13,13 +13,13 @@ from typing import Any
 
 import orjson
 
-from .fixtures.format import Fixture, load_all
-from .fixtures.recorder import SAVED, create_recorder_app
-from .fixtures.replay_server import create_replay_app
-from .web.server import Running, start_app
-from .sse import COMMENT, DONE, SSEParser
+from ..fixtures.format import Fixture, load_all
+from ..fixtures.recorder import SAVED, create_recorder_app
+from ..fixtures.replay_server import create_replay_app
+from ..web.server import Running, start_app
+from ..sse import COMMENT, DONE, SSEParser
 
-RECORDINGS = Path(__file__).parent / "recordings"
+RECORDINGS = Path(__file__).parent.parent / "recordings"  # kilnproxy/recordings: shipped in the package
 
 
 class Replay:
