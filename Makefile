@@ -19,7 +19,8 @@ install: $(STAMP)
 run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--config my.toml"`
 	$(PY) -m kilnproxy $(ARGS)
 
-test: $(STAMP) browser postgres  ## the whole test suite
+test: $(STAMP) browser postgres  ## the import contracts (setup.cfg [importlinter]), then the whole test suite
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 browser:  ## Debian's chromium, for the inspector's browser test (Playwright drives it; it downloads no browser)

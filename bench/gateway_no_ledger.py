@@ -11,11 +11,11 @@ difference to the full gateway is the price of usage accounting.
 import argparse
 import asyncio
 
+from kilnproxy.config import load_config
+from kilnproxy.proxy.gateway import GATEWAY
+from kilnproxy.store.sqlite import SQLiteLedger
 from kilnproxy.web import server
 from kilnproxy.web.app import create_app
-from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.config import load_config
-from kilnproxy.store.sqlite import SQLiteLedger
 
 
 class NullLedger:

@@ -1,6 +1,6 @@
 """PG: M1, M2 and M3 with the usage store in PostgreSQL beside the same gateway on SQLite.
 
-The database is a throw-away PostgreSQL server (``kilnproxy.testing_postgres``)
+The database is a throw-away PostgreSQL server (``kilnproxy.testing.postgres``)
 on this machine, with fsync on as in production, running on the load
 generators' CPU; the gateway is pinned to its own CPU as in M1-M3. Targets
 (issue "Several replicas"): M2 on PostgreSQL ≥ 70% of M2 on SQLite, and M1's

@@ -133,19 +133,19 @@ def _part(frames: list[str]) -> str:
     leaf = frames[-1]
     for name in reversed(frames):
         path, _, func = name.partition(":")
-        if path == "kilnproxy/plain.py":
+        if path == "kilnproxy/proxy/plain_events.py":
             return "relay: checks of whole runs (PlainRun)"
-        if path == "kilnproxy/relay.py" and func.split(".")[-1] in RELAY_CHUNK:
+        if path == "kilnproxy/proxy/relay.py" and func.split(".")[-1] in RELAY_CHUNK:
             return "relay: per chunk (tail, rename, count)"
-        if path in ("kilnproxy/relay.py", "kilnproxy/sse.py"):
+        if path in ("kilnproxy/proxy/relay.py", "kilnproxy/sse.py"):
             return "relay: events read one by one (finish, usage, [DONE]) and the usage chunk"
-        if path == "kilnproxy/stream.py":
+        if path == "kilnproxy/proxy/stream.py":
             if "http_writer" in leaf or "web_response" in leaf:
                 return "stream: writes to the client"
             if "streams.py" in leaf or "client_proto" in leaf:
                 return "stream: reads from the upstream"
             return "stream: prepare, keep-alive, submit, end"
-        if path.startswith("aiosqlite/") or path == "kilnproxy/ledger.py":
+        if path.startswith("aiosqlite/") or path == "kilnproxy/store/sqlite.py":
             return "ledger (SQLite thread and its queue)"
         if path.startswith("kilnproxy/"):
             return "request path before the stream (auth, admission, body, upstream request, record)"

@@ -15,14 +15,15 @@ from __future__ import annotations
 import argparse
 import timeit
 
-from kilnproxy.plugins.call import Call
-from kilnproxy.config import ModelConfig, Pricing, ServerConfig
-from kilnproxy.plugins.manager import Impl
-from kilnproxy.proxy.request_record import RequestRecord
-from kilnproxy.proxy.relay import EventRelay
-from kilnproxy.sse import SSEParser
-from kilnproxy.proxy.upstream import Route
 from upstreams import UPSTREAM_MODEL, canned_sse
+
+from kilnproxy.config import ModelConfig, Pricing, ServerConfig
+from kilnproxy.plugins.call import Call
+from kilnproxy.plugins.manager import Impl
+from kilnproxy.proxy.relay import EventRelay
+from kilnproxy.proxy.request_record import RequestRecord
+from kilnproxy.proxy.upstream import Route
+from kilnproxy.sse import SSEParser
 
 NOOP = (Impl("noop_event", "transform_event", lambda event: None, ("event",)),)
 

@@ -25,13 +25,14 @@ import tempfile
 from pathlib import Path
 
 import measure_pg
-from kilnproxy.testing.postgres import PostgresServer
+import peers
 from loads import LoadError, post
 from measures import Bench
-import peers
 from procs import Procs, free_port, raise_fd_limit
 from report import machine
 from upstreams import UPSTREAM_MODEL, request_body, write_nginx_files
+
+from kilnproxy.testing.postgres import PostgresServer
 
 HERE = Path(__file__).resolve().parent
 ALL = ("M1", "M2", "M3", "M4", "M5", "M6", "PG")

@@ -1,4 +1,4 @@
-"""TOML config -> frozen dataclasses, validated once at start-up (SPEC section 2).
+"""TOML config -> frozen dataclasses, validated once at start-up (docs/config.md).
 
 ``load_config(path)`` either returns a complete ``Config`` (every key filled
 with its default) or raises ``ConfigError`` with one line naming the file, the
@@ -13,11 +13,25 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from .config_types import ServerConfig, StorageConfig, LimitsConfig, MaintenanceConfig, Pricing, ModelConfig, OrgConfig, KeyConfig, PluginsConfig, AdminConfig, MetricsConfig, LogConfig, HealthConfig, InspectorConfig, Config, sha256_hex
+from .config_types import (
+    AdminConfig,
+    Config,
+    HealthConfig,
+    InspectorConfig,
+    KeyConfig,
+    LimitsConfig,
+    LogConfig,
+    MaintenanceConfig,
+    MetricsConfig,
+    ModelConfig,
+    OrgConfig,
+    PluginsConfig,
+    Pricing,
+    ServerConfig,
+    StorageConfig,
+    sha256_hex,
+)
 from .errors import ConfigError
-
-
-
 
 _NUMBER = (int, float)
 

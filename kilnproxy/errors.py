@@ -3,7 +3,7 @@
 ``KilnError`` and its subclasses are *expected* failures: the CLI prints them as
 one line and exits non-zero. ``GatewayError`` is an expected failure of one
 HTTP request: it knows its status, ``code`` and how to render itself as the
-``{"error": {...}}`` body of SPEC section 4. Any other exception is a bug.
+``{"error": {...}}`` body of the request rules (docs/reference.md). Any other exception is a bug.
 """
 
 from __future__ import annotations

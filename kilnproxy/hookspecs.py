@@ -67,7 +67,7 @@ hookimpl = pluggy.HookimplMarker("kilnproxy")
 def startup(gateway):
     """Called once when the gateway starts, before it accepts requests.
 
-    ``gateway`` is the running ``kilnproxy.gateway.Gateway``: the usage
+    ``gateway`` is the running ``kilnproxy.proxy.gateway.Gateway``: the usage
     database is open and ``gateway.session`` (the upstream
     ``aiohttp.ClientSession``) exists. Use ``gateway.config`` (the parsed
     config; ``gateway.config.resolve(path)`` makes a path relative to the
@@ -98,8 +98,8 @@ def check_request(call, body):
     """Refuse a request before it goes upstream, or let it through.
 
     Called once per request to /v1/completions or /v1/chat/completions, after
-    authentication, credits, the body rules and the in-flight limit (SPEC
-    section 4; ``call.model``, ``call.stream`` and ``call.include_usage`` are
+    authentication, credits, the body rules and the in-flight limit (docs/reference.md:
+    the request rules; ``call.model``, ``call.stream`` and ``call.include_usage`` are
     known), before ``rewrite_request``. ``body`` is the client's parsed JSON
     body with ``stream`` a real boolean; read it, do not change it here.
 
@@ -196,7 +196,7 @@ def record_usage(call, usage):
     """See the usage row of a request after it has been committed.
 
     ``usage`` is a read-only mapping with the columns of the ``usage_events``
-    table (SPEC section 7: ``id``, ``org``, ``model``, ``status``,
+    table (usage accounting (docs/reference.md): ``id``, ``org``, ``model``, ``status``,
     ``error_code``, token counts, ``cost``, ``finish_reason``,
     ``disconnected``, ...). Called exactly once per row, every way a request
     can end (errors, 429s, refusals and client disconnects included), once

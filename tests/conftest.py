@@ -76,7 +76,7 @@ def eventually():
 
 @pytest.fixture(scope="session")
 def postgres():
-    """One throw-away PostgreSQL server for the whole run (``kilnproxy.testing_postgres``).
+    """One throw-away PostgreSQL server for the whole run (``kilnproxy.testing.postgres``).
 
     Shared: a test that stops it must start it again (``pg_url``'s teardown does, if not);
     a test that wants to break the server in other ways starts its own ``PostgresServer()``.

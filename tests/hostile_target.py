@@ -13,9 +13,8 @@ import sqlite3
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
 from processes import GatewayProcess, MockProcess, gateway_config
+from prometheus_client.parser import text_string_to_metric_families
 from rawhttp import RawResponse
 
 GEN = "x-neocloud-generation-id"

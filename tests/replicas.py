@@ -13,9 +13,9 @@ from typing import Any
 
 import aiohttp
 import asyncpg
+from processes import GatewayProcess, gateway_config
 
 from kilnproxy.testing import KEY, completion_body
-from processes import GatewayProcess, gateway_config
 
 TIMEOUT = 2.0  # [storage] replica_timeout_seconds of the test replicas
 

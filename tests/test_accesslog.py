@@ -4,12 +4,12 @@ import json
 
 import aiohttp
 import pytest
+from processes import GatewayProcess, gateway_config
 
 from kilnproxy.ops.accesslog import AccessLog
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.web.server import start_mock
 from kilnproxy.testing import KEY, MODEL
-from processes import GatewayProcess, gateway_config
+from kilnproxy.web.server import start_mock
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FIELDS = {"time", "generation_id", "org", "key_id", "model", "endpoint", "stream", "status", "error_code",

@@ -1,4 +1,4 @@
-"""SPEC section 4: what the gateway does to a request, rule by rule, in order."""
+"""The request rules (docs/reference.md): what the gateway does to a request, rule by rule, in order."""
 
 import orjson
 import pytest

@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import gateway_config, toml
 
 from kilnproxy.cli.main import main
-from processes import gateway_config, toml
 
 ROOT = Path(__file__).resolve().parent.parent
 

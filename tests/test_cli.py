@@ -1,4 +1,4 @@
-"""SPEC section 1: `python -m kilnproxy` with no config serves a working demo; mock-upstream runs alone."""
+"""Running it (docs/reference.md): `python -m kilnproxy` with no config serves a working demo; mock-upstream runs alone."""
 
 import asyncio
 import os

@@ -1,4 +1,4 @@
-"""SPEC section 2: the config is validated once; a bad one is one line naming file, key and problem."""
+"""docs/config.md: the config is validated once; a bad one is one line naming file, key and problem."""
 
 import subprocess
 import sys

@@ -3,9 +3,9 @@ client or the ledger sees it: 1 prompt token and 5 completion tokens at 0.10/0.3
 are 1.6e-06 USD, which floating point computes as 1.6000000000000001e-06."""
 
 import orjson
+from rawhttp import exchange, request
 
 from kilnproxy.testing import completion_body
-from rawhttp import exchange, request
 
 EXPECTED = 1.6e-06
 BODY = completion_body(prompt="hi", max_tokens=5)

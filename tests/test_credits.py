@@ -1,4 +1,4 @@
-"""Credits (SPEC sections 4 and 7): grants from the config, spending = SUM(cost) of the org's rows."""
+"""Credits (the request rules and usage accounting in docs/reference.md): grants from the config, spending = SUM(cost) of the org's rows."""
 
 import asyncio
 import random
@@ -7,7 +7,8 @@ import sqlite3
 import pytest
 
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
+from kilnproxy.testing import KEY, MODEL, OTHER_KEY
+from kilnproxy.testing import completion_body as body
 
 GEN = "X-Neocloud-Generation-Id"
 ONE_REQUEST = (5 * 0.10 + 4 * 0.30) / 1_000_000  # the default test body: 5 prompt + 4 completion tokens

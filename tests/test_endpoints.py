@@ -1,4 +1,4 @@
-"""SPEC section 3: the catalog, liveness, and JSON errors for unknown routes."""
+"""The endpoints (docs/reference.md): the catalog, liveness, and JSON errors for unknown routes."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The hot endpoints are answered by the server's own route table (kilnproxy.fastpath), not the
+"""The hot endpoints are answered by the server's own route table (kilnproxy.web.fastpath), not the
 app's router; what the table does not take (a query string, an escaped path, an ``Expect``
 header, another method) still reaches the same handler or the same JSON error through the app."""
 

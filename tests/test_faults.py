@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from kilnproxy.proxy.gateway import GATEWAY
+from kilnproxy.testing import KEY, MODEL, UPSTREAM_MODEL, completion_body
 from kilnproxy.web.server import start_app
-from kilnproxy.testing import completion_body, KEY, MODEL, UPSTREAM_MODEL
 
 GEN = "X-Neocloud-Generation-Id"
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2  # <linux/prctl.h>, <linux/capability.h>

@@ -6,11 +6,10 @@ import re
 
 import aiohttp
 import orjson
-
-from kilnproxy.web.server import start_mock
-from kilnproxy.testing import free_port
-
 from processes import Process
+
+from kilnproxy.testing import free_port
+from kilnproxy.web.server import start_mock
 
 BODY = {"model": "m", "prompt": "The capital of France is", "max_tokens": 3, "stream": True,
         "stream_options": {"include_usage": True}}

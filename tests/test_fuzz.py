@@ -25,12 +25,12 @@ from urllib.parse import quote
 
 import pytest
 import pytest_asyncio
+from hostile_target import Target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from hostile_target import Target
-from kilnproxy.testing import KEY, MODEL, OTHER_KEY
 from rawhttp import exchange, request
+
+from kilnproxy.testing import KEY, MODEL, OTHER_KEY
 
 LONG = int(os.environ.get("KILNPROXY_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(max_examples=LONG or 120, derandomize=not LONG, deadline=None, database=None,

@@ -1,7 +1,7 @@
-"""GET /v1/generations/{id}: the usage row, for the org that owns it only (SPEC section 3)."""
+"""GET /v1/generations/{id}: the usage row, for the org that owns it only (the endpoints (docs/reference.md))."""
 
-from kilnproxy.usage import COLUMNS
 from kilnproxy.testing import KEY, MODEL, OTHER_KEY
+from kilnproxy.usage import COLUMNS
 
 GEN = "X-Neocloud-Generation-Id"
 

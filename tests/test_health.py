@@ -2,16 +2,16 @@
 
 import aiohttp
 import pytest
+from processes import GatewayProcess, MockProcess, gateway_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from kilnproxy.ops.admin import HEALTH
-from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
-from kilnproxy.ops.health import check_url
 from kilnproxy.fixtures.mock_upstream import STATS
-from kilnproxy.web.server import start_gateway, start_mock
+from kilnproxy.ops.admin import HEALTH
+from kilnproxy.ops.health import check_url
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import KEY, MODEL, base_config
-from processes import GatewayProcess, MockProcess, gateway_config
+from kilnproxy.web.server import start_gateway, start_mock
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

@@ -1,4 +1,4 @@
-"""SPEC 4 step 5: the credit hold placed with the in-flight slot, on both stores.
+"""Request rule 5 (docs/reference.md): the credit hold placed with the in-flight slot, on both stores.
 
 A hold is the most a request can cost: its prompt estimated from its length
 plus ``max_tokens`` (or the model's ``context_window``) at the completion

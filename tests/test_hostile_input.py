@@ -9,10 +9,10 @@ import zlib
 
 import orjson
 import pytest
+from rawhttp import exchange, exchange_all, request
 
 from kilnproxy.proxy.request_body import MAX_DEPTH
 from kilnproxy.testing import KEY, MODEL, completion_body
-from rawhttp import exchange, exchange_all, request
 
 GEN = "x-neocloud-generation-id"
 AUTH = {"Authorization": f"Bearer {KEY}"}

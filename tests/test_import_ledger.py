@@ -1,5 +1,5 @@
 """``python -m kilnproxy import-ledger FILE.db --config CONFIG``: an SQLite ledger into PostgreSQL,
-spending included, idempotent (SPEC 9)."""
+spending included, idempotent (several replicas (docs/reference.md))."""
 
 import asyncio
 import os

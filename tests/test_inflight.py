@@ -1,4 +1,4 @@
-"""The per-org in-flight limit (SPEC section 4 step 5): 429 at once, and a slot freed on every path."""
+"""The per-org in-flight limit (request rule 5 (docs/reference.md)): 429 at once, and a slot freed on every path."""
 
 import asyncio
 import random
@@ -9,7 +9,8 @@ import pytest
 
 from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.store.limits import rate_limited
-from kilnproxy.testing import completion_body as body, KEY, OTHER_KEY
+from kilnproxy.testing import KEY, OTHER_KEY
+from kilnproxy.testing import completion_body as body
 
 GEN = "X-Neocloud-Generation-Id"
 

@@ -7,11 +7,12 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.access import loopback_host as _loopback_host, loopback_peer as _loopback_peer
+from kilnproxy.access import loopback_host as _loopback_host
+from kilnproxy.access import loopback_peer as _loopback_peer
 from kilnproxy.inspector.hub import QUEUE_SIZE, RESET, LiveHub
-from kilnproxy.usage import COLUMNS
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import OTHER_KEY, UPSTREAM_MODEL
+from kilnproxy.usage import COLUMNS
 
 CAPTURE = {"inspector": {"capture": True}}
 

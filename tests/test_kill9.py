@@ -1,4 +1,4 @@
-"""``kill -9`` of the gateway under load loses no row of a response that had ended (SPEC section 7).
+"""``kill -9`` of the gateway under load loses no row of a response that had ended (usage accounting (docs/reference.md)).
 
 The gateway runs as users run it, ``python -m kilnproxy --config FILE``, in front of the mock
 upstream. Clients keep streamed and non-streamed requests going; once enough have finished,

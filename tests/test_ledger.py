@@ -1,4 +1,4 @@
-"""The usage ledger: one row per request with a known key, whatever way it ends (SPEC section 7)."""
+"""The usage ledger: one row per request with a known key, whatever way it ends (usage accounting (docs/reference.md))."""
 
 import asyncio
 from datetime import datetime, timedelta, timezone
@@ -8,9 +8,9 @@ import orjson
 import pytest
 
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.usage import round_usd
-from kilnproxy.usage import COLUMNS
-from kilnproxy.testing import completion_body as body, KEY, MODEL, OTHER_KEY
+from kilnproxy.testing import KEY, MODEL, OTHER_KEY
+from kilnproxy.testing import completion_body as body
+from kilnproxy.usage import COLUMNS, round_usd
 
 GEN = "X-Neocloud-Generation-Id"
 PRICE = {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05}  # the Harness model, USD per million

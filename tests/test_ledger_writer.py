@@ -9,8 +9,8 @@ import orjson
 from aiohttp import web
 
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.web.server import start_app
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
+from kilnproxy.web.server import start_app
 
 GEN = "X-Neocloud-Generation-Id"
 BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}

@@ -3,15 +3,15 @@
 import aiohttp
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from processes import GatewayProcess, gateway_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from kilnproxy.ops.admin import check_admin
-from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import sha256_hex
 from kilnproxy.errors import GatewayError
-from kilnproxy.web.server import start_mock
+from kilnproxy.ops.admin import check_admin
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import KEY, MODEL
-from processes import GatewayProcess, gateway_config
+from kilnproxy.web.server import start_mock
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -7,7 +7,6 @@ The ``[admin]`` token opens all three from anywhere.
 """
 
 import pytest
-
 from rawhttp import exchange, request
 
 ADMIN = {"admin": {"token": "adm-secret"}}

@@ -1,4 +1,4 @@
-"""The throw-away PostgreSQL server of the tests (kilnproxy.testing_postgres), seen through asyncpg."""
+"""The throw-away PostgreSQL server of the tests (kilnproxy.testing.postgres), seen through asyncpg."""
 
 import socket
 

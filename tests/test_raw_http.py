@@ -13,10 +13,10 @@ import asyncio
 import aiohttp
 import pytest
 import pytest_asyncio
-
 from hostile_target import BUG_SIGNS, Target
-from kilnproxy.testing import KEY
 from rawhttp import address, exchange, exchange_all, read_response
+
+from kilnproxy.testing import KEY
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

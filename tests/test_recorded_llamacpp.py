@@ -1,6 +1,6 @@
 """The shipped llama.cpp recordings (kilnproxy/recordings/llamacpp) replayed through the gateway.
 
-The same contract points ``make e2e`` checks live (SPEC section 5), on what
+The same contract points ``make e2e`` checks live (the response rules (docs/reference.md)), on what
 llama.cpp + Gemma 3 270M really sent, so that a change that breaks real
 llama.cpp streams fails ``make test`` without building llama.cpp. What the
 client must get is derived from the recording itself: every event as
@@ -41,7 +41,7 @@ def upstream_items(content: bytes) -> list[tuple[int, bytes]]:
 
 
 def expected_frames(content: bytes, include_usage: bool) -> tuple[list[bytes], dict | None]:
-    """What SPEC section 5 makes of llama.cpp's stream, except the usage chunk: the frames, and the
+    """What the response rules (docs/reference.md) makes of llama.cpp's stream, except the usage chunk: the frames, and the
     request's usage: llama.cpp's last report, or with ``n`` > 1 its reports per choice added up
     (completions summed, the prompt once)."""
     frames, usage, per_choice = [], None, {}

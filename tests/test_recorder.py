@@ -1,4 +1,4 @@
-"""The recording pass-through (``kilnproxy.recorder``) in front of the mock upstream: what a fixture holds."""
+"""The recording pass-through (``kilnproxy.fixtures.recorder``) in front of the mock upstream: what a fixture holds."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from kilnproxy.fixtures.format import FORMAT, load
-from kilnproxy.web.server import start_mock
 from kilnproxy.testing import Recorder
+from kilnproxy.web.server import start_mock
 
 STREAM = {"model": "m", "prompt": "The capital of France is", "max_tokens": 3, "stream": True,
           "mock": {"split": True, "delay": 0.01}}

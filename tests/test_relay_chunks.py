@@ -9,15 +9,16 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kilnproxy.plugins.call import DROP, STOP, Call
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.fixtures.mock_upstream import _Generation
-from kilnproxy.proxy.request_record import RequestRecord
-from kilnproxy.proxy.plain_events import PlainRun
+from kilnproxy.plugins.call import DROP, STOP, Call
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.proxy.relay import EventRelay, StreamPluginError
-from kilnproxy.sse import DONE_FRAME, SSEParser
+from kilnproxy.proxy.plain_events import PlainRun
+from kilnproxy.proxy.relay import EventRelay
+from kilnproxy.proxy.request_record import RequestRecord
+from kilnproxy.proxy.stream_errors import StreamPluginError
 from kilnproxy.proxy.upstream import Route
+from kilnproxy.sse import DONE_FRAME, SSEParser
 
 UPSTREAM_MODEL = "org/Test-Model-7B"
 

@@ -7,14 +7,14 @@ import sys
 
 import aiohttp
 import pytest
+from processes import GatewayProcess, gateway_config
 
-from kilnproxy.ops.admin import RELOADER
-from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.mock_upstream import STATS
-from kilnproxy.web.server import start_mock
+from kilnproxy.ops.admin import RELOADER
+from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import KEY, MODEL
-from processes import GatewayProcess, gateway_config
+from kilnproxy.web.server import start_mock
 
 NEW_KEY = "sk-test-acme-rotated"
 STREAMS = 50

@@ -1,4 +1,4 @@
-"""The replaying upstream (``kilnproxy.replay``): matching, chunk boundaries, timing, how a body ends."""
+"""The replaying upstream (``kilnproxy.fixtures.replay_server``): matching, chunk boundaries, timing, how a body ends."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from kilnproxy.fixtures.format import Chunk, Fixture, FixtureError, load, load_all
 from kilnproxy.fixtures.replay_server import create_replay_app
-from kilnproxy.web.server import start_app
 from kilnproxy.testing import Replay
+from kilnproxy.web.server import start_app
 
 SSE = {"Content-Type": "text/event-stream"}
 

@@ -1,4 +1,4 @@
-"""SPEC section 9: several real replicas on one real PostgreSQL keep the contract as one gateway.
+"""Several replicas (docs/reference.md): several real replicas on one real PostgreSQL keep the contract as one gateway.
 
 Each replica is a ``python -m kilnproxy`` process with its own folder (config,
 spool); all share one mock upstream and one database (``pg_url``).
@@ -10,10 +10,10 @@ import signal
 import aiohttp
 import orjson
 import pytest
-
-from kilnproxy.testing import KEY, OTHER_KEY, completion_body
-from kilnproxy.store.postgres_schema import migrate
 from replicas import Ledger, open_stream, replica, stalled, stop_all, two_replicas
+
+from kilnproxy.store.postgres_schema import migrate
+from kilnproxy.testing import KEY, OTHER_KEY, completion_body
 
 GEN = "X-Neocloud-Generation-Id"
 ORGS = [{"id": "acme", "credits": 100.0, "max_in_flight": 8}, {"id": "globex", "credits": 100.0}]

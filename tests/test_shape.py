@@ -1,4 +1,4 @@
-"""``kilnproxy.shape``: how an answer is built, never what it says."""
+"""``kilnproxy.fixtures.shape``: how an answer is built, never what it says."""
 
 from kilnproxy.fixtures.shape import differences, shape
 

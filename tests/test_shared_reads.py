@@ -1,4 +1,4 @@
-"""Two gateways on one PostgreSQL database read the same ledger (SPEC 9): each one's inspector,
+"""Two gateways on one PostgreSQL database read the same ledger (several replicas (docs/reference.md)): each one's inspector,
 ``/v1/generations/{id}``, ``/v1/credits`` and ``python -m kilnproxy usage`` see the rows the
 other wrote. In-process gateways (``Harness``) for the details, real processes for the whole."""
 
@@ -10,10 +10,10 @@ import sys
 import aiohttp
 import orjson
 import pytest
-
-from kilnproxy.web.server import start_mock
-from kilnproxy.testing import KEY, OTHER_KEY, completion_body, pg_usage_rows
 from processes import GatewayProcess, gateway_config
+
+from kilnproxy.testing import KEY, OTHER_KEY, completion_body, pg_usage_rows
+from kilnproxy.web.server import start_mock
 
 GEN = "X-Neocloud-Generation-Id"
 

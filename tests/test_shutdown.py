@@ -6,11 +6,11 @@ import signal
 import aiohttp
 import orjson
 import pytest
+from processes import GatewayProcess, gateway_config
 
 from kilnproxy.fixtures.mock_upstream import STATS
-from kilnproxy.web.server import start_mock
 from kilnproxy.testing import KEY, MODEL
-from processes import GatewayProcess, gateway_config
+from kilnproxy.web.server import start_mock
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GEN = "X-Neocloud-Generation-Id"

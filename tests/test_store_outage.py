@@ -1,4 +1,4 @@
-"""SPEC section 9 when PostgreSQL is out of reach, and start-up against a wrong database.
+"""Several replicas (docs/reference.md) when PostgreSQL is out of reach, and start-up against a wrong database.
 
 These tests stop and start a PostgreSQL server of their own (``PostgresServer``),
 so the shared one of the other tests is never disturbed.
@@ -9,11 +9,11 @@ import signal
 
 import aiohttp
 import pytest
+from processes import GatewayProcess
+from replicas import Ledger, replica, replica_config, stop_all
 
 from kilnproxy.testing import KEY, completion_body
 from kilnproxy.testing.postgres import PostgresServer
-from processes import GatewayProcess
-from replicas import Ledger, replica, replica_config, stop_all
 
 GEN = "X-Neocloud-Generation-Id"
 AUTH = {"Authorization": f"Bearer {KEY}"}

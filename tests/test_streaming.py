@@ -1,4 +1,4 @@
-"""SPEC section 5 for streams: bytes on the wire, usage handling, errors, keepalive."""
+"""The response rules (docs/reference.md) for streams: bytes on the wire, usage handling, errors, keepalive."""
 
 import asyncio
 

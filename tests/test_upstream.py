@@ -1,12 +1,12 @@
-"""SPEC section 5 for non-streamed answers and upstream failures: pass-through, 502, failover, 503."""
+"""The response rules (docs/reference.md) for non-streamed answers and upstream failures: pass-through, 502, failover, 503."""
 
 
 import orjson
 import pytest
 
 from kilnproxy.fixtures.mock_upstream import OPTIONS
-from kilnproxy.web.server import start_mock
 from kilnproxy.testing import MODEL, free_port
+from kilnproxy.web.server import start_mock
 
 GEN = "X-Neocloud-Generation-Id"
 

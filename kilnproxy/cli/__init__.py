@@ -1,1 +1,9 @@
-"""cli"""
+"""The ``kilnproxy`` command (``python -m kilnproxy``) and its sub-commands.
+
+* ``main``: the parser, ``serve`` and the small sub-commands;
+* ``fixtures``: ``record``, ``replay`` and ``mock-upstream --replay``;
+* ``usage``, ``import_ledger``, ``reload``: reading the ledger, copying it to PostgreSQL, reloading;
+* ``demo``: the built-in demo's config.
+
+May import: any part of kilnproxy. Nothing imports it but ``kilnproxy.__main__``.
+"""

@@ -1,4 +1,4 @@
-"""The built-in demo: a gateway in front of the embedded mock model (SPEC section 1).
+"""The built-in demo: a gateway in front of the embedded mock model (running it (docs/reference.md)).
 
 ``serve --upstream URL`` puts the same demo in front of a real model server instead.
 """

@@ -37,8 +37,8 @@ def add_replay_options(mock: argparse.ArgumentParser) -> None:
 
 
 def cmd_record(args) -> int:
-    from ..web import server
     from ..fixtures.recorder import create_recorder_app
+    from ..web import server
     missing = [name for name in args.secret_env if not os.environ.get(name)]
     if missing:
         raise KilnError(f"--secret-env {missing[0]}: that variable is not set")
@@ -60,8 +60,8 @@ def cmd_record(args) -> int:
 
 
 def serve_replay(args) -> int:
-    from ..web import server
     from ..fixtures.replay_server import create_replay_app
+    from ..web import server
     fixtures = load_all(args.replay)
     if not fixtures:
         raise KilnError(f"--replay {args.replay}: no *.json fixture in that folder")

@@ -1,6 +1,6 @@
 """``python -m kilnproxy import-ledger FILE.db --config CONFIG``: an SQLite ledger into PostgreSQL.
 
-For a team that outgrows one process and keeps its history (SPEC 9). The
+For a team that outgrows one process and keeps its history (several replicas (docs/reference.md)). The
 rows are read from the file (read-only, oldest first, in batches) and each
 batch is settled exactly as a gateway settles its own rows, by the store's
 ``kiln_settle``: the rows are inserted and their cost added to their orgs'
@@ -115,8 +115,8 @@ async def import_rows(source: SQLiteSource, url: str, batch: int, show_progress:
     import asyncpg
     from tqdm import tqdm
 
-    from ..store.postgres_schema import migrate
     from ..store.postgres import redacted
+    from ..store.postgres_schema import migrate
     conn = await pg_connect(url)
     added = present = 0
     done_until = None

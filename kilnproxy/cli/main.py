@@ -158,8 +158,8 @@ def cmd_mock(args) -> int:
 
 
 def cmd_plugins(args) -> int:
-    from .demo import demo_config
     from ..plugins.manager import build_plugin_manager, loaded_plugins
+    from .demo import demo_config
     config = load_or_none(args.config) or demo_config("http://127.0.0.1:1/v1", "127.0.0.1", 8080)
     for plugin in loaded_plugins(build_plugin_manager(config)):
         print(f"{plugin.name}  ({plugin.source})\n    hooks: {', '.join(plugin.hooks) or '-'}")

@@ -1,6 +1,6 @@
 """The inspector: a live view of the gateway in the browser, at ``/ui``.
 
-* ``store``: reads of the usage ledger (pages of requests, usage buckets), on
+* ``queries``: reads of the usage ledger (pages of requests, usage buckets), on
   SQLite or on the shared PostgreSQL store, and the indexes that keep them fast;
 * ``hub``: committed rows fanned out to the page's live feed (SSE);
 * ``capture``: the opt-in ring of request bodies and both streams;
@@ -9,6 +9,8 @@
 
 ``setup_inspector(app, gateway)`` adds all of it to the gateway's app, or
 nothing when ``[inspector] enabled = false``.
+
+May import: ``proxy`` and everything below it; not ops, the web app or the CLI.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from aiohttp import web
 
 from ..access import bearer_token, local_request, token_digest, token_matches
 from ..errors import GatewayError
-from ..proxy.json_routes import expect_handler
 from ..proxy.gateway import Gateway
+from ..proxy.json_routes import expect_handler
 from ..proxy.stream import SSE_HEADERS
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame

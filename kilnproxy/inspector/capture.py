@@ -27,11 +27,11 @@ import orjson
 from aiohttp import web
 
 from ..fixtures.format import Chunk, Fixture
-from ..proxy.request_record import RequestRecord
-from ..proxy.relay import EventRelay
 from ..fixtures.scrub import Scrubber
-from ..sse import COMMENT, SSEParser
+from ..proxy.relay import EventRelay
+from ..proxy.request_record import RequestRecord
 from ..proxy.upstream import Route
+from ..sse import COMMENT, SSEParser
 
 
 class CaptureRing:

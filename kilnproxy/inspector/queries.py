@@ -9,7 +9,7 @@ and runs through a reader:
   below, once;
 * ``SharedReader``: the PostgreSQL store's own pool (``PostgresStore.fetch``),
   so every replica's rows are seen; the same indexes are made by the store's
-  schema (``kilnproxy.pg_schema``). A database out of reach is a 503
+  schema (``kilnproxy.store.postgres_schema``). A database out of reach is a 503
   ``store_unavailable`` answer, as elsewhere.
 
 With those indexes a page is a short index range scan however many rows the

@@ -1,1 +1,10 @@
-"""ops"""
+"""Operating a gateway: ``/metrics``, ``/admin/*``, the access log, reload, health checks, shutdown.
+
+* ``admin``: the operator's endpoints and the wiring of the rest into the app (``install``);
+* ``metrics``, ``accesslog``: what the gateway is doing, for Prometheus and as JSON lines;
+* ``reload``: the config re-read without a restart (SIGHUP, ``POST /admin/reload``);
+* ``health``: active checks of the upstreams;
+* ``lifecycle``: signals and graceful shutdown.
+
+May import: ``proxy`` and everything below it; not the inspector, the web app or the CLI.
+"""

@@ -16,14 +16,14 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from ..access import bearer_token, local_request, token_matches
-from .accesslog import AccessLog
-from ..proxy.gateway import GATEWAY
 from ..errors import GatewayError, forbidden
+from ..proxy.gateway import GATEWAY
+from ..proxy.json_routes import expect_handler
+from .accesslog import AccessLog
 from .health import HealthChecker
 from .lifecycle import Shutdown
 from .metrics import ReloadStats, RequestStats, build_registry
 from .reload import Reloader
-from ..proxy.json_routes import expect_handler
 
 REGISTRY = web.AppKey("metrics_registry", object)
 RELOADER = web.AppKey("reloader", Reloader)

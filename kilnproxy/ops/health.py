@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..proxy.gateway import Gateway
-from ..tasks import cancelled
 from ..proxy.upstream import Upstream
+from ..tasks import cancelled
 
 log = logging.getLogger("kilnproxy")
 

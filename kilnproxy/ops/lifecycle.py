@@ -3,7 +3,7 @@
 ``serve_until_stopped(running, reloader)`` is what ``python -m kilnproxy``
 runs once the gateway listens:
 
-- SIGHUP reloads the config (``kilnproxy.reload``).
+- SIGHUP reloads the config (``kilnproxy.ops.reload``).
 - SIGTERM or SIGINT stops it gracefully: the listening socket is closed at
   once, idle keep-alive connections too; requests in flight may finish for up
   to ``[server] shutdown_grace_seconds``. Streams still open then are ended

@@ -99,7 +99,7 @@ class RequestStats:
 
 
 class ReloadStats:
-    """Config reloads, counted by ``kilnproxy.reload``."""
+    """Config reloads, counted by ``kilnproxy.ops.reload``."""
 
     def __init__(self) -> None:
         self.ok = 0
@@ -114,7 +114,7 @@ class GatewayCollector:
         self.gw = gw
         self.stats = stats
         self.reloads = reloads
-        self.check_failures = checks  # upstream base URL -> failed active checks (kilnproxy.health)
+        self.check_failures = checks  # upstream base URL -> failed active checks (kilnproxy.ops.health)
 
     def collect(self) -> Iterable[Metric]:
         yield from self._requests()

@@ -23,12 +23,12 @@ import logging
 import time
 from pathlib import Path
 
-from .accesslog import AccessLog
-from ..proxy.auth import KeyRing
 from ..config import Config, load_config
 from ..errors import KilnError
+from ..proxy.auth import KeyRing
 from ..proxy.gateway import Gateway
 from ..proxy.upstream import Route, routes_from
+from .accesslog import AccessLog
 
 log = logging.getLogger("kilnproxy")
 
@@ -41,8 +41,8 @@ class Reloader:
 
     def __init__(self, gw: Gateway, stats, health=None, metrics_observer=None):
         self.gw = gw
-        self.stats = stats                        # kilnproxy.metrics.ReloadStats
-        self.health = health                      # kilnproxy.health.HealthChecker, woken after a reload
+        self.stats = stats                        # kilnproxy.ops.metrics.ReloadStats
+        self.health = health                      # kilnproxy.ops.health.HealthChecker, woken after a reload
         self.metrics_observer = metrics_observer  # kept first in Gateway.row_observers
 
     def reload(self) -> tuple[bool, str]:

@@ -1,6 +1,6 @@
 """POST /v1/completions and /v1/chat/completions: the request's whole path.
 
-client -> auth & admission (``admission``) -> plugins check and rewrite ->
+client -> auth & admission (``rules``) -> plugins check and rewrite ->
 upstream (``upstream.Route.open``) -> JSON answer here, or the line-by-line
 stream (``stream``) -> exactly one usage row (``Gateway.submit``), whatever way
 the request ends.
@@ -19,17 +19,16 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from . import rules as admission
-from .gateway import GATEWAY
-from ..plugins.call import Call
 from ..errors import GatewayError, UpstreamFailure
-from .gateway import Gateway
-from ..store.limits import Hold
+from ..plugins.call import Call
 from ..plugins.manager import plugin_headers, run_request_hooks, transformed_response
+from ..store.limits import Hold
+from ..usage import Usage
+from . import rules
+from .gateway import GATEWAY, Gateway
 from .request_record import RequestRecord
 from .stream import relay_stream
 from .upstream import Route
-from ..usage import Usage
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before any response was sent
@@ -71,18 +70,18 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
     record = RequestRecord(call)
     headers = {GENERATION_HEADER: call.generation_id}
     try:
-        admission.check_account(key, gw.credits, gw.config.maintenance)  # steps 1-2
-        body = await admission.read_json_body(request, gw.config.server)  # step 3
+        rules.check_account(key, gw.credits, gw.config.maintenance)  # steps 1-2
+        body = await rules.read_json_body(request, gw.config.server)  # step 3
         record.model, record.body = body["model"], body
         if gw.capture is not None:
             record.tap = gw.capture.tap(record, body)
-        route = admission.check_model(body, key, gw.routes)  # step 4
+        route = rules.check_model(body, key, gw.routes)  # step 4
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = Hold(call, record.created_at, body, route.model.context_window)
-        await admission.take_slot(gw.admission, hold, gw.limit_for(key.org))  # step 5
+        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org))  # step 5
         record.hold = hold  # released with the row, in Gateway.submit
-        admission.check_stream(body, call)  # step 6
-        admission.check_chat_params(body, call, route)  # step 7
+        rules.check_stream(body, call)  # step 6
+        rules.check_chat_params(body, call, route)  # step 7
         await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
         return await forward(request, gw, call, route, record, body, headers)
     except (GatewayError, UpstreamFailure) as err:

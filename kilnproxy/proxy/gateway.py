@@ -16,13 +16,14 @@ import aiohttp
 import pluggy
 from aiohttp import web
 
-from .auth import KeyRing
-from ..plugins.call import Call
 from ..config import Config
 from ..errors import PluginError
-from ..store.sqlite import Ledger, SQLiteLedger
-from ..store.limits import Admission, Credits, LocalAdmission
+from ..plugins.call import Call
 from ..plugins.manager import Hooks, call_maybe_async
+from ..store.limits import Admission, Credits, LocalAdmission
+from ..store.ledger import Ledger
+from ..store.sqlite import SQLiteLedger
+from .auth import KeyRing
 from .request_record import RequestRecord
 from .upstream import Route, client_session, routes_from
 
@@ -48,7 +49,7 @@ class Gateway:
         self.started_at = int(time.time())
         # Called with (row, record) once per request, where its row is built (metrics, access log).
         self.row_observers: tuple = ()
-        # Upstream responses being relayed, so a shutdown can end them (kilnproxy.lifecycle).
+        # Upstream responses being relayed, so a shutdown can end them (kilnproxy.ops.lifecycle).
         self.open_upstreams: set[aiohttp.ClientResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
         self.commit_listeners: list = []  # called with each committed batch; must not block or raise

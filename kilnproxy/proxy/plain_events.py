@@ -1,4 +1,4 @@
-"""Recognising, a whole run at a time, the events that no rule of SPEC 5 changes.
+"""Recognising, a whole run at a time, the events that no response rule changes (docs/reference.md).
 
 ``EventRelay._event`` decides per event, with substring tests on its payload,
 whether the event goes out as the upstream's own bytes (with the upstream's

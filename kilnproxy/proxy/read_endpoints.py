@@ -1,15 +1,15 @@
-"""The small endpoints: catalog, credits, generations, liveness (SPEC section 3)."""
+"""The small endpoints: catalog, credits, generations, liveness (the endpoints (docs/reference.md))."""
 
 from __future__ import annotations
 
 import orjson
 from aiohttp import web
 
-from .gateway import GATEWAY
-from .auth import key_disabled
 from ..config import KeyConfig, ModelConfig
 from ..errors import GatewayError, model_not_found
 from ..usage import round_usd
+from .auth import key_disabled
+from .gateway import GATEWAY
 
 
 def json_response(data: object, status: int = 200) -> web.Response:

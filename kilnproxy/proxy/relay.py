@@ -1,7 +1,7 @@
-"""The streamed response: upstream SSE -> rules of SPEC section 5 -> plugins -> client.
+"""The streamed response: upstream SSE -> the response rules (docs/reference.md) -> plugins -> client.
 
 ``EventRelay`` decides what the client gets, a chunk at a time. The whole
-events of a chunk are checked together by ``PlainRun`` (``plain.py``) with a
+events of a chunk are checked together by ``PlainRun`` (``plain_events.py``) with a
 handful of bytes operations; when no rule changes any of them they go out as
 the upstream's own bytes, the model's name replaced. The last events of a
 chunk, where a stream's finish reason, usage and ``[DONE]`` are, are set apart
@@ -30,13 +30,14 @@ from typing import Any, Callable
 import orjson
 
 from ..plugins.call import DROP, STOP, Call
-from ..errors import plugin_failed
 from ..plugins.manager import Impl, call_impl
-from .request_record import RequestRecord
-from .plain_events import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
 from ..sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
-from .upstream import Route
 from ..usage import Usage
+from .plain_events import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
+from .request_record import RequestRecord
+from .stream_errors import StreamPluginError
+from .upstream import Route
+from .usage_chunk import usage_chunk
 
 log = logging.getLogger("kilnproxy.plugins")
 
@@ -345,7 +346,7 @@ class EventRelay:
         """What follows the last event: the usage chunk if asked for, then ``[DONE]``."""
         if self.error is not None or not self.call.include_usage:
             return DONE_FRAME
-        event = self._usage_event()
+        event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw)
         if not self.parse_all:
             return data_frame(orjson.dumps(event)) + DONE_FRAME
         try:
@@ -355,32 +356,6 @@ class EventRelay:
         except StreamPluginError as exc:
             self.record.error_code = exc.error.code
             return exc.frame() + DONE_FRAME
-
-    def _usage_event(self) -> dict:
-        usage = self.record.final_usage()
-        event = self.usage_event
-        if event is None:
-            base = self.last_event or {}
-            event = {k: base[k] for k in ("id", "object", "created") if k in base}
-            if "object" not in event:
-                event["object"] = "chat.completion.chunk" if self.call.endpoint == "chat/completions" \
-                    else "text_completion"
-        event["model"] = self.call.model
-        event["choices"] = []
-        raw = dict(self.usage_raw) if self.usage_raw is not None else {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-        }
-        if self.usage_raw is not None and usage != Usage.from_upstream(self.usage_raw):  # combined reports
-            raw.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                       total_tokens=usage.total_tokens)
-            details = raw.get("prompt_tokens_details")
-            if isinstance(details, dict):
-                raw["prompt_tokens_details"] = {**details, "cached_tokens": usage.cached_tokens}
-        raw["cost"] = usage.cost(self.call.pricing)
-        event["usage"] = raw
-        return event
 
 
 # The finish chunk, the usage chunk and [DONE] end a stream: a chunk's last events are looked
@@ -404,20 +379,3 @@ def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:
     if names == ("call", "event"):
         return partial(function, call)
     return lambda event: call_impl(impl, {"call": call, "event": event})
-
-
-class StreamPluginError(Exception):
-    """A ``transform_event`` plugin raised after the stream had started."""
-
-    def __init__(self, plugin: str, exc: BaseException):
-        super().__init__(f"{plugin}: {exc}")
-        self.error = plugin_failed(plugin, "transform_event", exc)
-
-    def frame(self) -> bytes:
-        return data_frame(orjson.dumps(self.error.payload()))
-
-
-def error_frame(message: str, code: str) -> bytes:
-    """The ``error`` event the gateway sends when a stream cannot go on."""
-    return data_frame(orjson.dumps({"error": {"message": message, "type": "upstream_error",
-                                              "param": None, "code": code}}))

@@ -1,4 +1,4 @@
-"""Step 3 of SPEC section 4: the request body, read, decoded and parsed, or a 4xx JSON error.
+"""Step 3 of the request rules (docs/reference.md): the request body, read, decoded and parsed, or a 4xx JSON error.
 
 * Not all there within ``request_body_timeout`` seconds (a client that
   announces more than it sends, or trickles it) -> 408 ``request_timeout``.
@@ -8,7 +8,7 @@
 * ``Content-Encoding``: none, ``identity``, ``gzip`` (``x-gzip``) or ``deflate``
   (zlib, or the raw deflate some clients send) are decoded here. Any other
   encoding, or several, -> 415 ``unsupported_content_encoding``; a body that
-  does not decode -> 400 ``invalid_request``. The servers of ``kilnproxy.server``
+  does not decode -> 400 ``invalid_request``. The servers of ``kilnproxy.web.server``
   run with aiohttp's ``auto_decompress`` off, so the bytes read here are the
   client's own.
 * Not JSON, not an object, no string ``model`` -> 400 ``invalid_request``, and

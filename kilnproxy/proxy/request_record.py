@@ -8,8 +8,6 @@ from typing import Any
 from ..plugins.call import Call
 from ..usage import COLUMNS, Usage, estimate_prompt_tokens
 
-
-
 _second: list = [None, ""]  # the last whole second formatted, and its text
 
 

@@ -1,17 +1,17 @@
-"""The request rules of SPEC section 4, steps 1 to 7, one function each, called in order
-by ``completions.handle`` (step 3, the body, is ``kilnproxy.request_body``).
+"""The request rules (docs/reference.md), steps 1 to 7, one function each, called in order
+by ``completions.handle`` (step 3, the body, is ``kilnproxy.proxy.request_body``).
 
-Each check raises ``GatewayError`` with the status and code the SPEC fixes;
+Each check raises ``GatewayError`` with the status and code docs/reference.md gives;
 the first that fails answers the request.
 """
 
 from __future__ import annotations
 
-from ..plugins.call import Call
-from .auth import key_disabled
 from ..config import KeyConfig, MaintenanceConfig
-from ..store.limits import Admission, Credits, Hold, insufficient_credits
 from ..errors import GatewayError, bad_request, forbidden, model_not_found
+from ..plugins.call import Call
+from ..store.limits import Admission, Credits, Hold, insufficient_credits
+from .auth import key_disabled
 from .request_body import read_json_body  # step 3  # noqa: F401 (called as admission.read_json_body)
 from .upstream import Route
 

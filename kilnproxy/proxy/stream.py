@@ -17,10 +17,11 @@ import aiohttp
 from aiohttp import web
 
 from ..plugins.call import Call
-from .gateway import Gateway
-from .request_record import RequestRecord
-from .relay import EventRelay, StreamPluginError, error_frame
 from ..sse import DONE_FRAME, KEEPALIVE_FRAME
+from .gateway import Gateway
+from .relay import EventRelay
+from .request_record import RequestRecord
+from .stream_errors import StreamPluginError, error_frame
 from .upstream import Route
 
 SSE_HEADERS = {

@@ -1,4 +1,4 @@
-"""Reaching a model's upstreams: balancing, failover and marking down (SPEC section 5).
+"""Reaching a model's upstreams: balancing, failover and marking down (the response rules (docs/reference.md)).
 
 ``Route`` holds what the request path needs to know of one catalog model.
 ``Route.open(...)`` sends the body to the least busy upstream that is not

@@ -1,1 +1,13 @@
-"""store"""
+"""The store: where usage rows, admission state and spending live.
+
+* ``ledger``: the ``Ledger`` interface the request path writes rows through;
+* ``sqlite``: ``SQLiteLedger``, the store of one gateway process;
+* ``postgres``, ``postgres_schema``, ``replicas``, ``spool``: the store that
+  several replicas share, its versioned schema, replica liveness and the
+  rows kept locally while PostgreSQL is out of reach;
+* ``limits``: admission (in-flight slots and credit holds) and credits;
+* ``batches``, ``checkpoint``: group commit and SQLite's background checkpoints;
+* ``reads``: the ledger as the commands read it.
+
+The store knows rows, not requests. May import: the kernel only.
+"""

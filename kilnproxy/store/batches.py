@@ -1,6 +1,6 @@
 """``Batches``: work of many requests queued, done together by one task, one batch at a time.
 
-Used for the usage rows (SPEC 7's group commit, SQLite and PostgreSQL) and for
+Used for the usage rows (group commit, SQLite and PostgreSQL) and for
 admission on PostgreSQL. The request path calls ``add(item, tag)``, which never
 blocks and never raises, and awaits the returned future. One task takes
 everything queued and calls ``process(items)`` once; each future gets its

@@ -1,11 +1,11 @@
-"""Per-org admission state (SPEC 4 step 5): requests in flight, credit holds, credits.
+"""Per-org admission state (request rule 5 (docs/reference.md)): requests in flight, credit holds, credits.
 
 ``Admission`` is what the request path needs at step 5: ``admit`` takes the
 org's in-flight slot and places the request's ``Hold`` on its credits in one
-step, or refuses with the SPEC's 429 or 402; ``release`` gives both back once
+step, or refuses with the documented 429 or 402; ``release`` gives both back once
 the request's row has been submitted (the row's cost then replaces the hold).
 ``LocalAdmission`` keeps them in this process (the SQLite set-up);
-``kilnproxy.pg_store.PostgresStore`` keeps them in PostgreSQL, shared by
+``kilnproxy.store.postgres.PostgresStore`` keeps them in PostgreSQL, shared by
 every replica.
 
 ``admit`` is awaited (a shared store needs a round trip), while ``release``

@@ -1,7 +1,7 @@
 """``PostgresStore``: the ledger and the admission state of several replicas, in PostgreSQL.
 
 Every replica started with the same ``[storage] url`` shares, through it, the
-in-flight slots, the credit holds, the spending and the usage rows (SPEC 9).
+in-flight slots, the credit holds, the spending and the usage rows (several replicas (docs/reference.md)).
 
 * Admission (``admit``) is one round trip, shared by the requests admitted
   at the same moment: ``kiln_admit`` takes the org's admission lock, counts
@@ -11,12 +11,12 @@ in-flight slots, the credit holds, the spending and the usage rows (SPEC 9).
   their holds, inserts them and adds their cost to the orgs' spending in one
   transaction, idempotent by generation id. A request awaits its row's
   commit before its response ends.
-* Liveness (``kilnproxy.replicas``): a heartbeat every few seconds; the
+* Liveness (``kilnproxy.store.replicas``): a heartbeat every few seconds; the
   holds of a replica silent for ``replica_timeout_seconds`` stop counting and
   are turned into ``replica_lost`` rows by a surviving replica.
 * Outage: with PostgreSQL out of reach, ``admit`` answers 503
   ``store_unavailable`` at once, and rows that cannot be settled go to the
-  spool (``kilnproxy.spool``), flushed once the database answers again.
+  spool (``kilnproxy.store.spool``), flushed once the database answers again.
 
 Nothing holds a connection across a stream: each statement borrows one from
 a small pool and gives it back.
@@ -37,10 +37,10 @@ import orjson
 
 from ..config import Config
 from ..errors import GatewayError, StorageError
+from ..usage import COLUMNS
 from .batches import Batches, GroupCommitted
 from .limits import Counts, Credits, Hold, insufficient_credits, rate_limited
 from .postgres_schema import migrate
-from ..usage import COLUMNS
 from .replicas import Heartbeat
 from .spool import Spool
 
@@ -148,7 +148,7 @@ class PostgresStore(GroupCommitted):
     def _reason(self, exc: BaseException) -> str:
         return _reason(exc, urlsplit(self.url).password)
 
-    # -- admission (SPEC 4 step 5) -------------------------------------------------
+    # -- admission (request rule 5 (docs/reference.md)) -------------------------------------------------
 
     async def admit(self, hold: Hold, limit: int) -> None:
         """One ``kiln_admit`` for every request admitted at the same moment. A request cancelled

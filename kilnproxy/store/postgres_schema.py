@@ -8,13 +8,13 @@ of a column is a new entry at the end of the list, never an edit of an old one.
 
 Tables:
 
-* ``usage_events``: the rows of SPEC section 7, the same columns as SQLite's
+* ``usage_events``: the rows of usage accounting (docs/reference.md), the same columns as SQLite's
   (``created_at`` stays ISO-8601 text so that one query serves both stores),
   plus ``rowid`` (insertion order, for the inspector's paging) and
   ``replica`` (which gateway wrote it).
 * ``kiln_orgs``: ``spent`` per org, always ``SUM(cost)`` of its rows: the
   same transactions that insert rows add their cost.
-* ``kiln_holds``: one row per request in flight (SPEC 4 step 5): its slot is
+* ``kiln_holds``: one row per request in flight (request rule 5 (docs/reference.md)): its slot is
   the row, its credit hold ``amount``; the rest is what its ``replica_lost``
   row needs should its replica die.
 * ``kiln_replicas``: each replica's last heartbeat.

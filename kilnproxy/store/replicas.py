@@ -4,7 +4,7 @@ Every ``interval`` (a third of ``replica_timeout_seconds``, at most 5 s) a
 replica upserts its ``kiln_replicas`` row in one statement that also reads
 every org's spending (so step 1's credit check sees the other replicas'
 charges). Then it runs ``kiln_reap``: the holds of replicas silent for the
-timeout become ``replica_lost`` rows (SPEC 9).
+timeout become ``replica_lost`` rows (several replicas (docs/reference.md)).
 
 A replica reaps only once it has itself been in touch with the database for
 a whole timeout: right after an outage every replica's heartbeat is stale,

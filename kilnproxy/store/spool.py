@@ -15,8 +15,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from .sqlite import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values
 from ..usage import COLUMNS
+from .sqlite import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values
 
 _ADD = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")
 

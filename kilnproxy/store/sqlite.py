@@ -1,37 +1,5 @@
-"""The usage ledger: one SQLite row per request, written by group commit.
-
-``Ledger`` is the interface the request path uses; ``SQLiteLedger`` is the
-store of one gateway process (``kilnproxy.pg_store.PostgresStore`` the one
-of several replicas).
-
-The request path calls ``submit(row)``, which never blocks and never raises:
-the row goes on a queue and a future is returned. One writer task
-(``kilnproxy.batches``) takes everything queued, inserts it in one
-transaction and resolves the futures.
-The request awaits its future before the response ends, so a response a client
-saw end always has its row on disk (WAL, ``synchronous=NORMAL``: a committed
-transaction survives the gateway being killed; only a power cut could lose the
-last ones). A failed commit (a lock held by another program, a full disk) is
-retried with the same rows; none is dropped, and the responses wait. A value
-SQLite cannot bind is stored as text rather than wedge every later commit.
-
-The ledger is a store, not a plugin, and ``record_usage`` plugins are told of
-each row after its commit (``on_commit``, then the gateway's notifier task).
-Why not make the SQLite writer the built-in ``record_usage`` plugin: the row
-must be committed before the response ends and the request awaits exactly that,
-which a hook call (pluggy is synchronous, its order set by registration) cannot
-promise; a slow or failing plugin must never delay a response nor lose a row;
-plugins should only ever see rows that are on disk (what ``GET
-/v1/generations/{id}`` and credits will show); and spending is read back from the
-store at start-up, so the store is chosen by the gateway (``Gateway(ledger=...)``),
-not by whichever plugins happen to load.
-
-WAL checkpoints run in the background (``checkpoint.Checkpointer``): a
-commit is one group commit and never a checkpoint's copy and fsyncs.
-
-``stats()`` gives ops metrics for free: rows queued, transactions and rows
-committed, failed attempts, and the last commit's duration.
-"""
+"""``SQLiteLedger``: the usage ledger of one gateway process, one SQLite row per request
+(the ``Ledger`` contract of ``kilnproxy.store.ledger``), written by group commit in WAL mode."""
 
 from __future__ import annotations
 
@@ -41,14 +9,15 @@ import logging
 import sqlite3
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Iterable
 
 import aiosqlite
 
-from .batches import Batches, GroupCommitted
-from .checkpoint import Checkpointer
 from ..errors import StorageError
 from ..usage import COLUMNS
+from .batches import Batches, GroupCommitted
+from .checkpoint import Checkpointer
+from .ledger import CommitListener
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -89,35 +58,6 @@ def _insert_rows(n: int) -> str:
 
 
 _values = itemgetter(*COLUMNS)  # row dict -> tuple in column order
-
-CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
-
-
-class Ledger(Protocol):
-    """What the gateway needs of a usage store (SQLite, or PostgreSQL for several replicas)."""
-
-    async def open(self) -> None:
-        """Connect and prove the store can be written; ``StorageError`` (one line) if not."""
-
-    async def close(self) -> None:
-        """Commit everything submitted so far, then disconnect."""
-
-    def submit(self, row: dict[str, Any], tag: Any = None) -> "asyncio.Future[None]":
-        """Queue ``row`` (the columns of ``usage.COLUMNS``); never blocks, never raises.
-        The future resolves once the row is durable."""
-
-    async def spent_by_org(self) -> dict[str, float]:
-        """``SUM(cost)`` per org, read at start-up for credits."""
-
-    async def get(self, generation_id: str) -> dict[str, Any] | None:
-        """The committed row of that id, or ``None``."""
-
-    def queue_depth(self) -> int:
-        """Rows submitted and not yet being committed."""
-
-    def stats(self) -> dict[str, float]:
-        """Numbers for ops metrics (``queue_depth`` at least)."""
-
 
 class SQLiteLedger(GroupCommitted):
     RETRY_SECONDS = 0.2

@@ -43,8 +43,18 @@ This package may import any part of kilnproxy; nothing in kilnproxy imports it
 but ``kilnproxy.pytest_plugin``.
 """
 
-from .harness import (KEY, MODEL, OTHER_KEY, UPSTREAM_MODEL, Harness, base_config, completion_body, free_port,
-                      pg_usage_rows, usage_rows)
+from .harness import (
+                      KEY,
+                      MODEL,
+                      OTHER_KEY,
+                      UPSTREAM_MODEL,
+                      Harness,
+                      base_config,
+                      completion_body,
+                      free_port,
+                      pg_usage_rows,
+                      usage_rows,
+)
 from .recordings import RECORDINGS, Recorder, Replay, sse_events, sse_frames
 
 __all__ = ["Harness", "KEY", "OTHER_KEY", "MODEL", "UPSTREAM_MODEL", "base_config", "usage_rows", "pg_usage_rows",

@@ -11,13 +11,12 @@ from typing import Any, Callable
 
 import aiohttp
 
-from ..web.app import create_app
-from ..proxy.gateway import GATEWAY
 from ..config import parse_config
-from .recordings import Replay
 from ..fixtures.format import Fixture
-from ..proxy.gateway import Gateway
+from ..proxy.gateway import GATEWAY, Gateway
+from ..web.app import create_app
 from ..web.server import Running, start_app, start_mock
+from .recordings import Replay
 
 KEY = "sk-test-acme"
 OTHER_KEY = "sk-test-globex"

@@ -2,7 +2,7 @@
 
 ::
 
-    from kilnproxy.testing_postgres import PostgresServer
+    from kilnproxy.testing.postgres import PostgresServer
 
     with PostgresServer() as pg:                 # initdb + pg_ctl start, on a free 127.0.0.1 port
         url = pg.create_database("ledger_a")     # postgresql://kiln:kiln-secret@127.0.0.1:PORT/ledger_a
@@ -261,7 +261,7 @@ class PostgresServer:
             if not self.fsync:
                 settings.update(fsync="off", full_page_writes="off")
             with open(self.data / "postgresql.conf", "a") as conf:
-                conf.write("\n# kilnproxy.testing_postgres\n")
+                conf.write("\n# kilnproxy.testing.postgres\n")
                 conf.writelines(f"{key} = {value}\n" for key, value in settings.items())
         except BaseException:
             self.remove()

@@ -16,8 +16,8 @@ import orjson
 from ..fixtures.format import Fixture, load_all
 from ..fixtures.recorder import SAVED, create_recorder_app
 from ..fixtures.replay_server import create_replay_app
-from ..web.server import Running, start_app
 from ..sse import COMMENT, DONE, SSEParser
+from ..web.server import Running, start_app
 
 RECORDINGS = Path(__file__).parent.parent / "recordings"  # kilnproxy/recordings: shipped in the package
 

@@ -13,16 +13,16 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
-from ..ops import admin
-from ..proxy import read_endpoints as handlers
-from ..proxy.completions import chat_completions, completions, hot_routes
 from ..config import Config
 from ..errors import GatewayError
-from .fastpath import HOT_ROUTES
-from ..proxy.gateway import GATEWAY, Gateway
 from ..inspector import setup_inspector
+from ..ops import admin
 from ..plugins.manager import build_plugin_manager
+from ..proxy import read_endpoints
+from ..proxy.completions import chat_completions, completions, hot_routes
+from ..proxy.gateway import GATEWAY, Gateway
 from ..proxy.json_routes import add_fallback, expect_handler
+from .fastpath import HOT_ROUTES
 
 log = logging.getLogger("kilnproxy")
 
@@ -33,16 +33,16 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     gateway = Gateway(config, build_plugin_manager(config, extra_plugins))
     app = web.Application(middlewares=[json_errors], client_max_size=config.server.max_request_bytes)
     app[GATEWAY] = gateway
-    app[HOT_ROUTES] = hot_routes(gateway)  # answered by the server's own route table (kilnproxy.fastpath)
+    app[HOT_ROUTES] = hot_routes(gateway)  # answered by the server's own route table (kilnproxy.web.fastpath)
     app.cleanup_ctx.append(_gateway_ctx)
     # also here: a path with a query string or an escape, or an Expect header, comes through the router
     app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_handler)
-    app.router.add_get("/v1/models", handlers.list_models, expect_handler=expect_handler)
-    app.router.add_get("/v1/models/{model_id:.+}", handlers.get_model, expect_handler=expect_handler)
-    app.router.add_get("/v1/credits", handlers.credits, expect_handler=expect_handler)
-    app.router.add_get("/v1/generations/{generation_id}", handlers.generation, expect_handler=expect_handler)
-    app.router.add_get("/healthz", handlers.healthz, expect_handler=expect_handler)
+    app.router.add_get("/v1/models", read_endpoints.list_models, expect_handler=expect_handler)
+    app.router.add_get("/v1/models/{model_id:.+}", read_endpoints.get_model, expect_handler=expect_handler)
+    app.router.add_get("/v1/credits", read_endpoints.credits, expect_handler=expect_handler)
+    app.router.add_get("/v1/generations/{generation_id}", read_endpoints.generation, expect_handler=expect_handler)
+    app.router.add_get("/healthz", read_endpoints.healthz, expect_handler=expect_handler)
     admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
     setup_inspector(app, gateway)
     add_fallback(app)  # last: JSON 404/405 for whatever no route above serves

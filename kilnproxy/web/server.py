@@ -6,7 +6,7 @@ up cancels its handler, which closes the upstream request at once), no
 aiohttp access log (the gateway writes its own usage rows), and aiohttp's
 ``auto_decompress`` off: request bodies reach the handlers as the client sent
 them, and the gateway decodes them itself under its size limit
-(``kilnproxy.request_body``). A request aiohttp cannot parse (a header line
+(``kilnproxy.proxy.request_body``). A request aiohttp cannot parse (a header line
 without a colon, a line over 8 KiB, more than 128 headers, a Content-Length
 that disagrees with Transfer-Encoding) gets aiohttp's own 400 and never
 reaches a handler; it is logged as one line, without the traceback aiohttp
@@ -24,14 +24,14 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from .app import create_app
-from .fastpath import HOT_ROUTES, FastRunner
 from ..config import Config
 from ..fixtures.mock_upstream import create_mock_app
+from .app import create_app
+from .fastpath import HOT_ROUTES, FastRunner
 
 log = logging.getLogger("kilnproxy")
 
-# What is still running after the app's own grace period (kilnproxy.lifecycle) is cancelled after this.
+# What is still running after the app's own grace period (kilnproxy.ops.lifecycle) is cancelled after this.
 SHUTDOWN_SECONDS = 2.0
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from .support import (GENERATION_HEADER, KEY, MODEL, events, expected_cost, frames, prompt_tokens, row)
+from .support import GENERATION_HEADER, KEY, MODEL, events, expected_cost, frames, prompt_tokens, row
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name the capital of France."}]

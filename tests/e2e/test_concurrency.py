@@ -8,8 +8,20 @@ import aiohttp
 import orjson
 
 from .stack import N_PARALLEL
-from .support import (GENERATION_HEADER, KEY, MODEL, TIGHT_KEY, TIGHT_LIMIT, events, expected_cost, frames,
-                      llama_metric, row, rows, wait_llama_idle)
+from .support import (
+    GENERATION_HEADER,
+    KEY,
+    MODEL,
+    TIGHT_KEY,
+    TIGHT_LIMIT,
+    events,
+    expected_cost,
+    frames,
+    llama_metric,
+    row,
+    rows,
+    wait_llama_idle,
+)
 
 MAX_TOKENS = 12
 

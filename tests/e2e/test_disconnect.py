@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .support import (GENERATION_HEADER, KEY, MODEL, events, expected_cost, llama_metric, wait_for_row,
-                      wait_llama_idle)
+from .support import GENERATION_HEADER, KEY, MODEL, events, expected_cost, llama_metric, wait_for_row, wait_llama_idle
 
 MAX_TOKENS = 400
 READ_CHUNKS = 5

@@ -1,4 +1,4 @@
-"""llama.cpp's own ways, normalised by the gateway (SPEC section 5), against the real server.
+"""llama.cpp's own ways, normalised by the gateway (the response rules (docs/reference.md)), against the real server.
 
 Each test first shows the quirk on llama.cpp's own answer, so that a llama.cpp
 that stopped having it would be noticed rather than silently tested against.

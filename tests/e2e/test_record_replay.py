@@ -19,8 +19,8 @@ import pytest
 
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.format import load
-from kilnproxy.web.server import start_gateway
 from kilnproxy.testing import Replay, usage_rows
+from kilnproxy.web.server import start_gateway
 
 from .support import GENERATION_HEADER, KEY, MODEL, gateway_toml
 from .test_llama_quirks import DEAD_END, LONG_PROMPT, OVERFLOW_PROMPT

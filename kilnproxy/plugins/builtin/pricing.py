@@ -1,4 +1,4 @@
-"""SPEC section 5 for non-streamed answers, as a ``transform_response`` plugin:
+"""The response rules (docs/reference.md) for non-streamed answers, as a ``transform_response`` plugin:
 ``model`` becomes the catalog id and ``usage.cost`` is added.
 
 (Streamed chunks get the same treatment from the relay at byte level, so that

@@ -1,4 +1,4 @@
-"""The body rules of SPEC section 4, steps 8 and 9, as a ``rewrite_request`` plugin.
+"""The body rules of the request rules (docs/reference.md), steps 8 and 9, as a ``rewrite_request`` plugin.
 
 The upstream gets the model's ``upstream_model`` as ``model`` and, on a
 streamed request, ``stream_options.include_usage = true`` so that every

@@ -1,0 +1,25 @@
+"""The error events a stream can end with once it has begun (its status line has gone)."""
+
+from __future__ import annotations
+
+import orjson
+
+from ..errors import plugin_failed
+from ..sse import data_frame
+
+
+class StreamPluginError(Exception):
+    """A ``transform_event`` plugin raised after the stream had started."""
+
+    def __init__(self, plugin: str, exc: BaseException):
+        super().__init__(f"{plugin}: {exc}")
+        self.error = plugin_failed(plugin, "transform_event", exc)
+
+    def frame(self) -> bytes:
+        return data_frame(orjson.dumps(self.error.payload()))
+
+
+def error_frame(message: str, code: str) -> bytes:
+    """The ``error`` event the gateway sends when a stream cannot go on."""
+    return data_frame(orjson.dumps({"error": {"message": message, "type": "upstream_error",
+                                              "param": None, "code": code}}))
