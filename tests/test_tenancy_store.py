@@ -276,10 +276,13 @@ async def test_a_store_on_a_postgresql_pool(stores):
     if stores.kind == "sqlite":
         pytest.skip("the gateway's pool is PostgreSQL's")
     async with asyncpg.create_pool(stores.pg_url, min_size=2, max_size=2) as pool:
-        store = TenancyStore(PostgresDb(pool))
+        store = TenancyStore(PostgresDb(pool, timeout=5.0))
         results = await asyncio.gather(*(store.add_grant("acme", 1.0, "same") for _ in range(4)))
         assert sum(created for _, created in results) == 1
         assert (await store.snapshot()).granted == {"acme": 1.0}
+        with pytest.raises(asyncio.TimeoutError):  # a database that does not answer in time
+            await PostgresDb(pool, timeout=0.2).fetch("SELECT pg_sleep(2)")
+        assert await store.version() == 1  # the pool still serves
 
 
 # -- key usage by period -------------------------------------------------------------------------------

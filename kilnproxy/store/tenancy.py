@@ -29,7 +29,6 @@ org exists (config or runtime) before granting or making a key, and answers
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import orjson
 
+from ..config_types import sha256_hex
 from ..errors import GatewayError
 from ..usage import round_usd
 from .key_usage import usage_by_key
@@ -62,10 +62,6 @@ def conflict(message: str) -> GatewayError:
 
 def new_secret() -> str:
     return "sk-" + secrets.token_urlsafe(32)
-
-
-def secret_sha256(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -196,7 +192,7 @@ class TenancyStore:
             row = await tx.fetchrow(
                 f"INSERT INTO kiln_keys (sha256, {KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?) "
                 f"RETURNING {KEY_COLUMNS}",
-                secret_sha256(secret), key_id, secret[:8], name, org, _stored("models", models),
+                sha256_hex(secret), key_id, secret[:8], name, org, _stored("models", models),
                 None if limit is None else float(limit), limit_reset, expires_at, requests_per_minute,
                 tokens_per_minute, self._stamp())
             await self._event(tx, version, "key.created", org, key_id, {"prefix": secret[:8], **fields}, actor)

@@ -128,7 +128,22 @@ def migrate_sqlite(conn: sqlite3.Connection) -> int:
         raise
 
 
-class SQLiteDb:
+class _Rows:
+    """``fetchrow`` and ``fetchval`` from ``fetch``: a dict per row, the first row, its first value."""
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
+        rows = await self.fetch(sql, *args)
+        return rows[0] if rows else None
+
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        row = await self.fetchrow(sql, *args)
+        return next(iter(row.values())) if row else None
+
+
+class SQLiteDb(_Rows):
     """The gateway's SQLite file, on a connection of its own (not the ledger writer's: a change must
     never run inside, or be committed by, a batch of usage rows). One operation at a time: a reader on
     this connection never sees a change before its commit."""
@@ -145,7 +160,14 @@ class SQLiteDb:
         try:
             await asyncio.to_thread(_migrate_file, self.path)
             self._conn = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
+            # FULL: a change answered is on disk even after a power cut (changes are few; grants are money).
+            # No checkpoint at a commit of ours: the ledger's Checkpointer copies the WAL in the background.
+            for pragma in ("synchronous=FULL", "wal_autocheckpoint=0"):
+                await self._conn.execute_fetchall(f"PRAGMA {pragma}")
         except (sqlite3.Error, OSError) as exc:
+            if self._conn is not None:
+                await self._conn.close()
+                self._conn = None
             raise StorageError(f"cannot open the database {str(self.path)!r}: {exc}") from None
         self._conn.row_factory = sqlite3.Row
 
@@ -157,14 +179,6 @@ class SQLiteDb:
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         async with self._lock:
             return [dict(r) for r in await self._conn.execute_fetchall(sql, args)]
-
-    async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
-        rows = await self.fetch(sql, *args)
-        return rows[0] if rows else None
-
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        row = await self.fetchrow(sql, *args)
-        return next(iter(row.values())) if row else None
 
     @asynccontextmanager
     async def transaction(self, snapshot: bool = False) -> AsyncIterator["_SQLiteTx"]:
@@ -181,20 +195,12 @@ class SQLiteDb:
                 raise
 
 
-class _SQLiteTx:
+class _SQLiteTx(_Rows):
     def __init__(self, conn: aiosqlite.Connection):
         self._conn = conn
 
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         return [dict(r) for r in await self._conn.execute_fetchall(sql, args)]
-
-    async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
-        rows = await self.fetch(sql, *args)
-        return rows[0] if rows else None
-
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        row = await self.fetchrow(sql, *args)
-        return next(iter(row.values())) if row else None
 
     async def changed(self, version: int) -> None:
         """Nothing to send: SQLite's readers poll the version counter."""
@@ -215,15 +221,18 @@ def numbered(sql: str) -> str:
     return "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
 
 
-class PostgresDb:
+class PostgresDb(_Rows):
     """PostgreSQL through an asyncpg pool (a gateway's) or one connection (a command's, a test's;
-    then one operation at a time). The schema is ``kilnproxy.pg_schema``'s, migrated by its opener."""
+    then one operation at a time). The schema is ``kilnproxy.pg_schema``'s, migrated by its opener.
+    ``timeout`` (seconds) bounds each statement and each wait for a pooled connection: past it,
+    ``asyncio.TimeoutError``, which the gateway answers as 503 ``store_unavailable``."""
 
     dialect = "postgresql"
 
-    def __init__(self, pool_or_connection: Any):
+    def __init__(self, pool_or_connection: Any, timeout: float | None = None):
         self._source = pool_or_connection
         self._lock = None if hasattr(pool_or_connection, "acquire") else asyncio.Lock()
+        self.timeout = timeout
 
     async def open(self) -> None:
         """Nothing to do: the pool or connection is the caller's, as is the migration."""
@@ -234,7 +243,7 @@ class PostgresDb:
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[Any]:
         if self._lock is None:
-            async with self._source.acquire() as conn:
+            async with self._source.acquire(timeout=self.timeout) as conn:
                 yield conn
         else:
             async with self._lock:
@@ -242,37 +251,23 @@ class PostgresDb:
 
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         async with self._connection() as conn:
-            return [dict(r) for r in await conn.fetch(numbered(sql), *args)]
-
-    async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
-        rows = await self.fetch(sql, *args)
-        return rows[0] if rows else None
-
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        row = await self.fetchrow(sql, *args)
-        return next(iter(row.values())) if row else None
+            return [dict(r) for r in await conn.fetch(numbered(sql), *args, timeout=self.timeout)]
 
     @asynccontextmanager
     async def transaction(self, snapshot: bool = False) -> AsyncIterator["_PostgresTx"]:
         options = {"isolation": "repeatable_read", "readonly": True} if snapshot else {}
         async with self._connection() as conn, conn.transaction(**options):
-            yield _PostgresTx(conn)
+            yield _PostgresTx(conn, self.timeout)
 
 
-class _PostgresTx:
-    def __init__(self, conn: Any):
+class _PostgresTx(_Rows):
+    def __init__(self, conn: Any, timeout: float | None):
         self._conn = conn
+        self._timeout = timeout
 
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
-        return [dict(r) for r in await self._conn.fetch(numbered(sql), *args)]
-
-    async def fetchrow(self, sql: str, *args: Any) -> dict[str, Any] | None:
-        row = await self._conn.fetchrow(numbered(sql), *args)
-        return dict(row) if row is not None else None
-
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        return await self._conn.fetchval(numbered(sql), *args)
+        return [dict(r) for r in await self._conn.fetch(numbered(sql), *args, timeout=self._timeout)]
 
     async def changed(self, version: int) -> None:
         """Tell every listening replica, at commit (``LISTEN kiln_tenancy``; the payload is the version)."""
-        await self._conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, str(version))
+        await self._conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, str(version), timeout=self._timeout)
