@@ -7,7 +7,9 @@
   rows kept locally while PostgreSQL is out of reach;
 * ``limits``: admission (in-flight slots and credit holds) and credits;
 * ``batches``, ``checkpoint``: group commit and SQLite's background checkpoints;
-* ``reads``: the ledger as the commands read it.
+* ``reads``: the ledger as the commands read it;
+* ``tenancy``, ``tenancy_sql``, ``key_usage``, ``tenancy_validation``: orgs, keys and
+  credit grants made at runtime, on either store, and the admin bodies' checks.
 
 The store knows rows, not requests. May import: the kernel only.
 """
