@@ -240,6 +240,7 @@ def _key(source: str, i: int, table: Any) -> KeyConfig:
         id=r.get("id", str, f"key-{digest[:12]}"),
         models=r.strings("models", None),
         disabled=r.get("disabled", bool, False),
+        prefix=secret[:8] if secret is not None else None,
     )
     r.done()
     return key

@@ -84,11 +84,23 @@ class OrgConfig:
 
 @dataclass(frozen=True)
 class KeyConfig:
+    """A key as authentication sees it: one of the config's, or one made at runtime (``source = "api"``).
+
+    ``expires_at`` is a POSIX time (None: never); ``limit`` USD per ``limit_reset`` period
+    (``daily``, ``weekly``, ``monthly``, or None: since ``created_at``)."""
+
     key_sha256: str
     org: str
     id: str
     models: tuple[str, ...] | None = None
     disabled: bool = False
+    prefix: str | None = None  # the secret's first 8 characters; None for a config key given by its hash
+    name: str | None = None
+    source: str = "config"
+    expires_at: float | None = None
+    limit: float | None = None
+    limit_reset: str | None = None
+    created_at: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from replicas import Ledger, open_stream, replica, stalled, stop_all, two_replicas
 
-from kilnproxy.store.postgres_schema import migrate
+from kilnproxy.store.postgres_schema import MIGRATIONS, migrate
 from kilnproxy.testing import KEY, OTHER_KEY, completion_body
 
 GEN = "X-Neocloud-Generation-Id"
@@ -27,7 +27,8 @@ async def test_two_replicas_started_at_once_on_an_empty_database_share_one_schem
                 async with session.post(f"{r.url}/v1/completions", json=completion_body(),
                                         headers={"Authorization": f"Bearer {KEY}"}) as resp:
                     assert resp.status == 200
-            assert await db.conn.fetchval("SELECT count(*) FROM kiln_schema") == 1
+            versions = [r[0] for r in await db.conn.fetch("SELECT version FROM kiln_schema ORDER BY version")]
+            assert versions == list(range(1, len(MIGRATIONS) + 1))  # each migration applied once
             assert len(await db.rows()) == 2
             assert len({row["replica"] for row in await db.rows()}) == 2
     finally:

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from ..config import Config, load_config
 from ..errors import KilnError
-from ..proxy.auth import KeyRing
 from ..proxy.gateway import Gateway
 from ..proxy.upstream import Route, routes_from
 from .accesslog import AccessLog
@@ -52,6 +51,8 @@ class Reloader:
             if not Path(source).is_file():
                 raise KilnError(f"{source}: the gateway was not started from a config file; nothing to reload")
             new = load_config(source)
+            if self.gw.tenants is not None:
+                self.gw.tenants.check_config(new)
         except KilnError as exc:
             self.stats.refused += 1
             log.error("config reload refused, the running config stays in force: %s", exc)
@@ -68,16 +69,12 @@ class Reloader:
         kept = restart_only_changes(old, new)
         effective = keep_restart_only(old, new)
         routes = carry_over(gw.routes, routes_from(effective.models, effective.server))
-        keys = KeyRing(effective.keys)
-        limits = {o.id: o.max_in_flight or effective.limits.max_in_flight_per_org for o in effective.orgs}
-        granted = {o.id: o.credits for o in effective.orgs}
         observers = self.observers_for(effective)
         # The swap: plain assignments, no await in between, so no request sees half of it.
         gw.config = effective
         gw.routes = routes
-        gw.keys = keys
-        gw.org_limits = limits
-        gw.credits.granted = granted
+        if gw.tenants is not None:  # keys, credits, org limits: the new config merged with the store's
+            gw.tenants.apply(effective)
         gw.row_observers = observers
         if kept:
             log.warning("config reload: %s changed; the running values stay until a restart"

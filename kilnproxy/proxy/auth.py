@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
 from ..access import bearer_token, token_digest
 from ..config import KeyConfig
 from ..errors import GatewayError, forbidden, invalid_api_key
 
 
 class KeyRing:
-    """Keys are held by their sha256 only, so a config may list just the digests."""
+    """Keys are held by their sha256 only, so a config may list just the digests. A revoked key is
+    not in the ring; an expired one is refused as unknown."""
 
     def __init__(self, keys: tuple[KeyConfig, ...]):
         self._by_digest = {k.key_sha256: k for k in keys}
@@ -22,14 +25,27 @@ class KeyRing:
         if token is None:
             raise invalid_api_key()
         key = self._by_token.get(token)
-        if key is not None:
-            return key
-        key = self._by_digest.get(token_digest(token))
         if key is None:
-            raise invalid_api_key()
-        self._by_token[token] = key
+            key = self._by_digest.get(token_digest(token))
+            if key is None:
+                raise invalid_api_key()
+            self._by_token[token] = key
+        if key.expires_at is not None and key.expires_at <= time.time():
+            raise invalid_api_key()  # like an unknown key: no org charged, no row
         return key
 
 
 def key_disabled() -> GatewayError:
     return forbidden("This API key is disabled.")
+
+
+def org_disabled(org: str) -> GatewayError:
+    return forbidden(f"Organization `{org}` is disabled.")
+
+
+def check_enabled(key: KeyConfig, disabled_orgs: frozenset[str]) -> None:
+    """403 for a disabled key, or a key of a disabled org (request rule 1)."""
+    if key.disabled:
+        raise key_disabled()
+    if key.org in disabled_orgs:
+        raise org_disabled(key.org)

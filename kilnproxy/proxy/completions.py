@@ -70,7 +70,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
     record = RequestRecord(call)
     headers = {GENERATION_HEADER: call.generation_id}
     try:
-        rules.check_account(key, gw.credits, gw.config.maintenance)  # steps 1-2
+        rules.check_account(key, gw.disabled_orgs, gw.credits, gw.config.maintenance)  # steps 1-2
         body = await rules.read_json_body(request, gw.config.server)  # step 3
         record.model, record.body = body["model"], body
         if gw.capture is not None:
@@ -78,7 +78,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
         route = rules.check_model(body, key, gw.routes)  # step 4
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = Hold(call, record.created_at, body, route.model.context_window)
-        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org))  # step 5
+        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key)  # step 5
         record.hold = hold  # released with the row, in Gateway.submit
         rules.check_stream(body, call)  # step 6
         rules.check_chat_params(body, call, route)  # step 7

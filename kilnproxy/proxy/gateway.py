@@ -20,11 +20,14 @@ from ..config import Config
 from ..errors import PluginError
 from ..plugins.call import Call
 from ..plugins.manager import Hooks, call_maybe_async
-from ..store.limits import Admission, Credits, LocalAdmission
 from ..store.ledger import Ledger
+from ..store.limits import Admission, Credits, LocalAdmission
 from ..store.sqlite import SQLiteLedger
+from ..store.tenancy import TenancyStore
+from ..store.tenancy_sql import PostgresDb, SQLiteDb
 from .auth import KeyRing
 from .request_record import RequestRecord
+from .tenants import Tenants
 from .upstream import Route, client_session, routes_from
 
 log = logging.getLogger("kilnproxy")
@@ -38,6 +41,7 @@ class Gateway:
         self.hooks = Hooks(pm)
         self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
         self.keys = KeyRing(config.keys)
+        self.disabled_orgs: frozenset[str] = frozenset()
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         if ledger is None and config.storage.url:
@@ -45,7 +49,10 @@ class Gateway:
             ledger = admission = PostgresStore(config, self.credits, on_commit=self._committed)
         self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
         self.admission: Admission = admission or LocalAdmission(self.credits)
+        self._charge_key = getattr(self.admission, "charged", None)  # optional: see Admission.charged
         self.session: aiohttp.ClientSession | None = None
+        self.tenancy: TenancyStore | None = None  # orgs, keys and grants made at runtime, once started
+        self.tenants: Tenants | None = None
         self.started_at = int(time.time())
         # Called with (row, record) once per request, where its row is built (metrics, access log).
         self.row_observers: tuple = ()
@@ -61,6 +68,7 @@ class Gateway:
     async def start(self) -> None:
         await self.ledger.open()
         self.credits.load(await self.ledger.spent_by_org())
+        await self._open_tenancy()
         self.session = client_session(self.config.server)
         if self.hooks.record_usage:
             self._usage_queue = asyncio.Queue()
@@ -72,7 +80,32 @@ class Gateway:
                 await self.stop(not_started={later.plugin for later in self.hooks.startup[i:]})
                 raise PluginError(impl.plugin, f"startup failed: {type(exc).__name__}: {exc}") from None
 
+    async def _open_tenancy(self) -> None:
+        """The runtime orgs and keys, on the ledger's own database (its pool, or the same file)."""
+        pool = getattr(self.ledger, "pool", None)
+        if pool is not None:
+            db = PostgresDb(pool, timeout=self.ledger.STATEMENT_TIMEOUT)
+        else:
+            db = SQLiteDb(self.config.db_path)
+            await db.open()
+        self.tenancy = TenancyStore(db)
+        self.tenants = Tenants(self, self.tenancy, self.config.storage.url if pool is not None else None)
+        try:
+            await self.tenants.open()
+        except BaseException:
+            await self._close_tenancy()
+            await self.ledger.close()
+            raise
+
+    async def _close_tenancy(self) -> None:
+        if self.tenants is not None:
+            await self.tenants.close()
+        if self.tenancy is not None:
+            await self.tenancy.db.close()
+        self.tenants = self.tenancy = None
+
     async def stop(self, not_started: frozenset[str] | set[str] = frozenset()) -> None:
+        await self._close_tenancy()
         await self.ledger.close()
         if self._usage_task is not None:
             await self._usage_queue.put(None)
@@ -109,6 +142,8 @@ class Gateway:
             record.submitted = True
             row = record.row()
             self.credits.charge(row["org"], row["cost"])
+            if self._charge_key is not None:
+                self._charge_key(record.hold, row["key_id"], row["cost"])
             record.committed = self.ledger.submit(row, record.call)
             if record.hold is not None:  # after the row is queued: a shared store frees both in one commit
                 self.admission.release(record.hold)

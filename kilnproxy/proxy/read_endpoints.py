@@ -8,7 +8,7 @@ from aiohttp import web
 from ..config import KeyConfig, ModelConfig
 from ..errors import GatewayError, model_not_found
 from ..usage import round_usd
-from .auth import key_disabled
+from .auth import check_enabled
 from .gateway import GATEWAY
 
 
@@ -17,9 +17,9 @@ def json_response(data: object, status: int = 200) -> web.Response:
 
 
 def authorized_key(request: web.Request) -> KeyConfig:
-    key = request.app[GATEWAY].keys.authenticate(request.headers.get("Authorization"))
-    if key.disabled:
-        raise key_disabled()
+    gw = request.app[GATEWAY]
+    key = gw.keys.authenticate(request.headers.get("Authorization"))
+    check_enabled(key, gw.disabled_orgs)
     return key
 
 

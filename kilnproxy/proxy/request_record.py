@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from ..plugins.call import Call
-from ..usage import COLUMNS, Usage, estimate_prompt_tokens
+from ..usage import Usage, estimate_prompt_tokens
 
 _second: list = [None, ""]  # the last whole second formatted, and its text
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from ..config import KeyConfig, MaintenanceConfig
 from ..errors import GatewayError, bad_request, forbidden, model_not_found
 from ..plugins.call import Call
+from ..store.key_usage import period_start
 from ..store.limits import Admission, Credits, Hold, insufficient_credits
-from .auth import key_disabled
+from .auth import check_enabled
 from .request_body import read_json_body  # step 3  # noqa: F401 (called as admission.read_json_body)
 from .upstream import Route
 
@@ -19,10 +20,10 @@ _TRUE = ("true",)
 _FALSE = ("false",)
 
 
-def check_account(key: KeyConfig, credits: Credits, maintenance: MaintenanceConfig) -> None:
-    """Steps 1 and 2, once the key is known: 403 disabled, 402 no credits, 503 maintenance."""
-    if key.disabled:
-        raise key_disabled()
+def check_account(key: KeyConfig, disabled_orgs: frozenset[str], credits: Credits,
+                  maintenance: MaintenanceConfig) -> None:
+    """Steps 1 and 2, once the key is known: 403 disabled key or org, 402 no credits, 503 maintenance."""
+    check_enabled(key, disabled_orgs)
     if credits.remaining(key.org) <= 0:
         raise insufficient_credits(key.org)
     if maintenance.enabled:
@@ -30,11 +31,15 @@ def check_account(key: KeyConfig, credits: Credits, maintenance: MaintenanceConf
                            type="service_unavailable", headers={"Retry-After": maintenance.retry_after})
 
 
-async def take_slot(admission: Admission, hold: Hold, limit: int) -> None:
-    """Step 5: the org's in-flight slot and the hold on its credits, in one step: 429 when the
-    org already has ``limit`` requests in flight (no rate-limit headers), 402 when its credits
-    minus its other holds are used up. From here on the slot and hold are released when the
-    request's row is submitted (``Gateway.submit``), whatever happens."""
+async def take_slot(admission: Admission, hold: Hold, limit: int, key: KeyConfig) -> None:
+    """Step 5: the org's in-flight slot and the hold on its credits (and on the key's ``limit``),
+    in one step: 429 when the org already has ``limit`` requests in flight (no rate-limit
+    headers), 402 ``insufficient_credits`` when its credits minus its other holds are used up,
+    402 ``key_limit_exceeded`` when the key's limit minus its usage in the period and its other
+    holds is. From here on the slot and hold are released when the request's row is submitted
+    (``Gateway.submit``), whatever happens."""
+    if key.limit is not None:
+        hold.key_limit, hold.key_since = key.limit, period_start(key.limit_reset, key.created_at)
     await admission.admit(hold, limit)
 
 

@@ -2,7 +2,8 @@
 
 ``Admission`` is what the request path needs at step 5: ``admit`` takes the
 org's in-flight slot and places the request's ``Hold`` on its credits in one
-step, or refuses with the documented 429 or 402; ``release`` gives both back once
+step, or refuses with the documented 429 or 402 (the org's credits, or a key's
+``limit`` in its period, held the same way: 402 ``key_limit_exceeded``); ``release`` gives both back once
 the request's row has been submitted (the row's cost then replaces the hold).
 ``LocalAdmission`` keeps them in this process (the SQLite set-up);
 ``kilnproxy.store.postgres.PostgresStore`` keeps them in PostgreSQL, shared by
@@ -29,7 +30,7 @@ class Hold:
     """
 
     __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "prompt_tokens",
-                 "prompt_cost", "amount")
+                 "prompt_cost", "amount", "key_limit", "key_since")
 
     def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None):
         self.id = call.generation_id
@@ -46,6 +47,8 @@ class Hold:
         if completion is None:
             completion = context_window or 0
         self.amount = self.prompt_cost + (pricing.cost(0, completion, 0) if pricing else 0.0)
+        self.key_limit: float | None = None  # the key's USD limit in its period starting at key_since
+        self.key_since: str | None = None
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -59,6 +62,12 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
 def rate_limited(org: str, limit: int) -> GatewayError:
     return GatewayError(429, "rate_limit_exceeded", f"Org `{org}` already has {limit} requests in flight.",
                         type="rate_limit_error")
+
+
+def key_limit_exceeded(key_id: str, limit: float) -> GatewayError:
+    return GatewayError(402, "key_limit_exceeded",
+                        f"API key `{key_id}` has used its limit of {limit:g} USD for this period (requests in "
+                        "flight included). Ask the gateway's operator to raise it.", type="insufficient_credits")
 
 
 def insufficient_credits(org: str, holding: bool = False) -> GatewayError:
@@ -78,6 +87,10 @@ class Admission(Protocol):
     def release(self, hold: Hold) -> None:
         """The request's row was submitted: free its slot and its hold. Called exactly once
         per admitted hold, on every path; never blocks, never raises."""
+
+    def charged(self, hold: Hold | None, key_id: str, cost: float) -> None:
+        """Optional: the row of a request of ``key_id`` was submitted, costing ``cost`` (called
+        before ``release``). An admission that keeps keys' spending itself implements it."""
 
     def count(self, org: str) -> int:
         """Requests of ``org`` this process has in flight (for metrics and tests)."""
@@ -136,13 +149,41 @@ class Counts:
         return dict(self._counts)
 
 
+class KeySpending:
+    """What each key with a ``limit`` spent in its current period, in this process: loaded from the
+    ledger when the key is first limited, then kept by ``charge`` as rows are submitted."""
+
+    def __init__(self) -> None:
+        self._spent: dict[str, tuple[str, float]] = {}  # key id -> (period start, USD since then)
+
+    def known(self, key_id: str, since: str) -> bool:
+        return key_id in self._spent and self._spent[key_id][0] == since
+
+    def load(self, key_id: str, since: str, spent: float) -> None:
+        self._spent[key_id] = (since, spent)
+
+    def spent(self, key_id: str, since: str) -> float:
+        """USD since ``since``; a period that has just begun starts at zero."""
+        start, spent = self._spent.get(key_id, (since, 0.0))
+        if start != since:
+            self._spent[key_id] = (since, 0.0)
+            return 0.0
+        return spent
+
+    def charge(self, key_id: str, since: str | None, cost: float) -> None:
+        if since is not None and cost:
+            self._spent[key_id] = (since, self.spent(key_id, since) + cost)
+
+
 class LocalAdmission(Counts):
     """Slots and holds of this process (one gateway on SQLite)."""
 
     def __init__(self, credits: Credits) -> None:
         super().__init__()
         self.credits = credits
+        self.key_spending = KeySpending()
         self._held: dict[str, float] = {}
+        self._key_held: dict[str, float] = {}
 
     async def admit(self, hold: Hold, limit: int) -> None:
         org = hold.org
@@ -150,6 +191,11 @@ class LocalAdmission(Counts):
             raise rate_limited(org, limit)
         if self.credits.remaining(org) - self._held.get(org, 0.0) <= 0:
             raise insufficient_credits(org, holding=True)
+        if hold.key_limit is not None:
+            spent = self.key_spending.spent(hold.key_id, hold.key_since)
+            if hold.key_limit - spent - self._key_held.get(hold.key_id, 0.0) <= 0:
+                raise key_limit_exceeded(hold.key_id, hold.key_limit)
+            self._key_held[hold.key_id] = self._key_held.get(hold.key_id, 0.0) + hold.amount
         self.taken(org)
         self._held[org] = self._held.get(org, 0.0) + hold.amount
 
@@ -158,6 +204,17 @@ class LocalAdmission(Counts):
             self._held[hold.org] -= hold.amount
         else:
             del self._held[hold.org]  # no float residue left behind once the org is idle
+        if hold.key_limit is not None:
+            left = self._key_held[hold.key_id] - hold.amount
+            if left > 1e-12:
+                self._key_held[hold.key_id] = left
+            else:
+                del self._key_held[hold.key_id]
+
+    def charged(self, hold: Hold | None, key_id: str, cost: float) -> None:
+        """A row of ``key_id`` costing ``cost`` was submitted (its hold, if any, tells the period)."""
+        if hold is not None and hold.key_limit is not None:
+            self.key_spending.charge(key_id, hold.key_since, cost)
 
     def held(self, org: str) -> float:
         return self._held.get(org, 0.0)

@@ -39,7 +39,7 @@ from ..config import Config
 from ..errors import GatewayError, StorageError
 from ..usage import COLUMNS
 from .batches import Batches, GroupCommitted
-from .limits import Counts, Credits, Hold, insufficient_credits, rate_limited
+from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, rate_limited
 from .postgres_schema import migrate
 from .replicas import Heartbeat
 from .spool import Spool
@@ -76,6 +76,8 @@ def store_unavailable() -> GatewayError:
 
 class PostgresStore(GroupCommitted):
     """``Ledger`` and ``Admission`` on PostgreSQL (see the module's docstring)."""
+
+    STATEMENT_TIMEOUT = STATEMENT_TIMEOUT
 
     def __init__(self, config: Config, credits: Credits,
                  on_commit: Callable[[list[tuple[dict, Any]]], None] | None = None):
@@ -159,12 +161,14 @@ class PostgresStore(GroupCommitted):
             "id": hold.id, "org": hold.org, "limit": limit, "granted": self.credits.granted.get(hold.org, 0.0),
             "amount": hold.amount, "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
             "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model, "endpoint": hold.endpoint,
-            "stream": hold.stream})
+            "stream": hold.stream, "key_limit": hold.key_limit, "key_since": hold.key_since})
         self.credits.spent[hold.org] = spent
         if verdict == "rate_limited":
             raise rate_limited(hold.org, limit)
         if verdict == "insufficient_credits":
             raise insufficient_credits(hold.org, holding=True)
+        if verdict == "key_limit_exceeded":
+            raise key_limit_exceeded(hold.key_id, hold.key_limit)
         self.counts.taken(hold.org)
 
     async def _admit(self, holds: list[dict[str, Any]]) -> list[tuple[str, float]]:
@@ -182,6 +186,9 @@ class PostgresStore(GroupCommitted):
     def release(self, hold: Hold) -> None:
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
         self.counts.given_back(hold.org)
+
+    def charged(self, hold: Hold | None, key_id: str, cost: float) -> None:
+        """Nothing to keep here: ``kiln_admit`` reads a key's spending from its rows."""
 
     def count(self, org: str) -> int:
         return self.counts.count(org)

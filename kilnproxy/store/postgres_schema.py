@@ -272,7 +272,58 @@ INSERT INTO kiln_version (id, version) VALUES (1, 0);
 CREATE INDEX usage_events_key_created ON usage_events (key_id, created_at);
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, _V2)
+# Version 3: a key's ``limit`` is held like its org's credits, in the same admission transaction (the
+# org's lock covers its keys): the key's rows since its period began plus its live holds.
+_V3 = """
+CREATE OR REPLACE FUNCTION kiln_admit(p_holds JSONB, p_replica TEXT, p_timeout DOUBLE PRECISION)
+RETURNS TABLE (r_id TEXT, r_verdict TEXT, r_spent DOUBLE PRECISION) LANGUAGE plpgsql AS $$
+DECLARE
+    h RECORD;
+    v_count INTEGER;
+    v_held DOUBLE PRECISION;
+    v_key_used DOUBLE PRECISION;
+BEGIN
+    SET LOCAL synchronous_commit = off;
+    PERFORM pg_advisory_xact_lock(1263, k)
+       FROM (SELECT DISTINCT hashtext(x.org) AS k FROM jsonb_to_recordset(p_holds) AS x(org TEXT) ORDER BY 1) o;
+    FOR h IN SELECT * FROM jsonb_to_recordset(p_holds) AS x(
+            id TEXT, org TEXT, "limit" INTEGER, granted DOUBLE PRECISION, amount DOUBLE PRECISION,
+            prompt_cost DOUBLE PRECISION, prompt_tokens BIGINT, created_at TEXT, key_id TEXT, model TEXT,
+            endpoint TEXT, stream INTEGER, key_limit DOUBLE PRECISION, key_since TEXT) LOOP
+        SELECT coalesce((SELECT o.spent FROM kiln_orgs o WHERE o.org = h.org), 0), count(*),
+               coalesce(sum(k.amount), 0)
+          INTO r_spent, v_count, v_held
+          FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
+         WHERE k.org = h.org AND r.seen_at > now() - make_interval(secs => p_timeout);
+        v_key_used := 0;
+        IF h.key_limit IS NOT NULL THEN
+            SELECT coalesce(sum(u.cost), 0) INTO v_key_used
+              FROM usage_events u WHERE u.key_id = h.key_id AND u.created_at >= h.key_since;
+            v_key_used := v_key_used + coalesce((
+                SELECT sum(k.amount) FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
+                 WHERE k.key_id = h.key_id AND r.seen_at > now() - make_interval(secs => p_timeout)), 0);
+        END IF;
+        r_id := h.id;
+        IF v_count >= h."limit" THEN
+            r_verdict := 'rate_limited';
+        ELSIF h.granted - r_spent - v_held <= 0 THEN
+            r_verdict := 'insufficient_credits';
+        ELSIF h.key_limit IS NOT NULL AND h.key_limit - v_key_used <= 0 THEN
+            r_verdict := 'key_limit_exceeded';
+        ELSE
+            INSERT INTO kiln_holds (id, org, replica, amount, prompt_cost, prompt_tokens, created_at, key_id,
+                                    model, endpoint, stream)
+            VALUES (h.id, h.org, p_replica, h.amount, h.prompt_cost, h.prompt_tokens, h.created_at, h.key_id,
+                    h.model, h.endpoint, h.stream);
+            r_verdict := 'ok';
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+CREATE INDEX kiln_holds_key ON kiln_holds (key_id);
+"""
+
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
 
 
 async def migrate(conn) -> int:

@@ -1,0 +1,121 @@
+"""``Tenants``: the orgs and keys one gateway serves, the config's and the store's, held in memory.
+
+Authentication stays a dict lookup per request: whenever the store's change
+counter moves (``refresh``, called by the ``ChangeWatch`` within a second, and
+by the admin API before it answers), the store's snapshot is merged with the
+config and swapped in at once (``apply``): ``gw.keys`` (config keys and
+runtime keys not revoked), ``gw.credits.granted`` (the config's ``credits``
+plus the grants), ``gw.org_limits`` and ``gw.disabled_orgs``. Nothing is
+awaited during the swap, so no request sees half of a change; requests already
+admitted go on.
+
+An org id may come from the config or the store, never both: a config naming
+an org made at runtime is refused at start-up and at reload.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from ..config import Config, KeyConfig
+from ..errors import ConfigError
+from ..store.key_usage import period_start
+from ..store.tenancy import TenancySnapshot, TenancyStore
+from ..store.tenancy_watch import ChangeWatch
+from .auth import KeyRing
+
+log = logging.getLogger("kilnproxy.tenancy")
+
+
+class Tenants:
+    def __init__(self, gw: Any, store: TenancyStore, postgres_url: str | None = None):
+        self.gw = gw
+        self.store = store
+        self.snapshot = TenancySnapshot(version=-1)
+        self.runtime_keys: dict[str, KeyConfig] = {}  # by key id, revoked ones left out
+        self.watch = ChangeWatch(self.refresh, postgres_url)
+
+    async def open(self) -> None:
+        """Read the store, refuse a config naming a runtime org, apply, and start watching."""
+        self.snapshot = await self.store.snapshot()
+        self.check_config(self.gw.config)
+        await self._load_key_spending()
+        self.apply(self.gw.config)
+        self.watch.start()
+
+    async def close(self) -> None:
+        await self.watch.stop()
+
+    async def refresh(self) -> bool:
+        """Reload from the store if anything changed there; True if it did."""
+        if await self.store.version() == self.snapshot.version:
+            return False
+        self.snapshot = await self.store.snapshot()
+        await self._load_key_spending()
+        self.apply(self.gw.config)
+        return True
+
+    def check_config(self, config: Config) -> None:
+        """``ConfigError`` naming the orgs ``config`` lists that were made at runtime."""
+        clash = sorted(o.id for o in config.orgs if o.id in self.snapshot.orgs)
+        if clash:
+            raise ConfigError(f"{config.source}: [[orgs]] {', '.join(clash)} already exist(s) in the store, made at "
+                              "runtime (kilnproxy orgs / the admin API): remove it from the config")
+
+    def apply(self, config: Config) -> None:
+        """Swap in the merge of ``config`` and the last snapshot (no await: all at once)."""
+        snap, default = self.snapshot, config.limits.max_in_flight_per_org
+        runtime = {k.id: k for k in (_runtime_key(d, row) for d, row in snap.keys.items()) if k is not None}
+        granted = {o.id: o.credits for o in config.orgs}
+        limits = {o.id: o.max_in_flight or default for o in config.orgs}
+        for org in snap.orgs.values():
+            granted.setdefault(org["id"], 0.0)
+            limits[org["id"]] = org["max_in_flight"] or default
+        for org, amount in snap.granted.items():
+            granted[org] = granted.get(org, 0.0) + amount
+        gw = self.gw
+        gw.keys = KeyRing(config.keys + tuple(runtime.values()))
+        gw.credits.granted = granted
+        gw.org_limits = limits
+        gw.disabled_orgs = frozenset(o["id"] for o in snap.orgs.values() if o["disabled"])
+        self.runtime_keys = runtime
+
+    async def _load_key_spending(self) -> None:
+        """A key newly limited (or in a new period) on one process' store: its spending so far."""
+        spending = getattr(self.gw.admission, "key_spending", None)
+        if spending is None:
+            return
+        limited = [row for row in self.snapshot.keys.values() if row["limit"] is not None and not row["revoked"]]
+        todo = [row for row in limited if not spending.known(row["id"], period_start(row["limit_reset"],
+                                                                                   row["created_at"]))]
+        if todo:
+            for key_id, spent in (await self.store.usage_by_key(todo)).items():
+                row = next(r for r in todo if r["id"] == key_id)
+                spending.load(key_id, period_start(row["limit_reset"], row["created_at"]), spent)
+
+    # -- lookups for the admin API and GET /v1/key ------------------------------------------------
+
+    def org_source(self, org_id: str) -> str | None:
+        """``"config"``, ``"api"``, or None for an org that exists nowhere."""
+        if any(o.id == org_id for o in self.gw.config.orgs):
+            return "config"
+        return "api" if org_id in self.snapshot.orgs else None
+
+    def config_key(self, key_id: str) -> KeyConfig | None:
+        return next((k for k in self.gw.config.keys if k.id == key_id), None)
+
+
+def _runtime_key(digest: str, row: dict[str, Any]) -> KeyConfig | None:
+    if row["revoked"]:
+        return None
+    models = row["models"]
+    return KeyConfig(key_sha256=digest, org=row["org"], id=row["id"],
+                     models=None if models is None else tuple(models), disabled=row["disabled"],
+                     prefix=row["prefix"], name=row["name"], source="api", expires_at=_posix(row["expires_at"]),
+                     limit=row["limit"], limit_reset=row["limit_reset"], created_at=row["created_at"])
+
+
+def _posix(iso: str | None) -> float | None:
+    return None if iso is None else datetime.fromisoformat(iso).timestamp()
