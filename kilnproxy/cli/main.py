@@ -16,7 +16,7 @@ from ..config import Config, load_config
 from ..errors import KilnError
 
 COMMANDS = ("serve", "mock-upstream", "usage", "plugins", "check-config", "reload", "import-ledger", "record",
-            "replay")
+            "replay", "orgs", "keys")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
 
     from .usage import add_usage_command
     add_usage_command(sub, _config_arg)
+
+    from .tenancy import add_tenancy_commands
+    add_tenancy_commands(sub, _config_arg)
 
     plugins = sub.add_parser("plugins", help="list the loaded plugins and the hooks each implements")
     _config_arg(plugins)
@@ -128,7 +131,7 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
     from ..ops.admin import RELOADER, SHUTDOWN
     from ..ops.lifecycle import serve_until_stopped
     try:
-        await serve_until_stopped(gateway, gateway.app[SHUTDOWN], gateway.app[RELOADER].reload,
+        await serve_until_stopped(gateway, gateway.app[SHUTDOWN], gateway.app[RELOADER].on_signal,
                                   ready=lambda: print(text, flush=True))
     finally:
         if mock is not None:

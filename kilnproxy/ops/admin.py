@@ -88,7 +88,7 @@ async def reload_config(request: web.Request) -> web.Response:
     """Re-read the config file: 200 ``{"reloaded": true, "summary"}``, or 422 ``config_invalid``
     naming the problem (the running config stays in force)."""
     check_admin(request)
-    ok, message = request.app[RELOADER].reload()
+    ok, message = await request.app[RELOADER].reload_latest()
     if not ok:
         raise GatewayError(422, "config_invalid", message, type="invalid_request_error")
     return web.json_response({"reloaded": True, "summary": message})

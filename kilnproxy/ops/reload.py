@@ -18,6 +18,8 @@ and ``[plugins]``. Plugins are not reloaded.
 
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import logging
 import time
@@ -43,6 +45,19 @@ class Reloader:
         self.stats = stats                        # kilnproxy.ops.metrics.ReloadStats
         self.health = health                      # kilnproxy.ops.health.HealthChecker, woken after a reload
         self.metrics_observer = metrics_observer  # kept first in Gateway.row_observers
+
+    async def reload_latest(self) -> tuple[bool, str]:
+        """``reload``, once the store's runtime orgs are read afresh (the config may not name one)."""
+        if self.gw.tenants is not None:
+            try:
+                await self.gw.tenants.refresh()
+            except Exception as exc:  # the store out of reach: checked against what was last read
+                log.warning("config reload: cannot read runtime orgs afresh: %s", exc)
+        return self.reload()
+
+    def on_signal(self) -> None:
+        """SIGHUP: ``reload_latest`` in a task of its own (kept until it is done)."""
+        self._signalled = asyncio.ensure_future(self.reload_latest())
 
     def reload(self) -> tuple[bool, str]:
         """Read the config file again and apply it: ``(True, summary)`` or ``(False, why)``."""

@@ -15,6 +15,7 @@ an org made at runtime is refused at start-up and at reload.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import datetime
 from typing import Any
@@ -36,6 +37,7 @@ class Tenants:
         self.snapshot = TenancySnapshot(version=-1)
         self.runtime_keys: dict[str, KeyConfig] = {}  # by key id, revoked ones left out
         self.watch = ChangeWatch(self.refresh, postgres_url)
+        self._refreshing = asyncio.Lock()
 
     async def open(self) -> None:
         """Read the store, refuse a config naming a runtime org, apply, and start watching."""
@@ -49,13 +51,18 @@ class Tenants:
         await self.watch.stop()
 
     async def refresh(self) -> bool:
-        """Reload from the store if anything changed there; True if it did."""
-        if await self.store.version() == self.snapshot.version:
-            return False
-        self.snapshot = await self.store.snapshot()
-        await self._load_key_spending()
-        self.apply(self.gw.config)
-        return True
+        """Reload from the store if anything changed there; True if it did. One at a time (the
+        watcher's and the admin API's), so an older snapshot never replaces a newer one."""
+        async with self._refreshing:
+            if await self.store.version() == self.snapshot.version:
+                return False
+            snapshot = await self.store.snapshot()
+            if snapshot.version <= self.snapshot.version:
+                return False
+            self.snapshot = snapshot
+            await self._load_key_spending()
+            self.apply(self.gw.config)
+            return True
 
     def check_config(self, config: Config) -> None:
         """``ConfigError`` naming the orgs ``config`` lists that were made at runtime."""
