@@ -216,11 +216,20 @@ def _org(source: str, i: int, table: Any) -> OrgConfig:
         id=r.get("id", str, required=True),
         credits=float(r.get("credits", _NUMBER, 0.0)),
         max_in_flight=r.get("max_in_flight", int, None),
+        requests_per_minute=_per_minute(r, "requests_per_minute"),
+        tokens_per_minute=_per_minute(r, "tokens_per_minute"),
     )
     if org.max_in_flight is not None and org.max_in_flight <= 0:
         r.fail(r.key("max_in_flight"), "must be greater than 0")
     r.done()
     return org
+
+
+def _per_minute(r: "_Reader", name: str) -> int | None:
+    value = r.get(name, int, None)
+    if value is not None and value <= 0:
+        r.fail(r.key(name), "must be greater than 0 (leave it out for no bound)")
+    return value
 
 
 def _key(source: str, i: int, table: Any) -> KeyConfig:
@@ -241,6 +250,8 @@ def _key(source: str, i: int, table: Any) -> KeyConfig:
         models=r.strings("models", None),
         disabled=r.get("disabled", bool, False),
         prefix=secret[:8] if secret is not None else None,
+        requests_per_minute=_per_minute(r, "requests_per_minute"),
+        tokens_per_minute=_per_minute(r, "tokens_per_minute"),
     )
     r.done()
     return key

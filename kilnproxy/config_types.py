@@ -80,6 +80,8 @@ class OrgConfig:
     id: str
     credits: float = 0.0
     max_in_flight: int | None = None
+    requests_per_minute: int | None = None  # admitted over any 60 s, across replicas; None: no bound
+    tokens_per_minute: int | None = None  # prompt + completion tokens, reserved at admission, then settled
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class KeyConfig:
     limit: float | None = None
     limit_reset: str | None = None
     created_at: str | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
 
 @dataclass(frozen=True)

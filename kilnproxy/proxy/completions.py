@@ -78,7 +78,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
         route = rules.check_model(body, key, gw.routes)  # step 4
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = Hold(call, record.created_at, body, route.model.context_window)
-        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key)  # step 5
+        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
         record.hold = hold  # released with the row, in Gateway.submit
         rules.check_stream(body, call)  # step 6
         rules.check_chat_params(body, call, route)  # step 7

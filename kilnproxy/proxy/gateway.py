@@ -42,6 +42,7 @@ class Gateway:
         self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
         self.keys = KeyRing(config.keys)
         self.disabled_orgs: frozenset[str] = frozenset()
+        self.per_minute: dict[str, tuple[int | None, int | None]] = {}  # org -> (requests, tokens) per minute
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         if ledger is None and config.storage.url:
@@ -49,7 +50,7 @@ class Gateway:
             ledger = admission = PostgresStore(config, self.credits, on_commit=self._committed)
         self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
         self.admission: Admission = admission or LocalAdmission(self.credits)
-        self._charge_key = getattr(self.admission, "charged", None)  # optional: see Admission.charged
+        self._settled = getattr(self.admission, "settled", None)  # optional: see Admission.settled
         self.session: aiohttp.ClientSession | None = None
         self.tenancy: TenancyStore | None = None  # orgs, keys and grants made at runtime, once started
         self.tenants: Tenants | None = None
@@ -142,8 +143,8 @@ class Gateway:
             record.submitted = True
             row = record.row()
             self.credits.charge(row["org"], row["cost"])
-            if self._charge_key is not None:
-                self._charge_key(record.hold, row["key_id"], row["cost"])
+            if self._settled is not None:
+                self._settled(record.hold, row)
             record.committed = self.ledger.submit(row, record.call)
             if record.hold is not None:  # after the row is queued: a shared store frees both in one commit
                 self.admission.release(record.hold)

@@ -31,15 +31,22 @@ def check_account(key: KeyConfig, disabled_orgs: frozenset[str], credits: Credit
                            type="service_unavailable", headers={"Retry-After": maintenance.retry_after})
 
 
-async def take_slot(admission: Admission, hold: Hold, limit: int, key: KeyConfig) -> None:
+async def take_slot(admission: Admission, hold: Hold, limit: int, key: KeyConfig,
+                    org_per_minute: tuple[int | None, int | None] | None = None) -> None:
     """Step 5: the org's in-flight slot and the hold on its credits (and on the key's ``limit``),
     in one step: 429 when the org already has ``limit`` requests in flight (no rate-limit
     headers), 402 ``insufficient_credits`` when its credits minus its other holds are used up,
     402 ``key_limit_exceeded`` when the key's limit minus its usage in the period and its other
-    holds is. From here on the slot and hold are released when the request's row is submitted
+    holds is; 429 ``rate_limit_exceeded`` too when the org (``org_per_minute``) or the key has
+    admitted its ``requests_per_minute``, or used and reserved its ``tokens_per_minute``, over the
+    last 60 s. From here on the slot and hold are released when the request's row is submitted
     (``Gateway.submit``), whatever happens."""
     if key.limit is not None:
         hold.key_limit, hold.key_since = key.limit, period_start(key.limit_reset, key.created_at)
+    if org_per_minute is not None:
+        hold.per_minute.append((f"org:{key.org}", *org_per_minute))
+    if key.requests_per_minute is not None or key.tokens_per_minute is not None:
+        hold.per_minute.append((f"key:{key.id}", key.requests_per_minute, key.tokens_per_minute))
     await admission.admit(hold, limit)
 
 

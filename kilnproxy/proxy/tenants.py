@@ -5,7 +5,8 @@ counter moves (``refresh``, called by the ``ChangeWatch`` within a second, and
 by the admin API before it answers), the store's snapshot is merged with the
 config and swapped in at once (``apply``): ``gw.keys`` (config keys and
 runtime keys not revoked), ``gw.credits.granted`` (the config's ``credits``
-plus the grants), ``gw.org_limits`` and ``gw.disabled_orgs``. Nothing is
+plus the grants), ``gw.org_limits``, ``gw.per_minute`` (the orgs' requests and tokens per
+minute) and ``gw.disabled_orgs``. Nothing is
 awaited during the swap, so no request sees half of a change; requests already
 admitted go on.
 
@@ -77,15 +78,18 @@ class Tenants:
         runtime = {k.id: k for k in (_runtime_key(d, row) for d, row in snap.keys.items()) if k is not None}
         granted = {o.id: o.credits for o in config.orgs}
         limits = {o.id: o.max_in_flight or default for o in config.orgs}
+        per_minute = {o.id: (o.requests_per_minute, o.tokens_per_minute) for o in config.orgs}
         for org in snap.orgs.values():
             granted.setdefault(org["id"], 0.0)
             limits[org["id"]] = org["max_in_flight"] or default
+            per_minute[org["id"]] = (org["requests_per_minute"], org["tokens_per_minute"])
         for org, amount in snap.granted.items():
             granted[org] = granted.get(org, 0.0) + amount
         gw = self.gw
         gw.keys = KeyRing(config.keys + tuple(runtime.values()))
         gw.credits.granted = granted
         gw.org_limits = limits
+        gw.per_minute = {org: bounds for org, bounds in per_minute.items() if bounds != (None, None)}
         gw.disabled_orgs = frozenset(o["id"] for o in snap.orgs.values() if o["disabled"])
         self.runtime_keys = runtime
 
@@ -121,7 +125,8 @@ def _runtime_key(digest: str, row: dict[str, Any]) -> KeyConfig | None:
     return KeyConfig(key_sha256=digest, org=row["org"], id=row["id"],
                      models=None if models is None else tuple(models), disabled=row["disabled"],
                      prefix=row["prefix"], name=row["name"], source="api", expires_at=_posix(row["expires_at"]),
-                     limit=row["limit"], limit_reset=row["limit_reset"], created_at=row["created_at"])
+                     limit=row["limit"], limit_reset=row["limit_reset"], created_at=row["created_at"],
+                     requests_per_minute=row["requests_per_minute"], tokens_per_minute=row["tokens_per_minute"])
 
 
 def _posix(iso: str | None) -> float | None:

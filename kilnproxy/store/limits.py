@@ -20,6 +20,7 @@ from typing import Any, Mapping, Protocol
 
 from ..errors import GatewayError
 from ..usage import estimate_prompt_tokens
+from .minute_windows import MinuteWindows
 
 
 class Hold:
@@ -30,7 +31,7 @@ class Hold:
     """
 
     __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "prompt_tokens",
-                 "prompt_cost", "amount", "key_limit", "key_since")
+                 "prompt_cost", "amount", "key_limit", "key_since", "tokens", "per_minute")
 
     def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None):
         self.id = call.generation_id
@@ -47,6 +48,9 @@ class Hold:
         if completion is None:
             completion = context_window or 0
         self.amount = self.prompt_cost + (pricing.cost(0, completion, 0) if pricing else 0.0)
+        self.tokens = self.prompt_tokens + completion  # reserved against tokens_per_minute bounds
+        # (window name, requests_per_minute, tokens_per_minute) of the org and key, when they have any
+        self.per_minute: list[tuple[str, int | None, int | None]] = []
         self.key_limit: float | None = None  # the key's USD limit in its period starting at key_since
         self.key_since: str | None = None
 
@@ -62,6 +66,13 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
 def rate_limited(org: str, limit: int) -> GatewayError:
     return GatewayError(429, "rate_limit_exceeded", f"Org `{org}` already has {limit} requests in flight.",
                         type="rate_limit_error")
+
+
+def per_minute_exceeded(window: str) -> GatewayError:
+    who, _, name = window.partition(":")
+    return GatewayError(429, "rate_limit_exceeded",
+                        f"{'Org' if who == 'org' else 'API key'} `{name}` has reached its requests or tokens per "
+                        "minute; retry later.", type="rate_limit_error")
 
 
 def key_limit_exceeded(key_id: str, limit: float) -> GatewayError:
@@ -88,9 +99,9 @@ class Admission(Protocol):
         """The request's row was submitted: free its slot and its hold. Called exactly once
         per admitted hold, on every path; never blocks, never raises."""
 
-    def charged(self, hold: Hold | None, key_id: str, cost: float) -> None:
-        """Optional: the row of a request of ``key_id`` was submitted, costing ``cost`` (called
-        before ``release``). An admission that keeps keys' spending itself implements it."""
+    def settled(self, hold: Hold | None, row: Mapping[str, Any]) -> None:
+        """Optional: the request's ``row`` was submitted (called before ``release``). An admission
+        that keeps keys' spending or per-minute windows itself implements it."""
 
     def count(self, org: str) -> int:
         """Requests of ``org`` this process has in flight (for metrics and tests)."""
@@ -182,6 +193,7 @@ class LocalAdmission(Counts):
         super().__init__()
         self.credits = credits
         self.key_spending = KeySpending()
+        self.minutes = MinuteWindows()
         self._held: dict[str, float] = {}
         self._key_held: dict[str, float] = {}
 
@@ -189,6 +201,8 @@ class LocalAdmission(Counts):
         org = hold.org
         if self.count(org) >= limit:
             raise rate_limited(org, limit)
+        if hold.per_minute and (window := self.minutes.full(hold.per_minute)) is not None:
+            raise per_minute_exceeded(window)
         if self.credits.remaining(org) - self._held.get(org, 0.0) <= 0:
             raise insufficient_credits(org, holding=True)
         if hold.key_limit is not None:
@@ -196,6 +210,8 @@ class LocalAdmission(Counts):
             if hold.key_limit - spent - self._key_held.get(hold.key_id, 0.0) <= 0:
                 raise key_limit_exceeded(hold.key_id, hold.key_limit)
             self._key_held[hold.key_id] = self._key_held.get(hold.key_id, 0.0) + hold.amount
+        if hold.per_minute:
+            self.minutes.take(hold.id, hold.tokens, [name for name, _, _ in hold.per_minute])
         self.taken(org)
         self._held[org] = self._held.get(org, 0.0) + hold.amount
 
@@ -211,10 +227,14 @@ class LocalAdmission(Counts):
             else:
                 del self._key_held[hold.key_id]
 
-    def charged(self, hold: Hold | None, key_id: str, cost: float) -> None:
-        """A row of ``key_id`` costing ``cost`` was submitted (its hold, if any, tells the period)."""
-        if hold is not None and hold.key_limit is not None:
-            self.key_spending.charge(key_id, hold.key_since, cost)
+    def settled(self, hold: Hold | None, row: Mapping[str, Any]) -> None:
+        """The request's row: its cost charged to its key's period, its tokens to its windows."""
+        if hold is None:
+            return
+        if hold.key_limit is not None:
+            self.key_spending.charge(row["key_id"], hold.key_since, row["cost"])
+        if hold.per_minute:
+            self.minutes.settle(hold.id, row["total_tokens"])
 
     def held(self, org: str) -> float:
         return self._held.get(org, 0.0)

@@ -39,7 +39,7 @@ from ..config import Config
 from ..errors import GatewayError, StorageError
 from ..usage import COLUMNS
 from .batches import Batches, GroupCommitted
-from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, rate_limited
+from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, per_minute_exceeded, rate_limited
 from .postgres_schema import migrate
 from .replicas import Heartbeat
 from .spool import Spool
@@ -56,6 +56,15 @@ UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.Po
                asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
 
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
+
+
+def _per_minute(hold: Hold) -> dict[str, int | None]:
+    """The hold's per-minute bounds as ``kiln_admit`` reads them."""
+    bounds = {"org_rpm": None, "org_tpm": None, "key_rpm": None, "key_tpm": None}
+    for name, rpm, tpm in hold.per_minute:
+        who = "org" if name.startswith("org:") else "key"
+        bounds[f"{who}_rpm"], bounds[f"{who}_tpm"] = rpm, tpm
+    return bounds
 
 
 def redacted(url: str) -> str:
@@ -161,12 +170,15 @@ class PostgresStore(GroupCommitted):
             "id": hold.id, "org": hold.org, "limit": limit, "granted": self.credits.granted.get(hold.org, 0.0),
             "amount": hold.amount, "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
             "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model, "endpoint": hold.endpoint,
-            "stream": hold.stream, "key_limit": hold.key_limit, "key_since": hold.key_since})
+            "stream": hold.stream, "key_limit": hold.key_limit, "key_since": hold.key_since, "tokens": hold.tokens,
+            **_per_minute(hold)})
         self.credits.spent[hold.org] = spent
         if verdict == "rate_limited":
             raise rate_limited(hold.org, limit)
         if verdict == "insufficient_credits":
             raise insufficient_credits(hold.org, holding=True)
+        if verdict in ("org_per_minute", "key_per_minute"):
+            raise per_minute_exceeded(f"org:{hold.org}" if verdict == "org_per_minute" else f"key:{hold.key_id}")
         if verdict == "key_limit_exceeded":
             raise key_limit_exceeded(hold.key_id, hold.key_limit)
         self.counts.taken(hold.org)
@@ -187,8 +199,9 @@ class PostgresStore(GroupCommitted):
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
         self.counts.given_back(hold.org)
 
-    def charged(self, hold: Hold | None, key_id: str, cost: float) -> None:
-        """Nothing to keep here: ``kiln_admit`` reads a key's spending from its rows."""
+    def settled(self, hold: Hold | None, row: dict[str, Any]) -> None:
+        """Nothing to keep here: ``kiln_admit`` reads a key's spending from its rows, and the rows'
+        insertion settles their per-minute tokens (a trigger)."""
 
     def count(self, org: str) -> int:
         return self.counts.count(org)

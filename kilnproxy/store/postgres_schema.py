@@ -21,11 +21,15 @@ Tables:
 
 The functions keep each of admission, settlement and reaping to one round trip
 for a whole batch of requests.
+
+Version 2 (``kilnproxy.store.postgres_v2``) adds runtime orgs, keys and grants,
+and makes ``kiln_admit`` hold keys' limits and check per-minute limits.
 """
 
 from __future__ import annotations
 
 from ..errors import StorageError
+from .postgres_v2 import V2
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -210,120 +214,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-# Runtime tenancy (SPEC 10, ``kilnproxy.store.tenancy``): orgs made at runtime, keys (their SHA-256 only),
-# credit grants (unique per org and reference: a retried payment credits once), the audit log, and one
-# change counter bumped in the transaction of every change (its row lock orders changes; the audit event
-# of a change has the counter's new value as id). The same tables as the SQLite file's, in the same
-# types where the dialects allow: timestamps as ISO-8601 text, booleans as 0/1, JSON as text.
-_V2 = """
-CREATE TABLE kiln_runtime_orgs (
-    id TEXT PRIMARY KEY,
-    max_in_flight INTEGER CHECK (max_in_flight > 0),
-    disabled INTEGER NOT NULL DEFAULT 0,
-    requests_per_minute BIGINT CHECK (requests_per_minute > 0),
-    tokens_per_minute BIGINT CHECK (tokens_per_minute > 0),
-    created_at TEXT NOT NULL
-);
-
-CREATE TABLE kiln_keys (
-    id TEXT PRIMARY KEY,
-    sha256 TEXT NOT NULL UNIQUE,
-    prefix TEXT NOT NULL,
-    name TEXT NOT NULL,
-    org TEXT NOT NULL,
-    models TEXT,
-    "limit" DOUBLE PRECISION CHECK ("limit" >= 0),
-    limit_reset TEXT CHECK (limit_reset IN ('daily', 'weekly', 'monthly')),
-    expires_at TEXT,
-    disabled INTEGER NOT NULL DEFAULT 0,
-    revoked_at TEXT,
-    requests_per_minute BIGINT CHECK (requests_per_minute > 0),
-    tokens_per_minute BIGINT CHECK (tokens_per_minute > 0),
-    created_at TEXT NOT NULL
-);
-CREATE INDEX kiln_keys_org ON kiln_keys (org);
-
-CREATE TABLE kiln_grants (
-    id TEXT PRIMARY KEY,
-    org TEXT NOT NULL,
-    amount DOUBLE PRECISION NOT NULL,
-    reference TEXT NOT NULL,
-    created_at TEXT NOT NULL,
-    UNIQUE (org, reference)
-);
-
-CREATE TABLE kiln_audit (
-    id BIGINT PRIMARY KEY,
-    at TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    org TEXT NOT NULL,
-    subject TEXT NOT NULL,
-    actor TEXT,
-    detail TEXT NOT NULL
-);
-CREATE INDEX kiln_audit_org ON kiln_audit (org, id);
-
-CREATE TABLE kiln_version (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    version BIGINT NOT NULL
-);
-INSERT INTO kiln_version (id, version) VALUES (1, 0);
-
-CREATE INDEX usage_events_key_created ON usage_events (key_id, created_at);
-"""
-
-# Version 3: a key's ``limit`` is held like its org's credits, in the same admission transaction (the
-# org's lock covers its keys): the key's rows since its period began plus its live holds.
-_V3 = """
-CREATE OR REPLACE FUNCTION kiln_admit(p_holds JSONB, p_replica TEXT, p_timeout DOUBLE PRECISION)
-RETURNS TABLE (r_id TEXT, r_verdict TEXT, r_spent DOUBLE PRECISION) LANGUAGE plpgsql AS $$
-DECLARE
-    h RECORD;
-    v_count INTEGER;
-    v_held DOUBLE PRECISION;
-    v_key_used DOUBLE PRECISION;
-BEGIN
-    SET LOCAL synchronous_commit = off;
-    PERFORM pg_advisory_xact_lock(1263, k)
-       FROM (SELECT DISTINCT hashtext(x.org) AS k FROM jsonb_to_recordset(p_holds) AS x(org TEXT) ORDER BY 1) o;
-    FOR h IN SELECT * FROM jsonb_to_recordset(p_holds) AS x(
-            id TEXT, org TEXT, "limit" INTEGER, granted DOUBLE PRECISION, amount DOUBLE PRECISION,
-            prompt_cost DOUBLE PRECISION, prompt_tokens BIGINT, created_at TEXT, key_id TEXT, model TEXT,
-            endpoint TEXT, stream INTEGER, key_limit DOUBLE PRECISION, key_since TEXT) LOOP
-        SELECT coalesce((SELECT o.spent FROM kiln_orgs o WHERE o.org = h.org), 0), count(*),
-               coalesce(sum(k.amount), 0)
-          INTO r_spent, v_count, v_held
-          FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
-         WHERE k.org = h.org AND r.seen_at > now() - make_interval(secs => p_timeout);
-        v_key_used := 0;
-        IF h.key_limit IS NOT NULL THEN
-            SELECT coalesce(sum(u.cost), 0) INTO v_key_used
-              FROM usage_events u WHERE u.key_id = h.key_id AND u.created_at >= h.key_since;
-            v_key_used := v_key_used + coalesce((
-                SELECT sum(k.amount) FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
-                 WHERE k.key_id = h.key_id AND r.seen_at > now() - make_interval(secs => p_timeout)), 0);
-        END IF;
-        r_id := h.id;
-        IF v_count >= h."limit" THEN
-            r_verdict := 'rate_limited';
-        ELSIF h.granted - r_spent - v_held <= 0 THEN
-            r_verdict := 'insufficient_credits';
-        ELSIF h.key_limit IS NOT NULL AND h.key_limit - v_key_used <= 0 THEN
-            r_verdict := 'key_limit_exceeded';
-        ELSE
-            INSERT INTO kiln_holds (id, org, replica, amount, prompt_cost, prompt_tokens, created_at, key_id,
-                                    model, endpoint, stream)
-            VALUES (h.id, h.org, p_replica, h.amount, h.prompt_cost, h.prompt_tokens, h.created_at, h.key_id,
-                    h.model, h.endpoint, h.stream);
-            r_verdict := 'ok';
-        END IF;
-        RETURN NEXT;
-    END LOOP;
-END $$;
-CREATE INDEX kiln_holds_key ON kiln_holds (key_id);
-"""
-
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
+MIGRATIONS: tuple[str, ...] = (_V1, V2)
 
 
 async def migrate(conn) -> int:

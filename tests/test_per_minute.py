@@ -1,0 +1,107 @@
+"""Requests and tokens per minute, per org and per key: exact over any 60 s, on both stores and across
+two gateways on one PostgreSQL; tokens reserved at admission and settled to the real count."""
+
+import asyncio
+
+import pytest
+
+from kilnproxy.config import parse_config
+from kilnproxy.errors import ConfigError
+from kilnproxy.store.minute_windows import MinuteWindows
+from kilnproxy.testing import KEY, OTHER_KEY, base_config, completion_body
+
+
+def orgs(**acme) -> list[dict]:
+    return [{"id": "acme", "credits": 100.0, **acme}, {"id": "globex", "credits": 100.0}]
+
+
+async def status_and_code(h, body=None, key=None) -> tuple[int, str | None]:
+    async with h.post("/v1/completions", body or completion_body(), key=key) as resp:
+        data = await resp.json()
+        return resp.status, (data.get("error") or {}).get("code")
+
+
+async def test_an_org_gets_exactly_its_requests_per_minute_however_many_come_at_once(harness, store):
+    async with harness(overrides={**store, "orgs": orgs(requests_per_minute=10),
+                                  "limits": {"max_in_flight_per_org": 64}}) as h:
+        results = await asyncio.gather(*(status_and_code(h) for _ in range(30)))
+        assert sorted(results) == [(200, None)] * 10 + [(429, "rate_limit_exceeded")] * 20
+        assert await status_and_code(h, key=OTHER_KEY) == (200, None)  # another org is not bound by it
+        rows = await h.rows(org="acme")
+        assert sorted((r["status"], r["error_code"]) for r in rows) == sorted(results)
+
+
+async def test_a_runtime_key_has_its_own_requests_per_minute(harness, store):
+    async with harness(overrides=store) as h:
+        secret, key = await h.gw.tenancy.create_key("acme", "batch", requests_per_minute=2)
+        await h.gw.tenants.refresh()
+        assert [await status_and_code(h, key=secret) for _ in range(3)] == [
+            (200, None), (200, None), (429, "rate_limit_exceeded")]
+        assert await status_and_code(h, key=KEY) == (200, None)  # the org's other key is not bound by it
+
+
+async def test_tokens_are_reserved_at_admission_and_settled_to_the_real_count(harness, store):
+    # the prompt "The capital of France is" is estimated at 6 tokens: max_tokens=60 reserves 66
+    async with harness(overrides={**store, "orgs": orgs(tokens_per_minute=100)}) as h:
+        stalled = completion_body(stream=True, max_tokens=60, mock={"fail": "stall", "after": 1})
+        first = await h.post("/v1/completions", stalled)
+        assert first.status == 200
+        await first.content.readline()
+        second = await h.post("/v1/completions", stalled)  # 66 reserved by the other: below 100
+        assert second.status == 200
+        await second.content.readline()
+        assert await status_and_code(h, completion_body(max_tokens=1)) == (429, "rate_limit_exceeded")
+        first.close()
+        second.close()
+        while h.gw.admission.count("acme"):
+            await asyncio.sleep(0.01)
+        # the two rows settled what was streamed (a few tokens each), not the 132 reserved
+        used = sum(r["total_tokens"] for r in await h.rows(org="acme") if r["status"] == 200)
+        assert used < 100
+        assert await status_and_code(h, completion_body(max_tokens=1)) == (200, None)
+
+
+async def test_two_gateways_on_one_database_share_an_orgs_requests_per_minute(harness, pg_url, tmp_path):
+    config = {"orgs": orgs(requests_per_minute=6), "limits": {"max_in_flight_per_org": 64}}
+    a_store = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "a.db")}}
+    b_store = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "b.db")}}
+    async with harness(overrides={**config, **a_store}) as a, harness(overrides={**config, **b_store}) as b:
+        results = await asyncio.gather(*(status_and_code(h) for h in (a, b) * 10))
+        assert sorted(results) == [(200, None)] * 6 + [(429, "rate_limit_exceeded")] * 14
+
+
+def test_the_window_slides_over_any_60_seconds():
+    now = [1000.0]
+    windows = MinuteWindows(clock=lambda: now[0])
+    bounds = [("org:acme", 2, None)]
+    windows.take("a", 10, ["org:acme"])
+    now[0] += 30
+    windows.take("b", 10, ["org:acme"])
+    assert windows.full(bounds) == "org:acme"
+    now[0] += 30  # "a" was admitted 60 s ago: out of the window
+    assert windows.full(bounds) is None and windows.usage("org:acme") == (1, 10)
+    windows.settle("b", 3)
+    assert windows.usage("org:acme") == (1, 3)
+    now[0] += 30
+    assert windows.usage("org:acme") == (0, 0)
+    windows.settle("b", 50)  # settled after leaving the window: nothing to change
+    assert windows.usage("org:acme") == (0, 0)
+
+
+def test_tokens_per_minute_admit_while_the_others_are_below_the_bound():
+    windows = MinuteWindows(clock=lambda: 0.0)
+    bounds = [("key:k", None, 100)]
+    windows.take("a", 99, ["key:k"])
+    assert windows.full(bounds) is None  # 99 < 100: one more may go, whatever it reserves
+    windows.take("b", 500, ["key:k"])
+    assert windows.full(bounds) == "key:k"
+
+
+@pytest.mark.parametrize("where", ["orgs", "keys"])
+@pytest.mark.parametrize("value", [0, -5, "10", 1.5, True])
+def test_a_bad_per_minute_bound_is_one_line_naming_the_key(tmp_path, where, value):
+    config = base_config("http://127.0.0.1:1/v1", tmp_path / "u.db")
+    config[where][0]["requests_per_minute"] = value
+    with pytest.raises(ConfigError) as refused:
+        parse_config(config, source="kiln.toml", base_dir=tmp_path)
+    assert f"{where}[0].requests_per_minute" in str(refused.value)
