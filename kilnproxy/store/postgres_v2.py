@@ -16,61 +16,9 @@
   (a trigger, so settlement itself is unchanged).
 """
 
-V2 = """
-CREATE TABLE kiln_runtime_orgs (
-    id TEXT PRIMARY KEY,
-    max_in_flight INTEGER CHECK (max_in_flight > 0),
-    disabled INTEGER NOT NULL DEFAULT 0,
-    requests_per_minute BIGINT CHECK (requests_per_minute > 0),
-    tokens_per_minute BIGINT CHECK (tokens_per_minute > 0),
-    created_at TEXT NOT NULL
-);
+from .tenancy_sql import TENANCY_TABLES
 
-CREATE TABLE kiln_keys (
-    id TEXT PRIMARY KEY,
-    sha256 TEXT NOT NULL UNIQUE,
-    prefix TEXT NOT NULL,
-    name TEXT NOT NULL,
-    org TEXT NOT NULL,
-    models TEXT,
-    "limit" DOUBLE PRECISION CHECK ("limit" >= 0),
-    limit_reset TEXT CHECK (limit_reset IN ('daily', 'weekly', 'monthly')),
-    expires_at TEXT,
-    disabled INTEGER NOT NULL DEFAULT 0,
-    revoked_at TEXT,
-    requests_per_minute BIGINT CHECK (requests_per_minute > 0),
-    tokens_per_minute BIGINT CHECK (tokens_per_minute > 0),
-    created_at TEXT NOT NULL
-);
-CREATE INDEX kiln_keys_org ON kiln_keys (org);
-
-CREATE TABLE kiln_grants (
-    id TEXT PRIMARY KEY,
-    org TEXT NOT NULL,
-    amount DOUBLE PRECISION NOT NULL,
-    reference TEXT NOT NULL,
-    created_at TEXT NOT NULL,
-    UNIQUE (org, reference)
-);
-
-CREATE TABLE kiln_audit (
-    id BIGINT PRIMARY KEY,
-    at TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    org TEXT NOT NULL,
-    subject TEXT NOT NULL,
-    actor TEXT,
-    detail TEXT NOT NULL
-);
-CREATE INDEX kiln_audit_org ON kiln_audit (org, id);
-
-CREATE TABLE kiln_version (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    version BIGINT NOT NULL
-);
-INSERT INTO kiln_version (id, version) VALUES (1, 0);
-
-CREATE INDEX usage_events_key_created ON usage_events (key_id, created_at);
+V2 = TENANCY_TABLES + """
 CREATE TABLE kiln_minute (
     id TEXT PRIMARY KEY,
     org TEXT NOT NULL,

@@ -45,15 +45,18 @@ from ..errors import StorageError
 NOTIFY_CHANNEL = "kiln_tenancy"
 LOCK_WAIT_SECONDS = 5.0  # how long a change waits for the SQLite file's other writer (the ledger, a command)
 
-_SQLITE_V1 = """
+# The tables of runtime tenancy, one text for both stores: SQLite reads BIGINT and DOUBLE PRECISION
+# with the affinities of INTEGER and REAL. (``kiln_audit.id`` is the change counter's value, never a rowid.)
+TENANCY_TABLES = """
 CREATE TABLE kiln_runtime_orgs (
     id TEXT PRIMARY KEY,
     max_in_flight INTEGER CHECK (max_in_flight > 0),
     disabled INTEGER NOT NULL DEFAULT 0,
-    requests_per_minute INTEGER CHECK (requests_per_minute > 0),
-    tokens_per_minute INTEGER CHECK (tokens_per_minute > 0),
+    requests_per_minute BIGINT CHECK (requests_per_minute > 0),
+    tokens_per_minute BIGINT CHECK (tokens_per_minute > 0),
     created_at TEXT NOT NULL
 );
+
 CREATE TABLE kiln_keys (
     id TEXT PRIMARY KEY,
     sha256 TEXT NOT NULL UNIQUE,
@@ -61,26 +64,28 @@ CREATE TABLE kiln_keys (
     name TEXT NOT NULL,
     org TEXT NOT NULL,
     models TEXT,
-    "limit" REAL CHECK ("limit" >= 0),
+    "limit" DOUBLE PRECISION CHECK ("limit" >= 0),
     limit_reset TEXT CHECK (limit_reset IN ('daily', 'weekly', 'monthly')),
     expires_at TEXT,
     disabled INTEGER NOT NULL DEFAULT 0,
     revoked_at TEXT,
-    requests_per_minute INTEGER CHECK (requests_per_minute > 0),
-    tokens_per_minute INTEGER CHECK (tokens_per_minute > 0),
+    requests_per_minute BIGINT CHECK (requests_per_minute > 0),
+    tokens_per_minute BIGINT CHECK (tokens_per_minute > 0),
     created_at TEXT NOT NULL
 );
 CREATE INDEX kiln_keys_org ON kiln_keys (org);
+
 CREATE TABLE kiln_grants (
     id TEXT PRIMARY KEY,
     org TEXT NOT NULL,
-    amount REAL NOT NULL,
+    amount DOUBLE PRECISION NOT NULL,
     reference TEXT NOT NULL,
     created_at TEXT NOT NULL,
     UNIQUE (org, reference)
 );
+
 CREATE TABLE kiln_audit (
-    id INTEGER PRIMARY KEY,
+    id BIGINT PRIMARY KEY,
     at TEXT NOT NULL,
     kind TEXT NOT NULL,
     org TEXT NOT NULL,
@@ -89,13 +94,17 @@ CREATE TABLE kiln_audit (
     detail TEXT NOT NULL
 );
 CREATE INDEX kiln_audit_org ON kiln_audit (org, id);
+
 CREATE TABLE kiln_version (
     id INTEGER PRIMARY KEY CHECK (id = 1),
-    version INTEGER NOT NULL
+    version BIGINT NOT NULL
 );
 INSERT INTO kiln_version (id, version) VALUES (1, 0);
-CREATE INDEX usage_events_key_created ON usage_events (key_id, created_at)
+
+CREATE INDEX usage_events_key_created ON usage_events (key_id, created_at);
 """
+
+_SQLITE_V1 = TENANCY_TABLES
 
 SQLITE_MIGRATIONS: tuple[str, ...] = (_SQLITE_V1,)
 
