@@ -3,6 +3,7 @@
 * ``queries``: reads of the usage ledger (pages of requests, usage buckets), on
   SQLite or on the shared PostgreSQL store, and the indexes that keep them fast;
 * ``hub``: committed rows fanned out to the page's live feed (SSE);
+* ``replica_feed``: on PostgreSQL, the rows the other replicas commit, into the hub;
 * ``capture``: the opt-in ring of request bodies and both streams;
 * ``api``: access rule, the page's files and the JSON API (docs/inspector.md);
 * ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored.
@@ -22,6 +23,7 @@ from .api import InspectorAPI
 from .capture import CaptureRing
 from .hub import LiveHub
 from .queries import InspectorStore, SharedReader, SQLiteReader
+from .replica_feed import ReplicaFeed
 
 __all__ = ["setup_inspector"]
 
@@ -37,13 +39,21 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
         gateway.capture.on_start = hub.started
     shared = gateway.config.storage.url is not None  # PostgreSQL: read every replica's rows through its pool
     store = InspectorStore(SharedReader(gateway.ledger) if shared else SQLiteReader(gateway.config.db_path))
+    feed = None
+    if shared:  # one process on SQLite sees every row it commits; replicas tell each other theirs
+        gateway.ledger.tell_rows = True
+        feed = ReplicaFeed(gateway.ledger, hub)
     api = InspectorAPI(gateway, store, hub)
     app.router.add_routes(api.routes())
 
     async def lifetime(app: web.Application):
         await store.open()  # after the gateway's own start: the ledger has made the table
         gateway.commit_listeners.append(hub.publish)
+        if feed is not None:
+            await feed.start()
         yield
+        if feed is not None:
+            await feed.stop()
         gateway.commit_listeners.remove(hub.publish)
         await store.close()
 

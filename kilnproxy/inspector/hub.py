@@ -75,6 +75,11 @@ class LiveHub:
         except Exception:  # a listener must never break the ledger's writer
             log.exception("inspector: publishing committed rows failed")
 
+    def reset(self) -> None:
+        """Rows may have been missed (the feed across replicas was cut): every page reloads its list."""
+        for sub in self.subscribers:
+            sub.offer(RESET)
+
     def started(self, record) -> None:
         """A captured request began (``CaptureRing.on_start``): show it in flight until its row."""
         if not self.subscribers:

@@ -56,6 +56,24 @@ UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.Po
                asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
 
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
+SETTLE = "SELECT * FROM kiln_settle($1::jsonb, $2)"
+# The same, and in its transaction (so delivered at its commit, and only if it commits) one NOTIFY per
+# notice of ``row_notices``: the inspectors of the other replicas show the rows as they are committed.
+SETTLE_AND_TELL = ("SELECT * FROM kiln_settle($1::jsonb, $2)"
+                   " WHERE (SELECT count(pg_notify($3, n)) FROM unnest($4::text[]) n) >= 0")
+ROWS_CHANNEL = "kiln_rows"
+NOTICE_BYTES = 7900  # a NOTIFY payload must stay under 8000 bytes
+
+
+def row_notices(replica: str, ids: list[str]) -> list[str]:
+    """``"<replica> <id> <id> ..."``, as few as fit under ``NOTICE_BYTES`` each."""
+    notices, notice = [], replica
+    for generation_id in ids:
+        if len(notice.encode()) + 1 + len(generation_id) > NOTICE_BYTES:
+            notices.append(notice)
+            notice = replica
+        notice += " " + generation_id
+    return notices + [notice]
 
 
 def _per_minute(hold: Hold) -> dict[str, int | None]:
@@ -94,6 +112,7 @@ class PostgresStore(GroupCommitted):
         self.timeout = config.storage.replica_timeout_seconds
         self.credits = credits
         self.on_commit = on_commit
+        self.tell_rows = False  # True (the inspector): each settlement NOTIFYs ROWS_CHANNEL of its rows' ids
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.spool = Spool(config.spool_path)
         self.pool: asyncpg.Pool | None = None
@@ -221,8 +240,12 @@ class PostgresStore(GroupCommitted):
         if not self.available:
             return False
         try:
-            spent = await self.run("fetch", "SELECT * FROM kiln_settle($1::jsonb, $2)",
-                                   orjson.dumps(rows).decode(), self.replica)
+            body = orjson.dumps(rows).decode()
+            if self.tell_rows:
+                spent = await self.run("fetch", SETTLE_AND_TELL, body, self.replica, ROWS_CHANNEL,
+                                       row_notices(self.replica, [r["id"] for r in rows]))
+            else:
+                spent = await self.run("fetch", SETTLE, body, self.replica)
         except UNREACHABLE as exc:
             self.lost(exc)
             return False
@@ -247,6 +270,11 @@ class PostgresStore(GroupCommitted):
                 self.commit_failures += 1
                 log.error("cannot spool %d usage rows, retrying: %s", len(rows), exc)
                 await asyncio.sleep(0.2)
+
+    async def tell_reaped(self) -> None:
+        """Rows were reaped (``replica_lost``): ``"<replica> *"`` tells every inspector to reload its list."""
+        if self.tell_rows:
+            await self.attempt("execute", "SELECT pg_notify($1, $2)", ROWS_CHANNEL, f"{self.replica} *")
 
     async def flush_spool(self) -> None:
         """Settle the spooled rows in PostgreSQL, oldest first; stops at the first failure."""

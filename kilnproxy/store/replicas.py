@@ -67,13 +67,15 @@ class Heartbeat:
         store.reached()
 
     async def reap(self) -> None:
-        store = self.store
+        store, lost_before = self.store, self.reaped
         for org, spent, lost in await store.attempt("fetch", "SELECT * FROM kiln_reap($1)",
                                                     store.timeout) or ():
             store.credits.spent[org] = spent
             self.reaped += lost
             log.warning("%d requests of org %s were in flight on a replica silent for %g s: recorded as"
                         " replica_lost", lost, org, store.timeout)
+        if lost_before != self.reaped:
+            await store.tell_reaped()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
