@@ -3,6 +3,7 @@
 * ``main``: the parser, ``serve`` and the small sub-commands;
 * ``fixtures``: ``record``, ``replay`` and ``mock-upstream --replay``;
 * ``usage``, ``import_ledger``, ``reload``: reading the ledger, copying it to PostgreSQL, reloading;
+* ``tenancy``, ``tenancy_text``: ``orgs`` and ``keys``, runtime orgs, keys and grants in the store;
 * ``demo``: the built-in demo's config.
 
 May import: any part of kilnproxy. Nothing imports it but ``kilnproxy.__main__``.

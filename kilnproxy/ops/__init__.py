@@ -1,6 +1,7 @@
 """Operating a gateway: ``/metrics``, ``/admin/*``, the access log, reload, health checks, shutdown.
 
 * ``admin``: the operator's endpoints and the wiring of the rest into the app (``install``);
+* ``tenancy_api``: ``/admin/v1``, runtime orgs, keys, credit grants and their audit events;
 * ``metrics``, ``accesslog``: what the gateway is doing, for Prometheus and as JSON lines;
 * ``reload``: the config re-read without a restart (SIGHUP, ``POST /admin/reload``);
 * ``health``: active checks of the upstreams;

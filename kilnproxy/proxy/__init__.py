@@ -6,7 +6,10 @@
 * ``upstream``: balancing, failover and marking down;
 * ``stream``, ``relay``, ``usage_chunk``, ``stream_errors``, ``plain_events``: the streamed answer, line by line;
 * ``request_record``: what one request did, turned into its usage row;
-* ``read_endpoints``: catalog, credits, generations, liveness;
+* ``read_endpoints``: catalog, credits, the caller's key (``GET /v1/key``), generations, liveness;
+* ``tenants``: the config's and the store's orgs and keys, merged in memory for authentication;
+* ``tenant_views``, ``tenant_changes``: the org and key objects, and the rules of changing them,
+  shared by the admin API (ops) and the ``orgs`` / ``keys`` commands (cli);
 * ``json_routes``: what every route shares so nothing is answered outside JSON.
 
 May import: the kernel, ``plugins``, ``store`` and ``fixtures``. Knows nothing

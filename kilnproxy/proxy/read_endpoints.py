@@ -1,4 +1,4 @@
-"""The small endpoints: catalog, credits, generations, liveness (the endpoints (docs/reference.md))."""
+"""The small endpoints: catalog, credits, the caller's key, generations, liveness (docs/reference.md)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import orjson
 from aiohttp import web
 
 from ..config import KeyConfig, ModelConfig
-from ..errors import GatewayError, model_not_found
+from ..errors import GatewayError, invalid_api_key, model_not_found
 from ..usage import round_usd
 from .auth import check_enabled
 from .gateway import GATEWAY
+from .tenant_changes import answer_store_trouble
+from .tenant_views import gateway_view
 
 
 def json_response(data: object, status: int = 200) -> web.Response:
@@ -67,6 +69,16 @@ async def credits(request: web.Request) -> web.Response:
     spent = await gw.spent(key.org)
     return json_response({"org": key.org, "granted": granted, "spent": round_usd(spent),
                           "remaining": round_usd(granted - spent)})
+
+
+async def own_key(request: web.Request) -> web.Response:
+    """``GET /v1/key``: the caller's own key object (no envelope, never the secret)."""
+    key = authorized_key(request)
+    with answer_store_trouble():
+        found = await gateway_view(request.app[GATEWAY]).key(key.id)
+    if found is None or found["revoked"]:  # revoked by another replica this very second
+        raise invalid_api_key()
+    return json_response(found)
 
 
 async def generation(request: web.Request) -> web.Response:

@@ -9,7 +9,9 @@
 * ``batches``, ``checkpoint``: group commit and SQLite's background checkpoints;
 * ``reads``: the ledger as the commands read it;
 * ``tenancy``, ``tenancy_sql``, ``key_usage``, ``tenancy_validation``: orgs, keys and
-  credit grants made at runtime, on either store, and the admin bodies' checks.
+  credit grants made at runtime, on either store, and the admin bodies' checks;
+* ``tenancy_books``: each org's spending and holds as the store has them, and the store
+  opened by a command.
 
 The store knows rows, not requests. May import: the kernel only.
 """

@@ -74,7 +74,7 @@ class SQLiteLedger(GroupCommitted):
     async def open(self) -> None:
         try:
             # Checked with plain sqlite3 first: aiosqlite's thread outlives a failed connect.
-            await asyncio.to_thread(_prepare, self.path)
+            await asyncio.to_thread(prepare_file, self.path)
             # autocommit: one INSERT of many rows is one transaction and one trip to the db thread
             self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
             for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0"):  # checkpoints: the Checkpointer's job
@@ -156,8 +156,9 @@ def _storable(value: Any) -> Any:
     return value if value is None or isinstance(value, (int, float, str)) else str(value)
 
 
-def _prepare(path: Path) -> None:
-    """Create the table in WAL mode and prove the file can be written now, rather than lose rows later."""
+def prepare_file(path: Path) -> None:
+    """Create the table in WAL mode and prove the file can be written now, rather than lose rows later
+    (the ledger at start-up; the commands that write the file, before a gateway ever ran on it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
     try:

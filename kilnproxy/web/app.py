@@ -16,7 +16,7 @@ from aiohttp import web
 from ..config import Config
 from ..errors import GatewayError
 from ..inspector import setup_inspector
-from ..ops import admin
+from ..ops import admin, tenancy_api
 from ..plugins.manager import build_plugin_manager
 from ..proxy import read_endpoints
 from ..proxy.completions import chat_completions, completions, hot_routes
@@ -41,9 +41,11 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     app.router.add_get("/v1/models", read_endpoints.list_models, expect_handler=expect_handler)
     app.router.add_get("/v1/models/{model_id:.+}", read_endpoints.get_model, expect_handler=expect_handler)
     app.router.add_get("/v1/credits", read_endpoints.credits, expect_handler=expect_handler)
+    app.router.add_get("/v1/key", read_endpoints.own_key, expect_handler=expect_handler)
     app.router.add_get("/v1/generations/{generation_id}", read_endpoints.generation, expect_handler=expect_handler)
     app.router.add_get("/healthz", read_endpoints.healthz, expect_handler=expect_handler)
     admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
+    tenancy_api.add_routes(app)  # /admin/v1: orgs, keys, grants and their events
     setup_inspector(app, gateway)
     add_fallback(app)  # last: JSON 404/405 for whatever no route above serves
     return app
