@@ -41,7 +41,7 @@ KEY = "sk-bench"
 
 
 def gateway_config(path: Path, db: Path, port: int, upstreams: dict[str, str], plugin: str | None = None,
-                   storage: str | None = None) -> Path:
+                   storage: str | None = None, per_minute: bool = False) -> Path:
     models = "".join(f"""
 [[models]]
 id = "{model}"
@@ -66,6 +66,7 @@ max_in_flight_per_org = 100000
 [[orgs]]
 id = "bench"
 credits = 1000000000.0
+{"requests_per_minute = 1000000000" + chr(10) + "tokens_per_minute = 1000000000000" if per_minute else ""}
 
 [[keys]]
 key = "{KEY}"
@@ -117,10 +118,11 @@ def main() -> int:
         upstreams = {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1", "bench-mock": f"{mock}/v1"}
 
         def gateway(name: str, plugin: str | None = None, argv_head: list[str] | None = None,
-                    extra: dict[str, str] | None = None, storage: str | None = None) -> str:
+                    extra: dict[str, str] | None = None, storage: str | None = None,
+                    per_minute: bool = False) -> str:
             port = free_port()
             cfg = gateway_config(work / f"{name}.toml", work / f"{name}.db", port, {**upstreams, **(extra or {})},
-                                 plugin, storage)
+                                 plugin, storage, per_minute)
             head = argv_head or [PY, "-m", "kilnproxy", "serve"]
             url = f"http://127.0.0.1:{port}"
             pids[url] = procs.start(name, head + ["--config", str(cfg)], cpus=gw_cpus, port=port).pid
