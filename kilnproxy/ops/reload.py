@@ -19,7 +19,6 @@ and ``[plugins]``. Plugins are not reloaded.
 from __future__ import annotations
 
 import asyncio
-
 import dataclasses
 import logging
 import time
