@@ -37,6 +37,7 @@ class Gateway:
         self.pm = pm
         self.hooks = Hooks(pm)
         self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
+        self.discovered: dict[str, tuple[str, ...]] = {}  # discover = true entries: their upstreams' models
         self.keys = KeyRing(config.keys)
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
