@@ -76,6 +76,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
         if gw.capture is not None:
             record.tap = gw.capture.tap(record, body)
         route = rules.check_model(body, key, gw.routes)  # step 4
+        rules.check_endpoint(route, endpoint)
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = Hold(call, record.created_at, body, route.model.context_window)
         await rules.take_slot(gw.admission, hold, gw.limit_for(key.org))  # step 5
