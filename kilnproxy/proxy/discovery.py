@@ -29,9 +29,9 @@ log = logging.getLogger("kilnproxy")
 
 
 class Discovery:
-    def __init__(self, gw: Gateway, interval: float = INTERVAL):
+    def __init__(self, gw: Gateway, interval: float | None = None):
         self.gw = gw
-        self.interval = interval
+        self.interval = INTERVAL if interval is None else interval
         self.task: asyncio.Task | None = None
 
     def entries(self) -> list[ModelConfig]:
