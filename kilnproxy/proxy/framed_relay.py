@@ -56,6 +56,7 @@ class FramedRelay:
         self.ended = False
         self.counts: dict[str, Any] = {}  # Anthropic: each usage field as last reported
         self.sequence = 0  # the Responses API numbers its events; an error of ours continues the count
+        self.partial: Usage | None = None  # prompt counts reported before the output's (message_start)
 
     def feed_chunk(self, chunk: bytes) -> bytes:
         data = self.rest + chunk if self.rest else chunk
@@ -94,6 +95,9 @@ class FramedRelay:
         self.sequence += 1
         if self.delta in payload:
             self.record.streamed_chunks += 1
+            if self.partial is not None:  # until the final count: the output streamed so far
+                self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
+                                          self.partial.cached_tokens)
         if not self.impls and not any(marker in payload for marker in MARKERS):
             return frame + b"\n\n"
         try:
@@ -150,9 +154,13 @@ class FramedRelay:
         usage = event.get("usage", message.get("usage") if isinstance(message, dict) else None)
         if isinstance(usage, dict):
             self.counts.update((k, v) for k, v in usage.items() if type(v) is int)
-            record.usage = Usage.of_endpoint("messages", self.counts)
+            counts = Usage.of_endpoint("messages", self.counts)
             if kind == "message_delta":
-                usage["cost"] = record.usage.cost(self.call.pricing)
+                record.usage, self.partial = counts, None
+                usage["cost"] = counts.cost(self.call.pricing)
+            else:
+                self.partial = counts
+                record.usage = Usage(counts.prompt_tokens, record.streamed_chunks, counts.cached_tokens)
         delta = event.get("delta")
         if kind == "message_delta" and isinstance(delta, dict) and delta.get("stop_reason"):
             record.finish_reason = delta["stop_reason"]
