@@ -123,3 +123,21 @@ async def test_serve_upstream_serves_the_servers_models_and_kiln_demo(tmp_path):
             await stop(proc)
     finally:
         await stop(mock)
+
+
+def test_config_errors_name_the_key():
+    import pytest
+
+    from kilnproxy.config import parse_config
+    from kilnproxy.errors import ConfigError
+    base = {"id": "m", "upstreams": ["http://127.0.0.1:1/v1"]}
+    for extra, message in (({"endpoints": ["chat"]}, "models[0] (m).endpoints: unknown endpoint 'chat'; choose from "
+                            "completions, chat/completions, embeddings, responses, messages"),
+                           ({"alias": "a"}, "models[0] (m).alias: only applies with discover = true"),
+                           ({"discover": "yes"}, "models[0] (m).discover: must be true or false, got str 'yes'")):
+        with pytest.raises(ConfigError) as caught:
+            parse_config({"models": [{**base, **extra}]}, source="c.toml")
+        assert str(caught.value).startswith(f"c.toml: {message}")
+    config = parse_config({"models": [{**base, "id": "v/", "discover": True}], "orgs": [{"id": "o"}],
+                           "keys": [{"key": "k", "org": "o", "models": ["v/Qwen"]}]})
+    assert config.keys[0].models == ("v/Qwen",)  # an allow-list may name a discovered model

@@ -185,7 +185,11 @@ def cmd_check_config(args) -> int:
     else:
         print(f"  storage  {config.db_path}")
     for m in config.models:
-        print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
+        if m.discover:
+            alias = f" (and {m.alias} for the first)" if m.alias else ""
+            print(f"  models   {m.id}<each model listed>{alias}, discovered via {', '.join(m.upstreams)}")
+        else:
+            print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
     for o in config.orgs:
         keys = sum(1 for k in config.keys if k.org == o.id)
         print(f"  org      {o.id}: {o.credits} USD, {o.max_in_flight or config.limits.max_in_flight_per_org}"
