@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from .config_types import (
+    ENDPOINTS,
     AdminConfig,
     Config,
     HealthConfig,
@@ -205,9 +206,22 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
         context_window=window,
         reject_chat_params=r.strings("reject_chat_params", ()),
         pricing=Pricing(rates["prompt"] or 0.0, rates["completion"] or 0.0, rates["cached_prompt"]),
+        endpoints=_endpoints(r),
+        discover=r.get("discover", bool, False),
+        alias=r.get("alias", str, None),
     )
+    if model.alias is not None and not model.discover:
+        r.fail(r.key("alias"), "only applies with discover = true (the first model the upstream lists)")
     r.done()
     return model
+
+
+def _endpoints(r: _Reader) -> tuple[str, ...]:
+    endpoints = r.strings("endpoints", ModelConfig.endpoints)
+    for name in endpoints:
+        if name not in ENDPOINTS:
+            r.fail(r.key("endpoints"), f"unknown endpoint {name!r}; choose from {', '.join(ENDPOINTS)}")
+    return endpoints
 
 
 def _org(source: str, i: int, table: Any) -> OrgConfig:
@@ -325,7 +339,7 @@ def _check_references(source: str, models, orgs, keys) -> None:
     def fail(key: str, problem: str) -> None:
         raise ConfigError(f"{source}: {key}: {problem}")
 
-    model_ids = [m.id for m in models]
+    model_ids = [m.id for m in models if not m.discover] + [m.alias for m in models if m.alias]
     for name, ids in (("models", model_ids), ("orgs", [o.id for o in orgs])):
         dupes = {x for x in ids if ids.count(x) > 1}
         if dupes:
@@ -336,7 +350,7 @@ def _check_references(source: str, models, orgs, keys) -> None:
         if key.org not in org_ids:
             fail(f"keys[{i}].org", f"org {key.org!r} does not exist; add an [[orgs]] entry with id = {key.org!r}")
         for m in key.models or ():
-            if m not in model_ids:
+            if m not in model_ids and not any(d.discover and m.startswith(d.id) for d in models):
                 fail(f"keys[{i}].models", f"model {m!r} is not in [[models]]")
         if key.key_sha256 in seen_keys:
             fail(f"keys[{i}]", "the same key is listed twice")

@@ -73,6 +73,13 @@ class ModelConfig:
     context_window: int | None = None
     reject_chat_params: tuple[str, ...] = ()
     pricing: Pricing = Pricing()
+    endpoints: tuple[str, ...] = ("completions", "chat/completions")  # the APIs this model answers
+    discover: bool = False  # id is a prefix: the upstreams' own /v1/models list is served under it
+    alias: str | None = None  # with discover: the first model listed is also served under this id
+
+
+# The APIs a model may serve, by the names the usage rows' ``endpoint`` column uses.
+ENDPOINTS = ("completions", "chat/completions", "embeddings", "responses", "messages")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,21 @@ class Usage:
         return cls(prompt, completion, _count(cached), _count(total) if total is not None else None)
 
     @classmethod
+    def of_endpoint(cls, endpoint: str, usage: Mapping[str, Any]) -> "Usage":
+        """Read the usage object of an endpoint's own format: OpenAI's ``prompt_tokens`` (completions,
+        embeddings), the Responses API's ``input_tokens``/``output_tokens``, or Anthropic's, whose
+        prompt is ``input_tokens`` plus the cache reads and writes (the reads are the cached part)."""
+        if endpoint == "responses":
+            details = usage.get("input_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+            return cls(_count(usage.get("input_tokens")), _count(usage.get("output_tokens")), _count(cached))
+        if endpoint == "messages":
+            read = _count(usage.get("cache_read_input_tokens"))
+            prompt = _count(usage.get("input_tokens")) + read + _count(usage.get("cache_creation_input_tokens"))
+            return cls(prompt, _count(usage.get("output_tokens")), read)
+        return cls.from_upstream(usage)
+
+    @classmethod
     def combined(cls, reports: list["Usage"]) -> "Usage":
         """One request's usage from one report per choice (llama.cpp with ``n`` > 1), in OpenAI's
         form: the completions added up, the prompt counted once (its cached part as the least any
@@ -83,15 +98,16 @@ def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
     """A rough prompt size for a request the upstream never reported on.
 
     Used only when the client left before the upstream sent its usage: about
-    four characters a token over the prompt or the messages' text, at least 1.
+    four characters a token over the prompt, the messages' text or the ``input``
+    (with a ``system`` prompt or ``instructions``), at least 1.
     A token-id prompt (a list of ints) counts one token per id.
     """
     if not body:
         return 0
     chars = 0
     ids = 0
-    source = body.get("prompt", body.get("messages"))
-    stack = [source]
+    source = body.get("prompt", body.get("messages", body.get("input")))
+    stack = [source, body.get("system"), body.get("instructions")]  # Anthropic's and the Responses API's own
     while stack:
         item = stack.pop()
         if isinstance(item, str):
@@ -101,5 +117,5 @@ def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
         elif isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, dict):
-            stack.extend(v for k, v in item.items() if k in ("content", "text"))
+            stack.extend(v for k, v in item.items() if k in ("content", "text", "input"))
     return max(1, ids + -(-chars // CHARS_PER_TOKEN))

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from kilnproxy.proxy.completions import new_generation_id
+from kilnproxy.proxy.request_path import new_generation_id
 from kilnproxy.store.sqlite import ROWS_PER_INSERT, SQLiteLedger
 from kilnproxy.usage import COLUMNS
 

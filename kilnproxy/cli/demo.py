@@ -1,6 +1,8 @@
 """The built-in demo: a gateway in front of the embedded mock model (running it (docs/reference.md)).
 
-``serve --upstream URL`` puts the same demo in front of a real model server instead.
+``serve --upstream URL`` puts the same demo in front of a real model server instead:
+its own models (its ``GET /v1/models`` list, read again every minute) under their own
+ids, and ``kiln-demo`` for the first of them (``discover = true`` with an empty prefix).
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ DEMO_KEY = "sk-kiln-demo"
 DEMO_MODEL = "kiln-demo"
 
 
-def demo_config(upstream_url: str, host: str, port: int) -> Config:
+def demo_config(upstream_url: str, host: str, port: int, discover: bool = False) -> Config:
+    model = {"id": "", "discover": True, "alias": DEMO_MODEL} if discover else {"id": DEMO_MODEL}
     return parse_config({
         "server": {"host": host, "port": port},
         "storage": {"path": "kilnproxy.db"},
         "models": [{
-            "id": DEMO_MODEL,
+            **model,
+            "endpoints": ["completions", "chat/completions", "embeddings", "responses", "messages"],
             "upstreams": [upstream_url],
             "upstream_model": "mock-vllm",
             "context_window": 4096,
@@ -30,11 +34,12 @@ def demo_config(upstream_url: str, host: str, port: int) -> Config:
     }, source="<demo>", base_dir=Path.cwd())
 
 
-def banner(url: str, upstream: str | None = None) -> str:
+def banner(url: str, upstream: str | None = None, models: list[str] | None = None) -> str:
     model = f"the model server at {upstream}" if upstream else "an embedded mock model"
+    served = f"\n  models:  {', '.join(models)}" if models and models != [DEMO_MODEL] else ""
     return f"""kilnproxy demo on {url}  (no config given: {model}, usage in ./kilnproxy.db)
 
-  dev key: {DEMO_KEY}   model: {DEMO_MODEL}   inspector: {url}/ui/
+  dev key: {DEMO_KEY}   model: {DEMO_MODEL}   inspector: {url}/ui/{served}
 
   curl -N {url}/v1/completions \\
     -H "Authorization: Bearer {DEMO_KEY}" -H "Content-Type: application/json" \\

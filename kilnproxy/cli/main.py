@@ -45,8 +45,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="override [server] port")
     serve.add_argument("--pidfile", help="write the process id here (for `reload --pidfile`)")
     serve.add_argument("--upstream", metavar="URL",
-                       help="demo only: serve the demo model from this OpenAI-compatible base URL "
-                            "(e.g. a llama.cpp server's http://127.0.0.1:8000/v1) instead of the embedded mock")
+                       help="demo only: serve the models of this OpenAI-compatible base URL (its /v1/models, "
+                            "e.g. a llama.cpp server's http://127.0.0.1:8000/v1), and kiln-demo for the first, "
+                            "instead of the embedded mock")
     serve.set_defaults(func=cmd_serve)
 
     mock = sub.add_parser("mock-upstream", help="run the fake vLLM-like model server")
@@ -57,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     mock.add_argument("--flavor", choices=("vllm", "vllm_old", "llamacpp", "ollama"), default="vllm")
     mock.add_argument("--enable-prompt-tokens-details", action="store_true",
                       help="report usage.prompt_tokens_details.cached_tokens, as vLLM does with this flag")
+    mock.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                      help="a model name to serve (repeat for several; vLLM's flag): /v1/models lists them and "
+                           "another name gets vLLM's 404. Default: any name")
     mock.set_defaults(func=cmd_mock)
     from .fixtures import add_fixture_commands, add_replay_options
     add_replay_options(mock)
@@ -116,7 +120,8 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
     if demo:
         if upstream is None:
             mock = await server.start_mock()
-        config = demo_config(upstream or f"{mock.url}/v1", host or "127.0.0.1", 8080 if port is None else port)
+        config = demo_config(upstream or f"{mock.url}/v1", host or "127.0.0.1", 8080 if port is None else port,
+                             discover=upstream is not None)
     try:
         gateway = await server.start_gateway(config, host, port)
     except BaseException as exc:
@@ -126,7 +131,8 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
             where = f"{host or config.server.host}:{config.server.port if port is None else port}"
             raise KilnError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         raise
-    text = (banner(gateway.url, upstream) if demo else
+    from ..proxy.gateway import GATEWAY
+    text = (banner(gateway.url, upstream, list(gateway.app[GATEWAY].routes)) if demo else
             f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})")
     from ..ops.admin import RELOADER, SHUTDOWN
     from ..ops.lifecycle import serve_until_stopped
@@ -149,7 +155,8 @@ def cmd_mock(args) -> int:
     async def main() -> None:
         running = await server.start_mock(args.host, args.port, delay=args.delay,
                                           context_window=args.context_window, flavor=args.flavor,
-                                          prompt_tokens_details=args.enable_prompt_tokens_details)
+                                          prompt_tokens_details=args.enable_prompt_tokens_details,
+                                          served_models=tuple(args.served_model_name))
         try:
             await server.wait_for_signal(lambda: print(f"mock upstream ({args.flavor}) on {running.url}/v1",
                                                        flush=True))
@@ -181,7 +188,11 @@ def cmd_check_config(args) -> int:
     else:
         print(f"  storage  {config.db_path}")
     for m in config.models:
-        print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
+        if m.discover:
+            alias = f" (and {m.alias} for the first)" if m.alias else ""
+            print(f"  models   {m.id}<each model listed>{alias}, discovered via {', '.join(m.upstreams)}")
+        else:
+            print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
     for o in config.orgs:
         keys = sum(1 for k in config.keys if k.org == o.id)
         print(f"  org      {o.id}: {o.credits} USD, {o.max_in_flight or config.limits.max_in_flight_per_org}"

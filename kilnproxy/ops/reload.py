@@ -27,7 +27,7 @@ from pathlib import Path
 from ..config import Config, load_config
 from ..errors import KilnError
 from ..proxy.gateway import Gateway
-from ..proxy.upstream import Route, routes_from
+from ..proxy.upstream import carry_over, routes_from
 from .accesslog import AccessLog
 
 log = logging.getLogger("kilnproxy")
@@ -82,7 +82,7 @@ class Reloader:
         gw, old = self.gw, self.gw.config
         kept = restart_only_changes(old, new)
         effective = keep_restart_only(old, new)
-        routes = carry_over(gw.routes, routes_from(effective.models, effective.server))
+        routes = carry_over(gw.routes, routes_from(effective.models, effective.server, gw.discovered))
         observers = self.observers_for(effective)
         # The swap: plain assignments, no await in between, so no request sees half of it.
         gw.config = effective
@@ -122,17 +122,3 @@ def keep_restart_only(old: Config, new: Config) -> Config:
                                base_dir=old.base_dir)
 
 
-def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]:
-    """Give the new routes the running ``Upstream`` objects of unchanged (model, URL) pairs,
-    and the health state of a URL another model already knew."""
-    by_pair = {(r.id, u.base_url): u for r in old.values() for u in r.upstreams}
-    by_url = {u.base_url: u for r in old.values() for u in r.upstreams}
-    for route in new.values():
-        for i, fresh in enumerate(route.upstreams):
-            known = by_pair.get((route.id, fresh.base_url))
-            if known is not None:
-                known.max_failures, known.down_seconds = fresh.max_failures, fresh.down_seconds
-                route.upstreams[i] = known
-            elif (other := by_url.get(fresh.base_url)) is not None:
-                fresh.failures, fresh.down_until = other.failures, other.down_until
-    return dict(new)

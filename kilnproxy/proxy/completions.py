@@ -1,17 +1,13 @@
-"""POST /v1/completions and /v1/chat/completions: the request's whole path.
+"""POST /v1/completions and /v1/chat/completions: their part of the request's path (``request_path``).
 
-client -> auth & admission (``rules``) -> plugins check and rewrite ->
-upstream (``upstream.Route.open``) -> JSON answer here, or the line-by-line
-stream (``stream``) -> exactly one usage row (``Gateway.submit``), whatever way
-the request ends.
+After admission: ``stream`` and the chat parameters checked (steps 6-7), then
+upstream (``upstream.Route.open``) -> the JSON answer here, or the line-by-line
+stream (``stream``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import time
 from functools import partial
 from typing import Callable
 
@@ -19,92 +15,37 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from ..errors import GatewayError, UpstreamFailure
+from ..errors import UpstreamFailure
 from ..plugins.call import Call
-from ..plugins.manager import plugin_headers, run_request_hooks, transformed_response
-from ..store.limits import Hold
+from ..plugins.manager import plugin_headers, transformed_response
 from ..usage import Usage
 from . import rules
 from .gateway import GATEWAY, Gateway
+from .request_path import Api, handle
 from .request_record import RequestRecord
 from .stream import relay_stream
 from .upstream import Route
 
-GENERATION_HEADER = "X-Neocloud-Generation-Id"
-CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before any response was sent
 PASS_THROUGH_STATUSES = (400, 422)
 
-log = logging.getLogger("kilnproxy")
 
-
-def _generation_ids():
-    """``gen-`` + the time in ms (12 hex digits) + 48 random bits (12 hex digits): ids sort by
-    creation time, so the usage table's key grows at its end rather than at random pages."""
-    while True:  # random bytes read from the OS 4096 ids at a time
-        block = os.urandom(6 * 4096).hex()
-        for start in range(0, len(block), 12):
-            yield f"gen-{int(time.time() * 1000):012x}{block[start:start + 12]}"
-
-
-new_generation_id = _generation_ids().__next__
+def _checks(body: dict, call: Call, route: Route) -> None:
+    rules.check_stream(body, call)  # step 6
+    rules.check_chat_params(body, call, route)  # step 7
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await handle(request, request.app[GATEWAY], "completions")
+    return await handle(request, request.app[GATEWAY], "completions", COMPLETIONS)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await handle(request, request.app[GATEWAY], "chat/completions")
+    return await handle(request, request.app[GATEWAY], "chat/completions", COMPLETIONS)
 
 
 def hot_routes(gw: Gateway) -> dict[tuple[str, str], Callable]:
     """The endpoints of this module for the server's own route table (``fastpath``)."""
-    return {("POST", "/v1/completions"): partial(handle, gw=gw, endpoint="completions"),
-            ("POST", "/v1/chat/completions"): partial(handle, gw=gw, endpoint="chat/completions")}
-
-
-async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.StreamResponse:
-    """The request's whole path (a plain ``BaseRequest`` from the route table, or the app's ``Request``)."""
-    key = gw.keys.authenticate(request.headers.get("Authorization"))  # 401: no org, no row
-    call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
-    record = RequestRecord(call)
-    headers = {GENERATION_HEADER: call.generation_id}
-    try:
-        rules.check_account(key, gw.disabled_orgs, gw.credits, gw.config.maintenance)  # steps 1-2
-        body = await rules.read_json_body(request, gw.config.server)  # step 3
-        record.model, record.body = body["model"], body
-        if gw.capture is not None:
-            record.tap = gw.capture.tap(record, body)
-        route = rules.check_model(body, key, gw.routes)  # step 4
-        call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
-        hold = Hold(call, record.created_at, body, route.model.context_window)
-        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
-        record.hold = hold  # released with the row, in Gateway.submit
-        rules.check_stream(body, call)  # step 6
-        rules.check_chat_params(body, call, route)  # step 7
-        await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
-        return await forward(request, gw, call, route, record, body, headers)
-    except (GatewayError, UpstreamFailure) as err:
-        record.fail(err.status, err.code)
-        await gw.submit(record)  # the row is on disk before the response ends
-        return err.response(headers)
-    except (asyncio.CancelledError, ConnectionResetError):
-        record.disconnected = True
-        if not record.responded:
-            record.fail(CLIENT_CLOSED, None)
-        raise
-    except Exception:  # a bug: still one row, with the status the client gets
-        record.error_code = "internal_error"
-        if record.responded:
-            raise
-        log.exception("unexpected error on %s %s", request.method, request.path)
-        err = GatewayError(500, "internal_error", "The gateway failed unexpectedly; see its log.",
-                           type="server_error")
-        record.fail(err.status, err.code)
-        await gw.submit(record)
-        return err.response(headers)
-    finally:
-        gw.submit(record)  # once only: a no-op when already submitted, the row of a cancelled request otherwise
+    return {("POST", "/v1/completions"): partial(handle, gw=gw, endpoint="completions", api=COMPLETIONS),
+            ("POST", "/v1/chat/completions"): partial(handle, gw=gw, endpoint="chat/completions", api=COMPLETIONS)}
 
 
 async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Route, record: RequestRecord,
@@ -192,3 +133,6 @@ def _error_code(raw: bytes) -> str:
         return code
     kind = error.get("type") if isinstance(error, dict) else None
     return kind if isinstance(kind, str) and kind else "upstream_rejected"
+
+
+COMPLETIONS = Api(forward=forward, checks=_checks)

@@ -40,6 +40,7 @@ class Gateway:
         self.pm = pm
         self.hooks = Hooks(pm)
         self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
+        self.discovered: dict[str, tuple[str, ...]] = {}  # discover = true entries: their upstreams' models
         self.keys = KeyRing(config.keys)
         self.disabled_orgs: frozenset[str] = frozenset()
         self.per_minute: dict[str, tuple[int | None, int | None]] = {}  # org -> (requests, tokens) per minute

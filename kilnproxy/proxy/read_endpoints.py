@@ -33,12 +33,18 @@ def model_card(model: ModelConfig, created: int) -> dict:
         "created": created,
         "owned_by": "kilnproxy",
         "context_window": model.context_window,
+        "endpoints": list(model.endpoints),
         "pricing": {
             "prompt": pricing.prompt,
             "completion": pricing.completion,
             "cached_prompt": pricing.prompt if pricing.cached_prompt is None else pricing.cached_prompt,
         },
     }
+
+
+def catalog(gw) -> tuple[ModelConfig, ...]:
+    """The models served now: the config's, and those its ``discover = true`` entries found."""
+    return tuple(route.model for route in list(gw.routes.values()))
 
 
 def visible_models(key: KeyConfig, models: tuple[ModelConfig, ...]) -> list[ModelConfig]:
@@ -48,7 +54,7 @@ def visible_models(key: KeyConfig, models: tuple[ModelConfig, ...]) -> list[Mode
 async def list_models(request: web.Request) -> web.Response:
     key = authorized_key(request)
     gw = request.app[GATEWAY]
-    cards = [model_card(m, gw.started_at) for m in visible_models(key, gw.config.models)]
+    cards = [model_card(m, gw.started_at) for m in visible_models(key, catalog(gw))]
     return json_response({"object": "list", "data": cards})
 
 
@@ -56,7 +62,7 @@ async def get_model(request: web.Request) -> web.Response:
     key = authorized_key(request)
     gw = request.app[GATEWAY]
     model_id = request.match_info["model_id"]
-    for model in visible_models(key, gw.config.models):
+    for model in visible_models(key, catalog(gw)):
         if model.id == model_id:
             return json_response(model_card(model, gw.started_at))
     raise model_not_found(model_id)

@@ -60,6 +60,12 @@ def check_model(body: dict, key: KeyConfig, routes: dict[str, Route]) -> Route:
     return route
 
 
+def check_endpoint(route: Route, endpoint: str) -> None:
+    """Step 4 too: a model answers only the endpoints its ``endpoints`` lists; another -> 404."""
+    if endpoint not in route.endpoints:
+        raise model_not_found(route.id)
+
+
 def check_stream(body: dict, call: Call) -> None:
     """Step 6: coerce ``stream`` to a boolean and check ``stream_options`` (sets ``call.stream``)."""
     value = body.get("stream")

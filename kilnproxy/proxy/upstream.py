@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import replace
 from typing import Mapping
 
 import aiohttp
@@ -28,7 +29,9 @@ from ..errors import UpstreamFailure, no_backend_available
 # for a grammar that dead-ends), so it fails that request only and says nothing of the server's health.
 SERVER_DOWN_STATUSES = frozenset((502, 503, 504))
 
-ENDPOINT_PATHS = {"completions": "/completions", "chat/completions": "/chat/completions"}
+ENDPOINT_PATHS = {"completions": "/completions", "chat/completions": "/chat/completions",
+                  "embeddings": "/embeddings", "responses": "/responses", "messages": "/messages",
+                  "messages/count_tokens": "/messages/count_tokens"}
 
 
 class Upstream:
@@ -73,6 +76,7 @@ class Route:
         self.id = model.id
         self.pricing = model.pricing
         self.reject_chat_params = frozenset(model.reject_chat_params)
+        self.endpoints = frozenset(model.endpoints)
         self.upstreams = [Upstream(u, server.upstream_max_failures, server.upstream_down_seconds)
                           for u in model.upstreams]
         self.headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
@@ -96,8 +100,10 @@ class Route:
         return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.in_flight)
 
     async def open(self, session: aiohttp.ClientSession, endpoint: str, body: bytes,
-                   ) -> tuple[Upstream, aiohttp.ClientResponse]:
-        """Send ``body``; the caller must release the response and ``upstream.in_flight``."""
+                   headers: Mapping[str, str] | None = None) -> tuple[Upstream, aiohttp.ClientResponse]:
+        """Send ``body`` (with ``headers`` besides the route's own); the caller must release the
+        response and ``upstream.in_flight``."""
+        sent = self.headers if not headers else {**headers, **self.headers}
         candidates = self.candidates()
         if not candidates:
             raise no_backend_available(self.id)
@@ -107,7 +113,7 @@ class Route:
             upstream.in_flight += 1
             try:
                 # a BytesPayload: aiohttp then skips its search of the payload registry
-                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=self.headers)
+                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=sent)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 upstream.in_flight -= 1
                 upstream.failed()
@@ -136,8 +142,41 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def routes_from(models: tuple[ModelConfig, ...], server: ServerConfig) -> Mapping[str, Route]:
-    return {m.id: Route(m, server) for m in models}
+def routes_from(models: tuple[ModelConfig, ...], server: ServerConfig,
+                discovered: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, Route]:
+    """The catalog's routes, in the config's order. A ``discover = true`` entry gives one route per
+    model its upstreams list (``discovered[entry.id]``, the ids as the upstream spells them), its
+    ``id`` as their prefix; its ``alias`` serves the first of them, or ``upstream_model`` when the
+    upstreams answered no list."""
+    routes: dict[str, Route] = {}
+    for m in models:
+        if not m.discover:
+            routes[m.id] = Route(m, server)
+            continue
+        listed = (discovered or {}).get(m.id, ())
+        if m.alias is not None:
+            routes[m.alias] = Route(replace(m, id=m.alias, upstream_model=listed[0] if listed else m.upstream_model,
+                                            discover=False, alias=None), server)
+        for name in listed:
+            routes.setdefault(m.id + name, Route(replace(m, id=m.id + name, upstream_model=name, discover=False,
+                                                         alias=None), server))
+    return routes
+
+
+def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]:
+    """Give the new routes the running ``Upstream`` objects of unchanged (model, URL) pairs,
+    and the health state of a URL another model already knew."""
+    by_pair = {(r.id, u.base_url): u for r in old.values() for u in r.upstreams}
+    by_url = {u.base_url: u for r in old.values() for u in r.upstreams}
+    for route in new.values():
+        for i, fresh in enumerate(route.upstreams):
+            known = by_pair.get((route.id, fresh.base_url))
+            if known is not None:
+                known.max_failures, known.down_seconds = fresh.max_failures, fresh.down_seconds
+                route.upstreams[i] = known
+            elif (other := by_url.get(fresh.base_url)) is not None:
+                fresh.failures, fresh.down_until = other.failures, other.down_until
+    return dict(new)
 
 
 def client_session(server: ServerConfig) -> aiohttp.ClientSession:

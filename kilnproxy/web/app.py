@@ -18,8 +18,9 @@ from ..errors import GatewayError
 from ..inspector import setup_inspector
 from ..ops import admin, tenancy_api
 from ..plugins.manager import build_plugin_manager
-from ..proxy import read_endpoints
+from ..proxy import apis, read_endpoints
 from ..proxy.completions import chat_completions, completions, hot_routes
+from ..proxy.discovery import Discovery
 from ..proxy.gateway import GATEWAY, Gateway
 from ..proxy.json_routes import add_fallback, expect_handler
 from .fastpath import HOT_ROUTES
@@ -38,6 +39,7 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     # also here: a path with a query string or an escape, or an Expect header, comes through the router
     app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_handler)
+    apis.add_routes(app, expect_handler)  # embeddings, responses, messages (and count_tokens)
     app.router.add_get("/v1/models", read_endpoints.list_models, expect_handler=expect_handler)
     app.router.add_get("/v1/models/{model_id:.+}", read_endpoints.get_model, expect_handler=expect_handler)
     app.router.add_get("/v1/credits", read_endpoints.credits, expect_handler=expect_handler)
@@ -54,7 +56,14 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
 async def _gateway_ctx(app: web.Application):
     gateway = app[GATEWAY]
     await gateway.start()
+    discovery = Discovery(gateway)
+    try:
+        await discovery.start()  # the upstreams' own models are served from the first request on
+    except BaseException:
+        await gateway.stop()
+        raise
     yield
+    await discovery.stop()
     await gateway.stop()
 
 

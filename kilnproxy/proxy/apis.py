@@ -1,0 +1,179 @@
+"""POST /v1/embeddings, /v1/responses, /v1/messages and /v1/messages/count_tokens.
+
+The same path as a completion (``request_path.handle``): key, account, body,
+model (and the endpoints it serves), slot and hold, plugins, upstream, one
+usage row whatever way the request ends. What differs:
+
+* the hold: embeddings hold their input only; the Responses API's
+  completion part is ``max_output_tokens``, Anthropic's ``max_tokens``;
+* usage is read from each format's own usage object (``Usage.of_endpoint``);
+* streams keep their framing and go through ``framed_relay``;
+* ``/v1/messages`` takes its key from ``x-api-key`` too, forwards the
+  ``anthropic-version`` and ``anthropic-beta`` headers, and answers every
+  error in Anthropic's form (``anthropic_errors``);
+* ``/v1/messages/count_tokens`` is forwarded unmetered: no hold, no row.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import orjson
+from aiohttp import web
+
+from ..config import KeyConfig
+from ..errors import GatewayError, UpstreamFailure
+from ..plugins.call import Call
+from ..plugins.manager import plugin_headers, transformed_response
+from ..store.limits import Hold
+from ..usage import Usage
+from . import request_path, rules
+from .anthropic_errors import anthropic_error_response
+from .completions import _read_upstream, pass_through
+from .framed_stream import relay_framed
+from .gateway import GATEWAY, Gateway
+from .request_record import RequestRecord
+from .upstream import Route
+
+FORWARDED_HEADERS = ("anthropic-version", "anthropic-beta")
+PATHS = {"/v1/embeddings": "embeddings", "/v1/responses": "responses", "/v1/messages": "messages",
+         "/v1/messages/count_tokens": "messages/count_tokens"}
+
+log = logging.getLogger("kilnproxy")
+
+
+def add_routes(app: web.Application, expect_handler) -> None:
+    for path, endpoint in PATHS.items():
+        app.router.add_post(path, partial(_route, endpoint=endpoint), expect_handler=expect_handler)
+
+
+async def _route(request: web.Request, endpoint: str) -> web.StreamResponse:
+    return await handle(request, request.app[GATEWAY], endpoint)
+
+
+def _authorization(request: web.BaseRequest, endpoint: str) -> str | None:
+    """A bearer, or on Anthropic's endpoints the ``x-api-key`` its SDK sends (as a bearer)."""
+    header = request.headers.get("Authorization")
+    if header is None and endpoint.startswith("messages"):
+        api_key = request.headers.get("x-api-key")
+        return None if api_key is None else f"Bearer {api_key}"
+    return header
+
+
+def _error(err: GatewayError | UpstreamFailure, headers: dict | None = None, endpoint: str = "") -> web.Response:
+    if endpoint.startswith("messages"):
+        return anthropic_error_response(err, headers)
+    return err.response(headers)
+
+
+def _checks(body: dict, call: Call, route: Route) -> None:
+    if call.endpoint != "embeddings":
+        rules.check_stream(body, call)
+
+
+async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.StreamResponse:
+    if endpoint == "messages/count_tokens":
+        try:
+            key = gw.keys.authenticate(_authorization(request, endpoint))
+        except GatewayError as err:
+            return _error(err, None, endpoint)
+        return await count_tokens(request, gw, key)
+    api = ANTHROPIC if endpoint == "messages" else OPENAI
+    return await request_path.handle(request, gw, endpoint, api)
+
+
+def api_hold(call: Call, created_at: str, body: dict, context_window: int | None) -> Hold:
+    """The most the request can cost: embeddings produce no tokens; the Responses API caps its
+    output with ``max_output_tokens``; Anthropic's ``max_tokens`` is read as a completion's is."""
+    hold = Hold(call, created_at, body, context_window)
+    if call.endpoint in ("embeddings", "responses"):
+        limit = body.get("max_output_tokens") if call.endpoint == "responses" else 0
+        completion = limit if type(limit) is int and limit >= 0 else context_window or 0
+        hold.amount = hold.prompt_cost + (call.pricing.cost(0, completion, 0) if call.pricing else 0.0)
+    return hold
+
+
+def _upstream_headers(request: web.BaseRequest) -> dict[str, str]:
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+
+
+async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Route, record: RequestRecord,
+                  body: dict, headers: dict) -> web.StreamResponse:
+    payload = orjson.dumps(body)
+    if record.tap is not None:
+        record.tap.sent_upstream(payload)
+    upstream, resp = await route.open(gw.session, call.endpoint, payload, _upstream_headers(request))
+    call.upstream = upstream.base_url
+    gw.open_upstreams.add(resp)
+    try:
+        if gw.hooks.response_headers:
+            headers = {**await plugin_headers(gw.hooks, call), **headers}
+        if resp.status in (400, 422):
+            return await pass_through(gw, resp, record, headers)
+        if resp.status >= 300:
+            raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{call.endpoint}")
+        if call.stream and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return await relay_framed(request, gw, call, record, resp, headers)
+        if call.stream:
+            raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
+                                  code="upstream_bad_response")
+        return await json_answer(gw, call, record, resp, headers)
+    finally:
+        gw.open_upstreams.discard(resp)
+        upstream.in_flight -= 1
+        if resp.content.is_eof():
+            resp.release()
+        else:
+            resp.close()  # cut short: hang up so the model server stops generating
+
+
+async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp, headers: dict) -> web.Response:
+    raw = await _read_upstream(resp)
+    record.first_byte()
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise UpstreamFailure("the upstream's answer is not a JSON object", code="upstream_bad_response")
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        record.usage = Usage.of_endpoint(call.endpoint, usage)
+    reason = answer.get("stop_reason") if call.endpoint == "messages" else answer.get("status")
+    if call.endpoint != "embeddings" and isinstance(reason, str):
+        record.finish_reason = reason
+    out = await transformed_response(gw.hooks, call, answer)
+    if record.tap is not None:
+        record.tap.answer(raw, out)
+    await gw.submit(record)
+    return web.Response(body=out, content_type="application/json", headers=headers)
+
+
+async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) -> web.Response:
+    """Anthropic's token count, forwarded for a valid key and a model that serves messages; no row."""
+    endpoint = "messages/count_tokens"
+    try:
+        rules.check_account(key, gw.disabled_orgs, gw.credits, gw.config.maintenance)
+        body = await rules.read_json_body(request, gw.config.server)
+        route = rules.check_model(body, key, gw.routes)
+        rules.check_endpoint(route, "messages")
+        body["model"] = route.model.upstream_model
+        upstream, resp = await route.open(gw.session, endpoint, orjson.dumps(body), _upstream_headers(request))
+        try:
+            raw = await _read_upstream(resp)
+        finally:
+            upstream.in_flight -= 1
+            resp.release()
+        if resp.status >= 300 and resp.status not in (400, 422):
+            raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{endpoint}")
+        return web.Response(status=resp.status, body=raw,
+                            content_type=resp.headers.get("Content-Type", "application/json").split(";")[0])
+    except (GatewayError, UpstreamFailure) as err:
+        return _error(err, getattr(err, "headers", None), endpoint)
+
+
+OPENAI = request_path.Api(forward=forward, checks=_checks, hold=api_hold)
+ANTHROPIC = request_path.Api(forward=forward, checks=_checks, hold=api_hold,
+                             authorization=partial(_authorization, endpoint="messages"),
+                             error=partial(_error, endpoint="messages"))

@@ -1,0 +1,189 @@
+"""The streams of the Responses API and Anthropic Messages: ``event:`` + ``data:`` frames, relayed.
+
+Simpler than the completions relay (``relay.py``), and on purpose separate
+from it: these formats name each event (``event:`` lines, which pass through
+unchanged), end without ``[DONE]``, and report usage in events of their own
+(docs/reference.md, "The other endpoints"):
+
+* Responses: ``response.created`` ... ``response.completed``, whose
+  ``response.usage`` is the final count and gets ``cost``; a failure is an
+  ``error`` event or ``response.failed``;
+* Messages: ``message_start`` (``message.usage``: the prompt counts), then
+  ``message_delta`` (``usage``: the output count, and sometimes the prompt's
+  again; each count's last report wins, and the last ``message_delta``'s
+  usage gets ``cost``), ``message_stop``; a failure is ``event: error``.
+
+A frame is parsed only when it may carry what the gateway reads or changes
+(the model's name, usage, an error), or when ``transform_event`` plugins are
+loaded; the others (the text deltas) go out as the upstream's own bytes and
+are counted, so that a client that leaves early is billed for what it got.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from ..plugins.call import DROP, STOP, Call
+from ..plugins.manager import Impl
+from ..usage import Usage
+from .relay import _event_only
+from .request_record import RequestRecord
+from .stream_errors import StreamPluginError
+
+log = logging.getLogger("kilnproxy.plugins")
+
+DELTAS = {"responses": b'"response.output_text.delta"', "messages": b'"content_block_delta"'}
+FINAL = {"responses": ("response.completed", "response.incomplete", "response.failed"), "messages": ("message_stop",)}
+MARKERS = (b'"model"', b'"usage"', b'"error"', b'"message_stop"', b'"response.failed"', b'"response.incomplete"')
+
+
+class FramedRelay:
+    """One stream: ``feed_chunk()`` per upstream chunk, ``close()`` at its end; ``finished`` once the
+    format's last event has passed, ``ended`` once nothing more may be relayed."""
+
+    def __init__(self, call: Call, record: RequestRecord, impls: tuple[Impl, ...]):
+        self.call = call
+        self.record = record
+        self.endpoint = call.endpoint
+        self.impls = impls
+        self.transforms = tuple(_event_only(impl, call) for impl in impls)
+        self.delta = DELTAS[call.endpoint]
+        self.rest = b""
+        self.finished = False
+        self.ended = False
+        self.counts: dict[str, Any] = {}  # Anthropic: each usage field as last reported
+        self.sequence = 0  # the Responses API numbers its events; an error of ours continues the count
+        self.partial: Usage | None = None  # prompt counts reported before the output's (message_start)
+
+    def feed_chunk(self, chunk: bytes) -> bytes:
+        data = self.rest + chunk if self.rest else chunk
+        if b"\r" in data:
+            if data.endswith(b"\r"):  # half a CRLF: wait for the rest
+                self.rest = data
+                return b""
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self.rest = data
+            return b""
+        self.rest = data[end + 2:]
+        out = []
+        for frame in data[:end].split(b"\n\n"):
+            if self.ended:
+                break
+            sent = self._frame(frame.lstrip(b"\n"))
+            if sent:
+                out.append(sent)
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        """The upstream's body ended: a last frame without its blank line still counts."""
+        rest, self.rest = self.rest.strip(b"\n"), b""
+        return self._frame(rest) if rest and not self.ended else b""
+
+    def _frame(self, frame: bytes) -> bytes:
+        if not frame:
+            return b""
+        lines = frame.split(b"\n")
+        datas = [line[6:] if line[5:6] == b" " else line[5:] for line in lines if line[:5] == b"data:"]
+        if not datas:
+            return frame + b"\n\n"  # comments pass through
+        payload = datas[0] if len(datas) == 1 else b"\n".join(datas)
+        self.sequence += 1
+        if self.delta in payload:
+            self.record.streamed_chunks += 1
+            if self.partial is not None:  # until the final count: the output streamed so far
+                self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
+                                          self.partial.cached_tokens)
+        if not self.impls and not any(marker in payload for marker in MARKERS):
+            return frame + b"\n\n"
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return frame + b"\n\n"  # not ours to judge
+        if not isinstance(event, dict):
+            return frame + b"\n\n"
+        self._read(event)
+        if self.impls:
+            verdict = self._transform(event)
+            if verdict is DROP:
+                return b""
+            if verdict is STOP:
+                self.ended = True
+        try:
+            data = orjson.dumps(event)
+        except TypeError as exc:  # a plugin put something in the event that is not JSON
+            names = ", ".join(impl.plugin for impl in self.impls)
+            raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
+        kept = [line for line in lines if line[:5] != b"data:"]
+        return b"\n".join(kept + [b"data: " + data]) + b"\n\n"
+
+    def _read(self, event: dict) -> None:
+        """What the gateway takes from an event, and changes in it (model, usage's cost)."""
+        kind = event.get("type")
+        record = self.record
+        if kind == "error":
+            error = event.get("error") if isinstance(event.get("error"), dict) else event
+            code = error.get("code") or error.get("type")
+            record.error_code = code if isinstance(code, str) else "upstream_error"
+            self.ended = True
+            return
+        if self.endpoint == "responses":
+            response = event.get("response")
+            if isinstance(response, dict):
+                if "model" in response:
+                    response["model"] = self.call.model
+                usage = response.get("usage")
+                if isinstance(usage, dict):
+                    record.usage = Usage.of_endpoint("responses", usage)
+                    usage["cost"] = record.usage.cost(self.call.pricing)
+                if kind in FINAL["responses"]:
+                    record.finish_reason = response.get("status")
+                    self.finished = True
+                if kind == "response.failed":
+                    error = response.get("error")
+                    code = error.get("code") if isinstance(error, dict) else None
+                    record.error_code = code if isinstance(code, str) else "upstream_error"
+            return
+        message = event.get("message")
+        if isinstance(message, dict) and "model" in message:
+            message["model"] = self.call.model
+        usage = event.get("usage", message.get("usage") if isinstance(message, dict) else None)
+        if isinstance(usage, dict):
+            self.counts.update((k, v) for k, v in usage.items() if type(v) is int)
+            counts = Usage.of_endpoint("messages", self.counts)
+            if kind == "message_delta":
+                record.usage, self.partial = counts, None
+                usage["cost"] = counts.cost(self.call.pricing)
+            else:
+                self.partial = counts
+                record.usage = Usage(counts.prompt_tokens, record.streamed_chunks, counts.cached_tokens)
+        delta = event.get("delta")
+        if kind == "message_delta" and isinstance(delta, dict) and delta.get("stop_reason"):
+            record.finish_reason = delta["stop_reason"]
+        if kind == "message_stop":
+            self.finished = True
+
+    def _transform(self, event: dict) -> Any:
+        verdict = None
+        for impl, function in zip(self.impls, self.transforms):
+            try:
+                result = function(event)
+            except Exception as exc:
+                log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
+                raise StreamPluginError(impl.plugin, exc) from exc
+            if result is STOP or result is DROP:
+                verdict = result if verdict is None else verdict
+        return verdict
+
+    def error_frame(self, message: str, code: str) -> bytes:
+        """The format's own error event, for a stream the gateway cannot finish."""
+        if self.endpoint == "responses":
+            data = {"type": "error", "code": code, "message": message, "param": None,
+                    "sequence_number": self.sequence}
+        else:
+            data = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"

@@ -1,0 +1,88 @@
+"""Writing a stream of the Responses API or Anthropic Messages: upstream chunks -> ``FramedRelay`` -> client.
+
+As ``stream.py`` does for completions: the status and headers go once the
+upstream has answered 200 with an event stream; from then on a failure is the
+format's own ``event: error``; the row is committed before the body ends; a
+client that leaves raises out of a write (or cancels the handler) and the
+caller closes the upstream request and records the row as disconnected.
+No ``[DONE]``: these formats end with their last event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from ..plugins.call import Call
+from .framed_relay import FramedRelay
+from .gateway import Gateway
+from .request_record import RequestRecord
+from .stream import SSE_HEADERS, KeepAlive, ShuttingDown, _drain
+from .stream_errors import StreamPluginError
+
+
+async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record: RequestRecord,
+                       upstream: aiohttp.ClientResponse, headers: dict) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    relay = FramedRelay(call, record, gw.hooks.transform_event)
+    tap = record.tap
+    await response.prepare(request)
+    record.responded = True
+    keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
+    try:
+        tail = await _pump(upstream, response, relay, record, keepalive)
+        keepalive.cancel()
+        await gw.submit(record)
+        if tap is not None and tail:
+            tap.client_write(tail)
+        await response.write_eof(tail)
+        if relay.finished and not upstream.content.at_eof():
+            await _drain(upstream)
+    except ConnectionResetError:
+        record.disconnected = True
+    finally:
+        keepalive.cancel()
+    return response
+
+
+async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: FramedRelay,
+                record: RequestRecord, keepalive: KeepAlive) -> bytes:
+    """Relay until the upstream ends; return what must close the body (an error event, or nothing)."""
+    content = upstream.content
+    tap = record.tap
+    while True:
+        try:
+            chunk = await content.readany()
+        except asyncio.TimeoutError:
+            return _failed(relay, record, "upstream_timeout", "The upstream sent nothing for too long.")
+        except ShuttingDown as exc:
+            return _failed(relay, record, exc.code, str(exc))
+        except aiohttp.ClientError as exc:
+            return _failed(relay, record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
+        try:
+            if not chunk:
+                out = relay.close()
+            else:
+                keepalive.touch()
+                record.first_byte()
+                if tap is not None:
+                    tap.upstream_chunk(chunk)
+                out = relay.feed_chunk(chunk)
+        except StreamPluginError as exc:
+            record.error_code = exc.error.code
+            return relay.error_frame(exc.error.message, exc.error.code)
+        if out:
+            if tap is not None:
+                tap.client_write(out)
+            await response.write(out)
+        if relay.ended or relay.finished and not chunk:
+            return b""
+        if not chunk:
+            return _failed(relay, record, "upstream_error", "The upstream closed the stream before it finished.")
+
+
+def _failed(relay: FramedRelay, record: RequestRecord, code: str, message: str) -> bytes:
+    record.error_code = code
+    return relay.error_frame(message, code)

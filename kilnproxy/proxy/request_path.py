@@ -1,0 +1,116 @@
+"""The request's whole path, the same for every API the gateway meters.
+
+client -> key (``auth``) -> the request rules in order (``rules``: account,
+body, model and endpoint, slot and hold) -> the API's own checks -> plugins
+check and rewrite -> the API's ``forward`` (upstream, then a JSON answer or a
+stream) -> exactly one usage row (``Gateway.submit``), whatever way the request
+ends: answered, refused, failed upstream, cut by its client, or a bug.
+
+What differs between APIs (completions, embeddings, the Responses API,
+Anthropic Messages) is an ``Api``: where the key is read from, the hold, the
+checks after admission, how the upstream's answer is relayed, and the form of
+an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from ..errors import GatewayError, UpstreamFailure
+from ..plugins.call import Call
+from ..plugins.manager import run_request_hooks
+from ..store.limits import Hold
+from . import rules
+from .gateway import Gateway
+from .request_record import RequestRecord
+from .upstream import Route
+
+GENERATION_HEADER = "X-Neocloud-Generation-Id"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before any response was sent
+
+log = logging.getLogger("kilnproxy")
+
+
+def _generation_ids():
+    """``gen-`` + the time in ms (12 hex digits) + 48 random bits (12 hex digits): ids sort by
+    creation time, so the usage table's key grows at its end rather than at random pages."""
+    while True:  # random bytes read from the OS 4096 ids at a time
+        block = os.urandom(6 * 4096).hex()
+        for start in range(0, len(block), 12):
+            yield f"gen-{int(time.time() * 1000):012x}{block[start:start + 12]}"
+
+
+new_generation_id = _generation_ids().__next__
+
+Forward = Callable[[web.BaseRequest, Gateway, Call, Route, RequestRecord, dict, dict], Awaitable[web.StreamResponse]]
+
+
+def bearer(request: web.BaseRequest) -> str | None:
+    return request.headers.get("Authorization")
+
+
+def json_error(err: GatewayError | UpstreamFailure, headers: dict | None = None) -> web.Response:
+    return err.response(headers)
+
+
+@dataclass(frozen=True)
+class Api:
+    forward: Forward  # steps past admission: upstream, then the answer or the stream
+    checks: Callable[[dict, Call, Route], None]  # steps 6-7, once admitted
+    hold: Callable[[Call, str, dict, int | None], Hold] = Hold  # the most the request can cost
+    authorization: Callable[[web.BaseRequest], str | None] = bearer  # the ``Authorization`` header to check
+    error: Callable[..., web.Response] = json_error  # an error in the API's own form
+
+
+async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api) -> web.StreamResponse:
+    """The request's whole path (a plain ``BaseRequest`` from the route table, or the app's ``Request``)."""
+    try:
+        key = gw.keys.authenticate(api.authorization(request))  # 401: no org, no row
+    except GatewayError as err:
+        return api.error(err)
+    call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
+    record = RequestRecord(call)
+    headers = {GENERATION_HEADER: call.generation_id}
+    try:
+        rules.check_account(key, gw.disabled_orgs, gw.credits, gw.config.maintenance)  # steps 1-2
+        body = await rules.read_json_body(request, gw.config.server)  # step 3
+        record.model, record.body = body["model"], body
+        if gw.capture is not None:
+            record.tap = gw.capture.tap(record, body)
+        route = rules.check_model(body, key, gw.routes)  # step 4
+        rules.check_endpoint(route, endpoint)
+        call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
+        hold = api.hold(call, record.created_at, body, route.model.context_window)
+        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
+        record.hold = hold  # released with the row, in Gateway.submit
+        api.checks(body, call, route)  # steps 6-7
+        await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
+        return await api.forward(request, gw, call, route, record, body, headers)
+    except (GatewayError, UpstreamFailure) as err:
+        record.fail(err.status, err.code)
+        await gw.submit(record)  # the row is on disk before the response ends
+        return api.error(err, {**getattr(err, "headers", {}), **headers})
+    except (asyncio.CancelledError, ConnectionResetError):
+        record.disconnected = True
+        if not record.responded:
+            record.fail(CLIENT_CLOSED, None)
+        raise
+    except Exception:  # a bug: still one row, with the status the client gets
+        record.error_code = "internal_error"
+        if record.responded:
+            raise
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        err = GatewayError(500, "internal_error", "The gateway failed unexpectedly; see its log.",
+                           type="server_error")
+        record.fail(err.status, err.code)
+        await gw.submit(record)
+        return api.error(err, headers)
+    finally:
+        gw.submit(record)  # once only: a no-op when already submitted, the row of a cancelled request otherwise
