@@ -6,6 +6,7 @@
 * ``replica_feed``: on PostgreSQL, the rows the other replicas commit, into the hub;
 * ``capture``: the opt-in ring of request bodies and both streams;
 * ``api``: access rule, the page's files and the JSON API (docs/inspector.md);
+* ``tenancy``: the JSON side of the "Orgs & keys" page (balances, keys, grants; create, revoke, grant);
 * ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored.
 
 ``setup_inspector(app, gateway)`` adds all of it to the gateway's app, or

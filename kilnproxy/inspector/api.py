@@ -10,7 +10,9 @@ Access (``access()``), checked before every handler here, with the rule of
   ``EventSource``, which cannot send headers), from any address, loopback
   included; the page's own files hold no data and are served to anyone;
 * the ``[admin]`` token, when set, opens the inspector like its own token: an
-  operator with it can use the inspector from another machine.
+  operator with it can use the inspector from another machine;
+* a change (the "Orgs & keys" page's POST and DELETE, ``.tenancy``) takes the
+  token from the ``Authorization`` header only.
 
 See docs/inspector.md for the API.
 """
@@ -34,6 +36,7 @@ from ..proxy.stream import SSE_HEADERS
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
 from .queries import MAX_LIMIT, InspectorStore, QueryError
+from .tenancy import TenancyPage
 
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_SECONDS = 15.0
@@ -59,13 +62,15 @@ class InspectorAPI:
             web.get("/ui/api/requests/{generation_id}/fixture", self.fixture, expect_handler=expect_handler),
             web.get("/ui/api/usage", self.usage, expect_handler=expect_handler),
             web.get("/ui/api/events", self.events, expect_handler=expect_handler),
+            *TenancyPage(self).routes(),
         ]
 
     # -- access -------------------------------------------------------------------
 
-    def access(self, request: web.Request, *, data: bool = True) -> None:
+    def access(self, request: web.Request, *, data: bool = True, header_only: bool = False) -> None:
         """Let the request through or raise 403 ``forbidden`` / 401 ``invalid_token``.
-        ``data=False``: the page's own files, which hold no data."""
+        ``data=False``: the page's own files, which hold no data; ``header_only``: a change, whose
+        token must come in the ``Authorization`` header."""
         admin_sha256 = self.gateway.config.admin.token_sha256  # read per request: [admin] reloads
         if self.token_sha256 is None and local_request(request):
             return
@@ -75,7 +80,7 @@ class InspectorAPI:
         if not data:
             return
         given = bearer_token(request.headers.get("Authorization"))
-        if given is None:
+        if given is None and not header_only:
             given = request.query.get("token", "").encode("utf-8", "surrogateescape") or None
         if not token_matches(given, (self.token_sha256, admin_sha256)):
             raise GatewayError(401, "invalid_token", "The inspector needs its token or the [admin] token: "
@@ -109,7 +114,8 @@ class InspectorAPI:
     async def meta(self, request: web.Request) -> web.Response:
         self.access(request)
         config = self.gateway.config
-        return _json({"orgs": [o.id for o in config.orgs], "models": [m.id for m in config.models],
+        runtime = self.gateway.tenants.snapshot.orgs if self.gateway.tenants is not None else {}
+        return _json({"orgs": [o.id for o in config.orgs] + sorted(runtime), "models": [m.id for m in config.models],
                       "capture": self.gateway.capture is not None,
                       "capture_requests": self.config.capture_requests,
                       "capture_bytes": self.config.capture_bytes})

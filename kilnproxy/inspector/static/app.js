@@ -12,11 +12,14 @@ const token = (() => {
   return given || sessionStorage.getItem("kilnproxy-inspector-token");
 })();
 
-async function api(path, params = {}) {
+async function api(path, params = {}, method = "GET", payload = undefined) {
   const url = new URL(path, location.origin);
   for (const [k, v] of Object.entries(params)) if (v) url.searchParams.set(k, v);
-  const resp = await fetch(url, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+  const headers = token ? { Authorization: `Bearer ${token}` } : {};
+  if (payload !== undefined) headers["Content-Type"] = "application/json";
+  const resp = await fetch(url, { method, headers, body: payload === undefined ? undefined : JSON.stringify(payload) });
   const body = await resp.json();
+  api.lastStatus = resp.status;
   if (!resp.ok) throw new Error(body.error ? body.error.message : `HTTP ${resp.status}`);
   return body;
 }
@@ -35,7 +38,7 @@ function live() {
   source.onerror = () => { badge.className = "live off"; badge.textContent = "reconnecting"; };
   source.onmessage = (msg) => {
     const event = JSON.parse(msg.data);
-    if (event.type === "request") { addLiveRow(event.row); scheduleUsage(); }
+    if (event.type === "request") { addLiveRow(event.row); scheduleUsage(); scheduleOrgs(); }
     else if (event.type === "started") addLiveRow(event.row);
     else if (event.type === "reset") loadRequests();
   };
@@ -104,8 +107,8 @@ function matches(row) {
 function addLiveRow(row) {
   if (!matches(row)) return;
   const old = state.seen.has(row.id) && $("requests").querySelector(`tr[data-id="${CSS.escape(row.id)}"]`);
-  if (old) {
-    if (old.classList.contains("inflight")) old.replaceWith(rowElement(row, true));
+  if (old) {  // in flight until now, or a replica_lost row that its replica's own row replaced
+    if (row.status !== undefined) old.replaceWith(rowElement(row, old.classList.contains("inflight")));
     return;
   }
   state.seen.add(row.id);
@@ -237,13 +240,16 @@ function drawChart(name, labels, datasets) {
 async function route() {
   const hash = location.hash || "#/requests";
   const detail = hash.match(/^#\/requests\/(.+)$/);
-  const view = detail ? "detail" : hash.startsWith("#/usage") ? "usage" : "requests";
-  for (const v of ["requests", "detail", "usage"]) $(`view-${v}`).hidden = v !== view;
-  $("tab-requests").classList.toggle("active", view !== "usage");
+  const view = detail ? "detail" : hash.startsWith("#/usage") ? "usage" : hash.startsWith("#/orgs") ? "orgs"
+                                                                                                   : "requests";
+  for (const v of ["requests", "detail", "usage", "orgs"]) $(`view-${v}`).hidden = v !== view;
+  $("tab-requests").classList.toggle("active", view === "requests" || view === "detail");
   $("tab-usage").classList.toggle("active", view === "usage");
+  $("tab-orgs").classList.toggle("active", view === "orgs");
   try {
     if (detail) await showDetail(decodeURIComponent(detail[1]));
     else if (view === "usage") await loadUsage();
+    else if (view === "orgs") await showOrgs(hash);
   } catch (err) {
     $("detail-title").textContent = String(err.message || err);
   }
