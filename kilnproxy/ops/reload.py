@@ -8,7 +8,10 @@ upstreams, and the ``[admin]``, ``[log]`` and ``[health]`` tables.
 
 Requests in flight are not disturbed: each captured its key and its route
 when it started, and keeps them. An upstream whose URL is unchanged keeps its
-health state and in-flight count (the same ``Upstream`` object serves on).
+health state and in-flight count (the same ``Upstream`` object serves on), and
+an upstream URL keeps its slots and the requests queued for them: a changed
+``max_in_flight`` applies to them at once (a higher one serves waiting
+requests now; a lower one lets the requests in flight finish).
 
 Some things only change at a restart, and the running values are kept (one
 warning line names them): ``[server]`` host, port and upstream timeouts (the
@@ -33,7 +36,8 @@ from .accesslog import AccessLog
 
 log = logging.getLogger("kilnproxy")
 
-RESTART_ONLY_SERVER = ("host", "port", "upstream_connect_timeout", "upstream_idle_timeout")
+RESTART_ONLY_SERVER = ("host", "port", "upstream_connect_timeout", "upstream_idle_timeout",
+                       "upstream_keepalive_timeout")
 RESTART_ONLY = ("storage", "metrics", "plugins")
 
 
@@ -125,14 +129,19 @@ def keep_restart_only(old: Config, new: Config) -> Config:
 
 def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]:
     """Give the new routes the running ``Upstream`` objects of unchanged (model, URL) pairs,
-    and the health state of a URL another model already knew."""
+    the health state of a URL another model already knew, and each known URL's slots (with
+    their queue) at the new ``max_in_flight``."""
     by_pair = {(r.id, u.base_url): u for r in old.values() for u in r.upstreams}
     by_url = {u.base_url: u for r in old.values() for u in r.upstreams}
     for route in new.values():
         for i, fresh in enumerate(route.upstreams):
+            if (other := by_url.get(fresh.base_url)) is not None and fresh.slots is not other.slots:
+                other.slots.set_limit(fresh.slots.limit)
+                fresh.slots = other.slots
             known = by_pair.get((route.id, fresh.base_url))
             if known is not None:
                 known.max_failures, known.down_seconds = fresh.max_failures, fresh.down_seconds
+                known.slots = fresh.slots
                 route.upstreams[i] = known
             elif (other := by_url.get(fresh.base_url)) is not None:
                 fresh.failures, fresh.down_until = other.failures, other.down_until
