@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: the request's whole path.
 
 client -> auth & admission (``rules``) -> plugins check and rewrite ->
-upstream (``upstream.Route.open``) -> JSON answer here, or the line-by-line
+upstream (``fallbacks.open_upstream``: slots, deadlines, fallbacks) -> JSON answer here, or the line-by-line
 stream (``stream``) -> exactly one usage row (``Gateway.submit``), whatever way
 the request ends.
 """
@@ -25,6 +25,8 @@ from ..plugins.manager import plugin_headers, run_request_hooks, transformed_res
 from ..store.limits import Hold
 from ..usage import Usage
 from . import rules
+from .deadlines import DeadlinePassed, watch
+from .fallbacks import open_upstream
 from .gateway import GATEWAY, Gateway
 from .request_record import RequestRecord
 from .stream import relay_stream
@@ -76,14 +78,16 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
         if gw.capture is not None:
             record.tap = gw.capture.tap(record, body)
         route = rules.check_model(body, key, gw.routes)  # step 4
+        record.requested_model = route.id
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = Hold(call, record.created_at, body, route.model.context_window)
         await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key)  # step 5
         record.hold = hold  # released with the row, in Gateway.submit
+        record.admitted = asyncio.get_running_loop().time()  # request_timeout counts from here
         rules.check_stream(body, call)  # step 6
         rules.check_chat_params(body, call, route)  # step 7
         await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
-        return await forward(request, gw, call, route, record, body, headers)
+        return await forward(request, gw, call, key, route, record, body, headers)
     except (GatewayError, UpstreamFailure) as err:
         record.fail(err.status, err.code)
         await gw.submit(record)  # the row is on disk before the response ends
@@ -107,15 +111,12 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
         gw.submit(record)  # once only: a no-op when already submitted, the row of a cancelled request otherwise
 
 
-async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Route, record: RequestRecord,
+async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key, route: Route, record: RequestRecord,
                   body: dict, headers: dict) -> web.StreamResponse:
-    payload = orjson.dumps(body)
-    if record.tap is not None:
-        record.tap.sent_upstream(payload)
-    upstream, resp = await route.open(gw.session, call.endpoint, payload)
-    del payload  # orjson's 4 KiB buffer, sent: a stream that lasts hours does not keep it
+    route, upstream, resp, first, deadline = await open_upstream(gw, call, key, route, record, body)
     call.upstream = upstream.base_url
     gw.open_upstreams.add(resp)
+    timer = watch(resp, deadline)
     try:
         if gw.hooks.response_headers:
             headers = {**await plugin_headers(gw.hooks, call), **headers}
@@ -127,11 +128,13 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Rout
             if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
                                       code="upstream_bad_response")
-            return await relay_stream(request, gw, call, route, record, resp, headers)
+            return await relay_stream(request, gw, call, route, record, resp, headers, first)
         return await json_answer(gw, call, record, resp, headers)
     finally:
+        if timer is not None:
+            timer.cancel()
         gw.open_upstreams.discard(resp)
-        upstream.in_flight -= 1
+        upstream.release()
         if resp.content.is_eof():
             resp.release()  # back to the pool for the next request
         else:
@@ -177,6 +180,8 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
 async def _read_upstream(resp: aiohttp.ClientResponse) -> bytes:
     try:
         return await resp.read()
+    except DeadlinePassed as exc:
+        raise exc.error() from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise UpstreamFailure(f"the upstream failed while sending its answer: {type(exc).__name__}",
                               code="upstream_error") from None
