@@ -171,6 +171,7 @@ def _server(r: _Reader) -> ServerConfig:
         upstream_down_seconds=float(r.positive("upstream_down_seconds", d.upstream_down_seconds)),
         shutdown_grace_seconds=float(r.positive("shutdown_grace_seconds", d.shutdown_grace_seconds)),
         request_body_timeout=float(r.positive("request_body_timeout", d.request_body_timeout)),
+        upstream_keepalive_timeout=float(r.positive("upstream_keepalive_timeout", d.upstream_keepalive_timeout)),
     )
     r.done()
     return server
@@ -180,13 +181,7 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
     r = _Reader(source, f"models[{i}]", table)
     model_id = r.get("id", str, required=True)
     r.where = f"models[{i}] ({model_id})"
-    upstreams = r.strings("upstreams", None)
-    if not upstreams:
-        r.fail(r.key("upstreams"), "a model needs at least one upstream base URL, e.g. \"http://127.0.0.1:8000/v1\"")
-    for url in upstreams:
-        parsed = urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            r.fail(r.key("upstreams"), f"{url!r} is not an http(s) base URL")
+    upstreams, slots = _upstreams(r)
     window = r.get("context_window", int, None)
     if window is not None and window <= 0:
         r.fail(r.key("context_window"), "must be greater than 0")
@@ -200,18 +195,27 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
     pricing_r.done()
     model = ModelConfig(
         id=model_id,
-        upstreams=tuple(u.rstrip("/") for u in upstreams),
+        upstreams=upstreams,
         upstream_model=r.get("upstream_model", str, model_id),
         upstream_api_key_env=r.get("upstream_api_key_env", str, None),
         context_window=window,
         reject_chat_params=r.strings("reject_chat_params", ()),
         pricing=Pricing(rates["prompt"] or 0.0, rates["completion"] or 0.0, rates["cached_prompt"]),
+        upstream_max_in_flight=slots,
+        fallbacks=r.strings("fallbacks", ()),
+        first_byte_timeout=_seconds(r, "first_byte_timeout"),
+        request_timeout=_seconds(r, "request_timeout"),
+        queue_timeout=float(r.get("queue_timeout", _NUMBER, 0.0)),
         endpoints=_endpoints(r),
         discover=r.get("discover", bool, False),
         alias=r.get("alias", str, None),
     )
     if model.alias is not None and not model.discover:
         r.fail(r.key("alias"), "only applies with discover = true (the first model the upstream lists)")
+    if model.queue_timeout < 0:
+        r.fail(r.key("queue_timeout"), f"must be 0 (no waiting) or more, got {model.queue_timeout!r}")
+    if model_id in model.fallbacks:
+        r.fail(r.key("fallbacks"), f"a model cannot be its own fallback ({model_id!r})")
     r.done()
     return model
 
@@ -222,6 +226,40 @@ def _endpoints(r: _Reader) -> tuple[str, ...]:
         if name not in ENDPOINTS:
             r.fail(r.key("endpoints"), f"unknown endpoint {name!r}; choose from {', '.join(ENDPOINTS)}")
     return endpoints
+
+
+def _upstreams(r: _Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
+    """``upstreams``: base URLs, each a string or ``{url = "...", max_in_flight = N}``."""
+    entries = r.get("upstreams", list, None)
+    if not entries:
+        r.fail(r.key("upstreams"), "a model needs at least one upstream base URL, e.g. \"http://127.0.0.1:8000/v1\"")
+    urls, slots = [], []
+    for i, entry in enumerate(entries):
+        limit = None
+        if isinstance(entry, dict):
+            t = _Reader(r.source, f"{r.key('upstreams')}[{i}]", entry)
+            url = t.get("url", str, required=True)
+            limit = t.get("max_in_flight", int, None)
+            if limit is not None and limit <= 0:
+                t.fail(t.key("max_in_flight"), f"must be greater than 0, got {limit}")
+            t.done()
+        elif isinstance(entry, str):
+            url = entry
+        else:
+            r.fail(r.key("upstreams"), "each upstream is a base URL or a table {url = \"...\", max_in_flight = N}")
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            r.fail(r.key("upstreams"), f"{url!r} is not an http(s) base URL")
+        urls.append(url.rstrip("/"))
+        slots.append(limit)
+    return tuple(urls), tuple(slots)
+
+
+def _seconds(r: _Reader, name: str) -> float | None:
+    value = r.get(name, _NUMBER, None)
+    if value is not None and value <= 0:
+        r.fail(r.key(name), f"must be greater than 0 (leave it out for none), got {value!r}")
+    return None if value is None else float(value)
 
 
 def _org(source: str, i: int, table: Any) -> OrgConfig:
@@ -344,6 +382,19 @@ def _check_references(source: str, models, orgs, keys) -> None:
         dupes = {x for x in ids if ids.count(x) > 1}
         if dupes:
             fail(f"{name}.id", f"{sorted(dupes)[0]!r} is defined twice")
+    slots: dict[str, tuple[int, str]] = {}  # upstream URL -> (max_in_flight, the model that gave it)
+    for m in models:
+        for f in m.fallbacks:
+            if f not in model_ids:
+                fail(f"models ({m.id}).fallbacks", f"model {f!r} is not in [[models]]")
+        for url, limit in zip(m.upstreams, m.upstream_max_in_flight):
+            if limit is None:
+                continue
+            known = slots.setdefault(url, (limit, m.id))
+            if known[0] != limit:
+                fail(f"models ({m.id}).upstreams", f"{url} has max_in_flight = {limit} here but {known[0]} in "
+                     f"model {known[1]!r}: an upstream's slots are shared by every model that lists it, so give "
+                     "it one value")
     org_ids = {o.id for o in orgs}
     seen_keys: set[str] = set()
     for i, key in enumerate(keys):

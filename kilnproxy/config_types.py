@@ -24,6 +24,10 @@ class ServerConfig:
     upstream_down_seconds: float = 10.0
     shutdown_grace_seconds: float = 30.0
     request_body_timeout: float = 30.0  # seconds to receive a request's whole body
+    # Seconds a pooled upstream connection may sit idle before the gateway closes it: below the model
+    # servers' own (vLLM and uvicorn close idle connections after 5 s), so that a request is never sent
+    # on a connection the server is closing at that moment.
+    upstream_keepalive_timeout: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,19 @@ class ModelConfig:
     context_window: int | None = None
     reject_chat_params: tuple[str, ...] = ()
     pricing: Pricing = Pricing()
+    # The traffic controls of a fleet (docs/reference.md, "Traffic control"):
+    upstream_max_in_flight: tuple[int | None, ...] = ()  # per entry of ``upstreams``; None: no cap
+    fallbacks: tuple[str, ...] = ()  # catalog ids tried in order when no upstream can take a request
+    first_byte_timeout: float | None = None  # seconds for an upstream to begin its answer
+    request_timeout: float | None = None  # seconds from admission to the end of the answer
+    queue_timeout: float = 0.0  # seconds a request may wait for a free upstream slot
+
     endpoints: tuple[str, ...] = ("completions", "chat/completions")  # the APIs this model answers
     discover: bool = False  # id is a prefix: the upstreams' own /v1/models list is served under it
     alias: str | None = None  # with discover: the first model listed is also served under this id
+
+    def max_in_flight_of(self, index: int) -> int | None:
+        return self.upstream_max_in_flight[index] if index < len(self.upstream_max_in_flight) else None
 
 
 # The APIs a model may serve, by the names the usage rows' ``endpoint`` column uses.

@@ -37,6 +37,8 @@ def toml(doc: dict[str, Any]) -> str:
             return json.dumps(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):  # an inline table, e.g. an upstream {url = "...", max_in_flight = 2}
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
         raise TypeError(v)
 
     def table(name: str, t: dict, header: str) -> None:

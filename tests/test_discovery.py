@@ -4,12 +4,11 @@
 import asyncio
 
 import aiohttp
+from test_cli import start, stop
 
 from kilnproxy.fixtures.mock_upstream import OPTIONS
 from kilnproxy.proxy import discovery
 from kilnproxy.testing import Harness, free_port
-
-from test_cli import start, stop
 
 SERVED = ("Qwen/Qwen3-8B", "llama3.2:3b")
 

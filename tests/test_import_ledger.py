@@ -68,12 +68,13 @@ def synthetic(path, rows: int = ROWS):
     db.execute(f"""
         WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < {rows - 1})
         INSERT INTO usage_events (id, created_at, org, key_id, model, endpoint, stream, status, error_code,
-                                  prompt_tokens, completion_tokens, total_tokens, cost, duration_ms, ttft_ms)
+                                  prompt_tokens, completion_tokens, total_tokens, cost, duration_ms, ttft_ms,
+                                  requested_model)
         SELECT printf('gen-%06d', i), strftime('%Y-%m-%dT%H:%M:%f+00:00', 1764000000 + i, 'unixepoch'),
                CASE i % 3 WHEN 0 THEN 'acme' WHEN 1 THEN 'globex' ELSE 'initech' END, 'k', 'model-a',
                'completions', i % 2, CASE WHEN i % 50 = 0 THEN 502 ELSE 200 END,
                CASE WHEN i % 50 = 0 THEN 'upstream_unavailable' END, 10, i % 7, 10 + i % 7,
-               (10 * 0.1 + (i % 7) * 0.3) / 1000000, 12.5, NULL
+               (10 * 0.1 + (i % 7) * 0.3) / 1000000, 12.5, NULL, 'model-a'
         FROM n""")
     db.commit()
     db.close()

@@ -8,7 +8,7 @@ same database, so two of them are two gateways (or a gateway and a command) shar
 import asyncio
 import hashlib
 import sqlite3
-from datetime import datetime, timezone
+from datetime import datetime
 
 import asyncpg
 import pytest

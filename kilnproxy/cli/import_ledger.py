@@ -28,6 +28,7 @@ import orjson
 from ..config import load_config
 from ..errors import KilnError, StorageError
 from ..store.reads import pg_close, pg_connect, reason
+from ..store.sqlite import ADDED_COLUMNS
 from ..usage import COLUMNS
 
 BATCH_ROWS = 1000  # rows per kiln_settle call: one transaction, about 400 kB of JSON
@@ -85,8 +86,12 @@ class SQLiteSource:
             columns = {r["name"] for r in self.db.execute("PRAGMA table_info(usage_events)")}
             if not columns:
                 raise self._not_a_ledger("it has no usage_events table")
-            if missing := [c for c in COLUMNS if c not in columns]:
+            added = {name for name, _, _ in ADDED_COLUMNS}
+            if missing := [c for c in COLUMNS if c not in columns and c not in added]:
                 raise self._not_a_ledger(f"its usage_events table lacks {', '.join(missing)}")
+            # a ledger of an older kilnproxy: a column added since is filled as opening it would fill it
+            filled = {name: source for name, _, source in ADDED_COLUMNS}
+            self.select = ", ".join(c if c in columns else f"{filled[c]} AS {c}" for c in COLUMNS)
             self.count = self.db.execute("SELECT count(*) FROM usage_events").fetchone()[0]
         except sqlite3.DatabaseError as exc:
             self.db.close()
@@ -100,7 +105,7 @@ class SQLiteSource:
 
     def batches(self, size: int) -> Iterator[list[dict[str, Any]]]:
         """The rows, oldest first (by rowid), ``size`` at a time; never the whole file in memory."""
-        sql = f"SELECT rowid AS _rowid, {', '.join(COLUMNS)} FROM usage_events WHERE rowid > ? ORDER BY rowid LIMIT ?"
+        sql = f"SELECT rowid AS _rowid, {self.select} FROM usage_events WHERE rowid > ? ORDER BY rowid LIMIT ?"
         last = -1
         while rows := self.db.execute(sql, (last, size)).fetchall():
             last = rows[-1]["_rowid"]

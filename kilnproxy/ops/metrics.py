@@ -192,11 +192,31 @@ class GatewayCollector:
                 up.add_metric((route.id, u.base_url), 1 if u.is_up(now) else 0)
                 busy.add_metric((route.id, u.base_url), u.in_flight)
                 failures.add_metric((route.id, u.base_url), u.failures_total)
+        yield from self._slots()
         checks = CounterMetricFamily("kilnproxy_upstream_health_check_failures", "Failed active health checks.",
                                      labels=("upstream",))
         for url, n in list(self.check_failures.items()):
             checks.add_metric((url,), n)
         yield from (up, busy, failures, checks)
+
+    def _slots(self) -> Iterable[Metric]:
+        pools = {u.slots.url: u.slots for route in list(self.gw.routes.values()) for u in route.upstreams}
+        busy = GaugeMetricFamily("kilnproxy_upstream_slots_busy", "Slots of the upstream URL in use, every "
+                                 "model's requests counted (this replica).", labels=("upstream",))
+        limit = GaugeMetricFamily("kilnproxy_upstream_max_in_flight", "The upstream's max_in_flight (upstreams "
+                                  "that have one).", labels=("upstream",))
+        queued = GaugeMetricFamily("kilnproxy_upstream_queued_requests", "Requests waiting for a slot of the "
+                                   "upstream.", labels=("upstream",))
+        for url, pool in pools.items():
+            busy.add_metric((url,), pool.busy)
+            queued.add_metric((url,), pool.queued())
+            if pool.limit is not None:
+                limit.add_metric((url,), pool.limit)
+        fallbacks = CounterMetricFamily("kilnproxy_fallbacks", "Requests sent to a fallback model, by the model "
+                                        "asked for and the fallback.", labels=("from_model", "to_model"))
+        for (source, target), n in list(self.gw.fallback_counts.items()):
+            fallbacks.add_metric((source, target), n)
+        yield from (busy, limit, queued, fallbacks)
 
     def _ledger(self) -> Iterable[Metric]:
         ledger = self.gw.ledger

@@ -8,7 +8,10 @@ upstreams, and the ``[admin]``, ``[log]`` and ``[health]`` tables.
 
 Requests in flight are not disturbed: each captured its key and its route
 when it started, and keeps them. An upstream whose URL is unchanged keeps its
-health state and in-flight count (the same ``Upstream`` object serves on).
+health state and in-flight count (the same ``Upstream`` object serves on), and
+an upstream URL keeps its slots and the requests queued for them: a changed
+``max_in_flight`` applies to them at once (a higher one serves waiting
+requests now; a lower one lets the requests in flight finish).
 
 Some things only change at a restart, and the running values are kept (one
 warning line names them): ``[server]`` host, port and upstream timeouts (the
@@ -32,7 +35,8 @@ from .accesslog import AccessLog
 
 log = logging.getLogger("kilnproxy")
 
-RESTART_ONLY_SERVER = ("host", "port", "upstream_connect_timeout", "upstream_idle_timeout")
+RESTART_ONLY_SERVER = ("host", "port", "upstream_connect_timeout", "upstream_idle_timeout",
+                       "upstream_keepalive_timeout")
 RESTART_ONLY = ("storage", "metrics", "plugins")
 
 

@@ -31,6 +31,8 @@ from ..usage import Usage
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
 from .completions import _read_upstream, pass_through
+from .deadlines import watch
+from .fallbacks import open_upstream
 from .framed_stream import relay_framed
 from .gateway import GATEWAY, Gateway
 from .request_record import RequestRecord
@@ -98,14 +100,13 @@ def _upstream_headers(request: web.BaseRequest) -> dict[str, str]:
     return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
-async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Route, record: RequestRecord,
-                  body: dict, headers: dict) -> web.StreamResponse:
-    payload = orjson.dumps(body)
-    if record.tap is not None:
-        record.tap.sent_upstream(payload)
-    upstream, resp = await route.open(gw.session, call.endpoint, payload, _upstream_headers(request))
+async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyConfig, route: Route,
+                  record: RequestRecord, body: dict, headers: dict) -> web.StreamResponse:
+    opened = await open_upstream(gw, call, key, route, record, body, _upstream_headers(request))
+    upstream, resp = opened.upstream, opened.resp
     call.upstream = upstream.base_url
     gw.open_upstreams.add(resp)
+    timer = watch(resp, opened.deadline)
     try:
         if gw.hooks.response_headers:
             headers = {**await plugin_headers(gw.hooks, call), **headers}
@@ -114,14 +115,16 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Rout
         if resp.status >= 300:
             raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{call.endpoint}")
         if call.stream and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return await relay_framed(request, gw, call, record, resp, headers)
+            return await relay_framed(request, gw, call, record, resp, headers, opened.first)
         if call.stream:
             raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
                                   code="upstream_bad_response")
         return await json_answer(gw, call, record, resp, headers)
     finally:
+        if timer is not None:
+            timer.cancel()
         gw.open_upstreams.discard(resp)
-        upstream.in_flight -= 1
+        upstream.release()
         if resp.content.is_eof():
             resp.release()
         else:
@@ -159,11 +162,12 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         route = rules.check_model(body, key, gw.routes)
         rules.check_endpoint(route, "messages")
         body["model"] = route.model.upstream_model
-        upstream, resp = await route.open(gw.session, endpoint, orjson.dumps(body), _upstream_headers(request))
+        upstream, resp, _ = await route.open(gw.session, endpoint, orjson.dumps(body),
+                                             headers=_upstream_headers(request))  # a free slot, or 503 at once
         try:
             raw = await _read_upstream(resp)
         finally:
-            upstream.in_flight -= 1
+            upstream.release()
             resp.release()
         if resp.status >= 300 and resp.status not in (400, 422):
             raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{endpoint}")

@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: their part of the request's path (``request_path``).
 
 After admission: ``stream`` and the chat parameters checked (steps 6-7), then
-upstream (``upstream.Route.open``) -> the JSON answer here, or the line-by-line
+upstream (``fallbacks.open_upstream``: slots, deadlines, fallbacks) -> the JSON answer here, or the line-by-line
 stream (``stream``).
 """
 
@@ -20,6 +20,8 @@ from ..plugins.call import Call
 from ..plugins.manager import plugin_headers, transformed_response
 from ..usage import Usage
 from . import rules
+from .deadlines import DeadlinePassed, watch
+from .fallbacks import open_upstream
 from .gateway import GATEWAY, Gateway
 from .request_path import Api, handle
 from .request_record import RequestRecord
@@ -48,15 +50,12 @@ def hot_routes(gw: Gateway) -> dict[tuple[str, str], Callable]:
             ("POST", "/v1/chat/completions"): partial(handle, gw=gw, endpoint="chat/completions", api=COMPLETIONS)}
 
 
-async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Route, record: RequestRecord,
+async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key, route: Route, record: RequestRecord,
                   body: dict, headers: dict) -> web.StreamResponse:
-    payload = orjson.dumps(body)
-    if record.tap is not None:
-        record.tap.sent_upstream(payload)
-    upstream, resp = await route.open(gw.session, call.endpoint, payload)
-    del payload  # orjson's 4 KiB buffer, sent: a stream that lasts hours does not keep it
+    route, upstream, resp, first, deadline = await open_upstream(gw, call, key, route, record, body)
     call.upstream = upstream.base_url
     gw.open_upstreams.add(resp)
+    timer = watch(resp, deadline)
     try:
         if gw.hooks.response_headers:
             headers = {**await plugin_headers(gw.hooks, call), **headers}
@@ -68,11 +67,13 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Rout
             if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
                                       code="upstream_bad_response")
-            return await relay_stream(request, gw, call, route, record, resp, headers)
+            return await relay_stream(request, gw, call, route, record, resp, headers, first)
         return await json_answer(gw, call, record, resp, headers)
     finally:
+        if timer is not None:
+            timer.cancel()
         gw.open_upstreams.discard(resp)
-        upstream.in_flight -= 1
+        upstream.release()
         if resp.content.is_eof():
             resp.release()  # back to the pool for the next request
         else:
@@ -118,6 +119,8 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
 async def _read_upstream(resp: aiohttp.ClientResponse) -> bytes:
     try:
         return await resp.read()
+    except DeadlinePassed as exc:
+        raise exc.error() from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise UpstreamFailure(f"the upstream failed while sending its answer: {type(exc).__name__}",
                               code="upstream_error") from None

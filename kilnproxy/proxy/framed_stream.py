@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from ..plugins.call import Call
+from .deadlines import DeadlinePassed
 from .framed_relay import FramedRelay
 from .gateway import Gateway
 from .request_record import RequestRecord
@@ -24,7 +25,9 @@ from .stream_errors import StreamPluginError
 
 
 async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record: RequestRecord,
-                       upstream: aiohttp.ClientResponse, headers: dict) -> web.StreamResponse:
+                       upstream: aiohttp.ClientResponse, headers: dict, first: bytes | None = None,
+                       ) -> web.StreamResponse:
+    """``first``: the stream's first bytes when they were read already (to meet a first-byte deadline)."""
     response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     relay = FramedRelay(call, record, gw.hooks.transform_event)
     tap = record.tap
@@ -32,7 +35,7 @@ async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record
     record.responded = True
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
-        tail = await _pump(upstream, response, relay, record, keepalive)
+        tail = await _pump(upstream, response, relay, record, keepalive, first)
         keepalive.cancel()
         await gw.submit(record)
         if tap is not None and tail:
@@ -48,16 +51,19 @@ async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record
 
 
 async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: FramedRelay,
-                record: RequestRecord, keepalive: KeepAlive) -> bytes:
+                record: RequestRecord, keepalive: KeepAlive, first: bytes | None) -> bytes:
     """Relay until the upstream ends; return what must close the body (an error event, or nothing)."""
     content = upstream.content
     tap = record.tap
     while True:
         try:
-            chunk = await content.readany()
+            if first is None:
+                chunk = await content.readany()
+            else:
+                chunk, first = first, None
         except asyncio.TimeoutError:
             return _failed(relay, record, "upstream_timeout", "The upstream sent nothing for too long.")
-        except ShuttingDown as exc:
+        except (ShuttingDown, DeadlinePassed) as exc:
             return _failed(relay, record, exc.code, str(exc))
         except aiohttp.ClientError as exc:
             return _failed(relay, record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")

@@ -62,6 +62,7 @@ class Gateway:
         self.open_upstreams: set[aiohttp.ClientResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
         self.commit_listeners: list = []  # called with each committed batch; must not block or raise
+        self.fallback_counts: dict[tuple[str, str], int] = {}  # (requested model, fallback) -> requests sent
         self._usage_queue: asyncio.Queue | None = None
         self._usage_task: asyncio.Task | None = None
 

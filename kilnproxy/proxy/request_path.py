@@ -23,6 +23,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call
 from ..plugins.manager import run_request_hooks
@@ -49,7 +50,8 @@ def _generation_ids():
 
 new_generation_id = _generation_ids().__next__
 
-Forward = Callable[[web.BaseRequest, Gateway, Call, Route, RequestRecord, dict, dict], Awaitable[web.StreamResponse]]
+Forward = Callable[[web.BaseRequest, Gateway, Call, KeyConfig, Route, RequestRecord, dict, dict],
+                   Awaitable[web.StreamResponse]]
 
 
 def bearer(request: web.BaseRequest) -> str | None:
@@ -86,13 +88,15 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
             record.tap = gw.capture.tap(record, body)
         route = rules.check_model(body, key, gw.routes)  # step 4
         rules.check_endpoint(route, endpoint)
+        record.requested_model = route.id
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = api.hold(call, record.created_at, body, route.model.context_window)
         await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
         record.hold = hold  # released with the row, in Gateway.submit
+        record.admitted = asyncio.get_running_loop().time()  # request_timeout counts from here
         api.checks(body, call, route)  # steps 6-7
         await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
-        return await api.forward(request, gw, call, route, record, body, headers)
+        return await api.forward(request, gw, call, key, route, record, body, headers)
     except (GatewayError, UpstreamFailure) as err:
         record.fail(err.status, err.code)
         await gw.submit(record)  # the row is on disk before the response ends

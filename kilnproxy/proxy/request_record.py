@@ -31,7 +31,7 @@ class RequestRecord:
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed", "tap", "responded", "hold")
+                 "submitted", "committed", "tap", "responded", "hold", "requested_model", "admitted")
 
     def __init__(self, call: Call):
         self.call = call
@@ -51,6 +51,8 @@ class RequestRecord:
         self.tap = None  # the inspector's capture of this request, when capture is on
         self.responded = False  # the status line has gone to the client (a stream was prepared)
         self.hold = None  # the in-flight slot and credit hold taken at step 5, until the row is submitted
+        self.requested_model: str | None = None  # the catalog id asked for (the model that served may differ)
+        self.admitted = 0.0  # loop time of admission (step 5), where request_timeout starts
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status
@@ -70,12 +72,13 @@ class RequestRecord:
     def row(self) -> dict[str, Any]:
         usage = self.final_usage()
         call = self.call
+        model = call.model or self.model
         return {
             "id": call.generation_id,
             "created_at": self.created_at,
             "org": call.org,
             "key_id": call.key_id,
-            "model": call.model or self.model,
+            "model": model,
             "endpoint": call.endpoint,
             "stream": int(call.stream),
             "status": self.status,
@@ -89,4 +92,5 @@ class RequestRecord:
             "ttft_ms": self.ttft_ms,
             "finish_reason": self.finish_reason if self.finish_reason is None else str(self.finish_reason),
             "disconnected": int(self.disconnected),
+            "requested_model": self.requested_model or model,
         }

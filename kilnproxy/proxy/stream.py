@@ -18,6 +18,7 @@ from aiohttp import web
 
 from ..plugins.call import Call
 from ..sse import DONE_FRAME, KEEPALIVE_FRAME
+from .deadlines import DeadlinePassed
 from .gateway import Gateway
 from .relay import EventRelay
 from .request_record import RequestRecord
@@ -42,7 +43,9 @@ class ShuttingDown(aiohttp.ClientError):
 
 
 async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
-                       upstream: aiohttp.ClientResponse, headers: dict) -> web.StreamResponse:
+                       upstream: aiohttp.ClientResponse, headers: dict, first: bytes | None = None,
+                       ) -> web.StreamResponse:
+    """``first``: the stream's first bytes when they were read already (to meet a first-byte deadline)."""
     if record.tap is None:
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
         relay = EventRelay(call, route, record, gw.hooks.transform_event)
@@ -52,7 +55,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
     record.responded = True
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
-        tail = await _pump(upstream, response, relay, record, keepalive)
+        tail = await _pump(upstream, response, relay, record, keepalive, first)
         keepalive.cancel()
         await gw.submit(record)
         await response.write_eof(tail)  # with the end of the chunked body: one write
@@ -66,15 +69,18 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
 
 
 async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: EventRelay,
-                record: RequestRecord, keepalive: "KeepAlive") -> bytes:
+                record: RequestRecord, keepalive: "KeepAlive", first: bytes | None) -> bytes:
     """Relay until the upstream ends; return what must follow (usage chunk, ``[DONE]``)."""
     content = upstream.content
     while True:
         try:
-            chunk = await content.readany()
+            if first is None:
+                chunk = await content.readany()
+            else:
+                chunk, first = first, None
         except asyncio.TimeoutError:
             return _failed(record, "upstream_timeout", "The upstream sent nothing for too long.")
-        except ShuttingDown as exc:
+        except (ShuttingDown, DeadlinePassed) as exc:
             return _failed(record, exc.code, str(exc))
         except aiohttp.ClientError as exc:
             return _failed(record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")

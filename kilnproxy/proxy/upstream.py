@@ -1,12 +1,16 @@
-"""Reaching a model's upstreams: balancing, failover and marking down (the response rules (docs/reference.md)).
+"""Reaching a model's upstreams: slots, balancing, failover and marking down (docs/reference.md).
 
 ``Route`` holds what the request path needs to know of one catalog model.
-``Route.open(...)`` sends the body to the least busy upstream that is not
-marked down and returns the ``aiohttp.ClientResponse`` once its status line
-and headers have arrived. An upstream that refuses the connection, times out,
-or answers 502/503/504 before sending anything is skipped and the next one
-tried, and counts toward marking it down; nothing has reached the client yet,
-so this is safe. Every other status comes back to the caller as it is.
+``Route.open(...)`` takes a slot on the least busy upstream that is not
+marked down (waiting up to the model's ``queue_timeout`` when every slot is
+busy, ``kilnproxy.proxy.upstream_slots``), sends the body and returns the
+``aiohttp.ClientResponse`` once its status line and headers have arrived (and,
+with a ``first_byte_timeout``, a stream's first bytes). An upstream that
+refuses the connection, times out, misses its first byte, or answers 429 or
+5xx before sending anything is skipped and the next one tried; refusals,
+timeouts and 502/503/504 count toward marking it down. Nothing has reached
+the client yet, so this is safe. Every other status, and the last
+upstream's 429 or 5xx, comes back to the caller as it is.
 """
 
 from __future__ import annotations
@@ -22,12 +26,21 @@ import orjson
 from aiohttp.payload import BytesPayload
 
 from ..config import ModelConfig, ServerConfig
-from ..errors import UpstreamFailure, no_backend_available
+from ..errors import GatewayError, UpstreamFailure, no_backend_available
+from .deadlines import first_byte_missed
+from .upstream_slots import SlotPool, UpstreamBusy, take_slot, upstream_busy
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
 # toward marking it down. A plain 500 is often caused by the request itself (llama.cpp answers 500
 # for a grammar that dead-ends), so it fails that request only and says nothing of the server's health.
 SERVER_DOWN_STATUSES = frozenset((502, 503, 504))
+
+
+
+def cannot_take(status: int) -> bool:
+    """An answer that says this server cannot take the request now: another one may."""
+    return status == 429 or status >= 500
+
 
 ENDPOINT_PATHS = {"completions": "/completions", "chat/completions": "/chat/completions",
                   "embeddings": "/embeddings", "responses": "/responses", "messages": "/messages",
@@ -38,10 +51,11 @@ class Upstream:
     """One replica: a base URL and its health."""
 
     __slots__ = ("base_url", "urls", "in_flight", "failures", "failures_total", "down_until", "max_failures",
-                 "down_seconds")
+                 "down_seconds", "slots")
 
-    def __init__(self, base_url: str, max_failures: int, down_seconds: float):
+    def __init__(self, base_url: str, max_failures: int, down_seconds: float, slots: SlotPool | None = None):
         self.base_url = base_url
+        self.slots = slots or SlotPool(base_url, None)  # shared by every model that lists the URL
         self.urls = {ep: base_url + path for ep, path in ENDPOINT_PATHS.items()}
         self.in_flight = 0
         self.failures = 0
@@ -63,6 +77,11 @@ class Upstream:
         self.failures = 0
         self.down_until = 0.0
 
+    def release(self) -> None:
+        """The request sent here has ended: its slot is free again."""
+        self.in_flight -= 1
+        self.slots.give_back()
+
     def mark_down(self, until: float) -> None:
         """An active health check failed: down until ``until`` (monotonic) or the next success."""
         self.down_until = max(self.down_until, until)
@@ -71,14 +90,16 @@ class Upstream:
 class Route:
     """A catalog model and the upstreams that serve it."""
 
-    def __init__(self, model: ModelConfig, server: ServerConfig):
+    def __init__(self, model: ModelConfig, server: ServerConfig, pools: dict[str, SlotPool] | None = None):
         self.model = model
         self.id = model.id
         self.pricing = model.pricing
         self.reject_chat_params = frozenset(model.reject_chat_params)
         self.endpoints = frozenset(model.endpoints)
-        self.upstreams = [Upstream(u, server.upstream_max_failures, server.upstream_down_seconds)
-                          for u in model.upstreams]
+        pools = {} if pools is None else pools
+        self.upstreams = [Upstream(u, server.upstream_max_failures, server.upstream_down_seconds,
+                                   pools.setdefault(u, SlotPool(u, model.max_in_flight_of(i))))
+                          for i, u in enumerate(model.upstreams)]
         self.headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if model.upstream_api_key_env:
             token = os.environ.get(model.upstream_api_key_env)
@@ -89,51 +110,84 @@ class Route:
         self.model_bytes = b'"model":' + orjson.dumps(model.id)
         self.upstream_model_bytes = b'"model":' + orjson.dumps(model.upstream_model)
 
+    def serves(self, endpoint: str) -> bool:
+        return endpoint in self.endpoints
+
     def candidates(self) -> list[Upstream]:
-        """Upstreams not marked down, the least busy first (ties taken in turn)."""
+        """Upstreams not marked down, the least busy first (ties taken in turn); busy counts every
+        model's requests to the same URL (its slots)."""
         now = time.monotonic()
         ups = self.upstreams
         if len(ups) == 1:
             return ups if ups[0].is_up(now) else []
         self._turn = (self._turn + 1) % len(ups)
         rotated = ups[self._turn:] + ups[:self._turn]
-        return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.in_flight)
+        return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.slots.load())
 
-    async def open(self, session: aiohttp.ClientSession, endpoint: str, body: bytes,
-                   headers: Mapping[str, str] | None = None) -> tuple[Upstream, aiohttp.ClientResponse]:
-        """Send ``body`` (with ``headers`` besides the route's own); the caller must release the
-        response and ``upstream.in_flight``."""
+    async def open(self, session: aiohttp.ClientSession, endpoint: str, body: bytes, stream: bool = False,
+                   queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
+                   ) -> tuple[Upstream, aiohttp.ClientResponse, bytes | None]:
+        """Send ``body`` (with ``headers`` besides the route's own) on a slot of one of the upstreams;
+        returns the upstream, its response and, when the model has a ``first_byte_timeout`` and the
+        answer is a stream, its first bytes (else None). The caller must release the response and
+        call ``upstream.release()``."""
         sent = self.headers if not headers else {**headers, **self.headers}
-        candidates = self.candidates()
-        if not candidates:
-            raise no_backend_available(self.id)
-        last_problem = "no upstream answered"
-        for i, upstream in enumerate(candidates):
-            last = i == len(candidates) - 1
+        tried: list[Upstream] = []
+        problem: Exception | None = None
+        while True:
+            candidates = [u for u in self.candidates() if u not in tried]
+            if not candidates:
+                raise problem or no_backend_available(self.id)
+            try:
+                pool = await take_slot([u.slots for u in candidates], queue_deadline)
+            except UpstreamBusy:
+                raise problem or upstream_busy(self.id, self.model.queue_timeout) from None
+            upstream = next(u for u in candidates if u.slots is pool)
+            tried.append(upstream)
             upstream.in_flight += 1
             try:
-                # a BytesPayload: aiohttp then skips its search of the payload registry
-                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=sent)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                upstream.in_flight -= 1
+                resp, first = await self._attempt(session, upstream, endpoint, body, stream, sent)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
+                upstream.release()
                 upstream.failed()
-                last_problem = f"{upstream.base_url}: {_describe(exc)}"
+                problem = exc if isinstance(exc, GatewayError) else UpstreamFailure(
+                    f"{upstream.base_url}: {_describe(exc)}", code="upstream_unreachable")
                 continue
             except BaseException:
-                upstream.in_flight -= 1
+                upstream.release()
                 raise
-            if resp.status in SERVER_DOWN_STATUSES and not last:
-                upstream.in_flight -= 1
+            status = resp.status
+            if status in SERVER_DOWN_STATUSES:
                 upstream.failed()
-                last_problem = f"{upstream.base_url} answered HTTP {resp.status}"
-                resp.close()
-                continue
-            if resp.status in SERVER_DOWN_STATUSES:
-                upstream.failed()
-            else:
+            elif status < 500:
                 upstream.succeeded()
-            return upstream, resp
-        raise UpstreamFailure(last_problem, code="upstream_unreachable")
+            if not cannot_take(status) or not any(u not in tried for u in self.candidates()):
+                return upstream, resp, first
+            upstream.release()
+            resp.close()
+            problem = UpstreamFailure(f"{upstream.base_url} answered HTTP {status}")
+
+    async def _attempt(self, session: aiohttp.ClientSession, upstream: Upstream, endpoint: str, body: bytes,
+                       stream: bool, headers: Mapping[str, str]) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        # a BytesPayload: aiohttp then skips its search of the payload registry
+        seconds = self.model.first_byte_timeout
+        if seconds is None:
+            return await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=headers), None
+        deadline = asyncio.timeout(seconds)
+        try:
+            async with deadline:
+                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=headers)
+                try:
+                    if stream and resp.status == 200:
+                        return resp, await resp.content.readany()
+                except BaseException:
+                    resp.close()
+                    raise
+                return resp, None
+        except TimeoutError:
+            if deadline.expired():
+                raise first_byte_missed(self.id, seconds) from None
+            raise
 
 
 def _describe(exc: BaseException) -> str:
@@ -149,30 +203,36 @@ def routes_from(models: tuple[ModelConfig, ...], server: ServerConfig,
     ``id`` as their prefix; its ``alias`` serves the first of them, or ``upstream_model`` when the
     upstreams answered no list."""
     routes: dict[str, Route] = {}
+    pools: dict[str, SlotPool] = {}  # models listing the same upstream URL share its slots
     for m in models:
         if not m.discover:
-            routes[m.id] = Route(m, server)
+            routes[m.id] = Route(m, server, pools)
             continue
         listed = (discovered or {}).get(m.id, ())
         if m.alias is not None:
             routes[m.alias] = Route(replace(m, id=m.alias, upstream_model=listed[0] if listed else m.upstream_model,
-                                            discover=False, alias=None), server)
+                                            discover=False, alias=None), server, pools)
         for name in listed:
             routes.setdefault(m.id + name, Route(replace(m, id=m.id + name, upstream_model=name, discover=False,
-                                                         alias=None), server))
+                                                         alias=None), server, pools))
     return routes
 
 
 def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]:
     """Give the new routes the running ``Upstream`` objects of unchanged (model, URL) pairs,
-    and the health state of a URL another model already knew."""
+    the health state of a URL another model already knew, and each known URL's slots (with
+    their queue) at the new ``max_in_flight``."""
     by_pair = {(r.id, u.base_url): u for r in old.values() for u in r.upstreams}
     by_url = {u.base_url: u for r in old.values() for u in r.upstreams}
     for route in new.values():
         for i, fresh in enumerate(route.upstreams):
+            if (other := by_url.get(fresh.base_url)) is not None and fresh.slots is not other.slots:
+                other.slots.set_limit(fresh.slots.limit)
+                fresh.slots = other.slots
             known = by_pair.get((route.id, fresh.base_url))
             if known is not None:
                 known.max_failures, known.down_seconds = fresh.max_failures, fresh.down_seconds
+                known.slots = fresh.slots
                 route.upstreams[i] = known
             elif (other := by_url.get(fresh.base_url)) is not None:
                 fresh.failures, fresh.down_until = other.failures, other.down_until
@@ -184,7 +244,10 @@ def client_session(server: ServerConfig) -> aiohttp.ClientSession:
     hours), connect and idle limits from the config, no cap on connections."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=server.upstream_connect_timeout,
                                     sock_read=server.upstream_idle_timeout)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=False)
+    # Idle pooled connections are closed before the model servers close them (vLLM: 5 s), so a request
+    # never goes out on a connection the server is closing at that moment.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=False,
+                                     keepalive_timeout=server.upstream_keepalive_timeout)
     # No cookie jar: a cookie an upstream sets must never ride along on other clients' requests
     # (and matching cookies costs every request a pass through the jar).
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,

@@ -99,6 +99,11 @@ class Admission(Protocol):
         """The request's row was submitted: free its slot and its hold. Called exactly once
         per admitted hold, on every path; never blocks, never raises."""
 
+    async def rehold(self, hold: Hold, new: Hold) -> None:
+        """Optional: re-place admitted ``hold`` as ``new`` (the same request at a fallback model's
+        prices), keeping its slot, or raise the 402 ``admit`` would (then ``hold`` stays as it was).
+        Without it, a fallback keeps the hold placed at admission."""
+
     def settled(self, hold: Hold | None, row: Mapping[str, Any]) -> None:
         """Optional: the request's ``row`` was submitted (called before ``release``). An admission
         that keeps keys' spending or per-minute windows itself implements it."""
@@ -226,6 +231,18 @@ class LocalAdmission(Counts):
                 self._key_held[hold.key_id] = left
             else:
                 del self._key_held[hold.key_id]
+
+    async def rehold(self, hold: Hold, new: Hold) -> None:
+        """``hold`` becomes ``new`` (a fallback's prices), checked as ``admit`` checks a new hold."""
+        org = hold.org
+        if self.credits.remaining(org) - (self._held[org] - hold.amount) <= 0:
+            raise insufficient_credits(org, holding=True)
+        if hold.key_limit is not None:
+            spent = self.key_spending.spent(hold.key_id, hold.key_since)
+            if hold.key_limit - spent - (self._key_held[hold.key_id] - hold.amount) <= 0:
+                raise key_limit_exceeded(hold.key_id, hold.key_limit)
+            self._key_held[hold.key_id] += new.amount - hold.amount
+        self._held[org] += new.amount - hold.amount
 
     def settled(self, hold: Hold | None, row: Mapping[str, Any]) -> None:
         """The request's row: its cost charged to its key's period, its tokens to its windows."""

@@ -214,6 +214,28 @@ class PostgresStore(GroupCommitted):
             raise store_unavailable() from None
         return [(v["r_verdict"], v["r_spent"]) for v in verdicts]
 
+    async def rehold(self, hold: Hold, new: Hold) -> None:
+        """A fallback's prices: one ``kiln_rehold`` round trip under the org's admission lock."""
+        if not self.available:
+            raise store_unavailable()
+        try:
+            row = await self.run("fetchrow", "SELECT * FROM kiln_rehold($1::jsonb, $2)", orjson.dumps({
+                "id": hold.id, "org": hold.org, "granted": self.credits.granted.get(hold.org, 0.0),
+                "amount": new.amount, "prompt_cost": new.prompt_cost, "prompt_tokens": new.prompt_tokens,
+                "key_id": hold.key_id, "model": new.model, "requested_model": hold.model,
+                "key_limit": hold.key_limit, "key_since": hold.key_since}).decode(), self.timeout)
+        except UNREACHABLE as exc:
+            self.lost(exc)
+            raise store_unavailable() from None
+        except asyncpg.PostgresError as exc:
+            log.error("re-placing the hold of %s failed: %s", hold.id, exc)
+            raise store_unavailable() from None
+        self.credits.spent[hold.org] = row["r_spent"]
+        if row["r_verdict"] == "insufficient_credits":
+            raise insufficient_credits(hold.org, holding=True)
+        if row["r_verdict"] == "key_limit_exceeded":
+            raise key_limit_exceeded(hold.key_id, hold.key_limit)
+
     def release(self, hold: Hold) -> None:
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
         self.counts.given_back(hold.org)

@@ -23,13 +23,15 @@ The functions keep each of admission, settlement and reaping to one round trip
 for a whole batch of requests.
 
 Version 2 (``kilnproxy.store.postgres_v2``) adds runtime orgs, keys and grants,
-and makes ``kiln_admit`` hold keys' limits and check per-minute limits.
+and makes ``kiln_admit`` hold keys' limits and check per-minute limits; version 3
+(``kilnproxy.store.postgres_v3``) the ``requested_model`` of fallbacks.
 """
 
 from __future__ import annotations
 
 from ..errors import StorageError
 from .postgres_v2 import V2
+from .postgres_v3 import V3
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -214,7 +216,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3)
 
 
 async def migrate(conn) -> int:

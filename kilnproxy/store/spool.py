@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..usage import COLUMNS
-from .sqlite import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values
+from .sqlite import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values, add_missing_columns
 
 _ADD = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")
 
@@ -34,6 +34,7 @@ class Spool:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # a committed row survives the process being killed
         self._db.executescript(SCHEMA)
+        add_missing_columns(self._db)
         return self.count()
 
     def add(self, rows: list[dict[str, Any]]) -> None:

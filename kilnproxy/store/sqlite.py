@@ -40,11 +40,19 @@ CREATE TABLE IF NOT EXISTS usage_events (
     duration_ms REAL,
     ttft_ms REAL,
     finish_reason TEXT,
-    disconnected INTEGER NOT NULL DEFAULT 0
+    disconnected INTEGER NOT NULL DEFAULT 0,
+    requested_model TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, created_at);
 CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 """
+
+# Columns added since the first release: a file made before gets them when it is opened, filled in
+# from the row's other columns (``requested_model``: rows from before fallbacks existed were served by
+# the model asked for).
+ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
+    ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
+)
 
 LOCK_WAIT_SECONDS = 2.0  # how long to wait for another program's lock on the file
 
@@ -164,10 +172,22 @@ def prepare_file(path: Path) -> None:
     try:
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
+        add_missing_columns(db)
         db.execute("BEGIN IMMEDIATE")
         db.execute("ROLLBACK")
     finally:
         db.close()
+
+
+def add_missing_columns(db: sqlite3.Connection) -> None:
+    """Bring a ledger (or spool) file made by an older kilnproxy to the current columns."""
+    present = {r[1] for r in db.execute("PRAGMA table_info(usage_events)")}
+    for name, add, filled_from in ADDED_COLUMNS:
+        if name not in present:
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute(add)
+                db.execute(f"UPDATE usage_events SET {name} = {filled_from}")
 
 
 def read_rows(path: Path, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:

@@ -1,0 +1,127 @@
+"""Fallbacks across catalog models, and the request's deadline before its answer begins.
+
+``open_upstream`` reaches an upstream for a request that has passed the
+request rules: the requested model's upstreams first (``Route.open``), then
+each of its ``fallbacks`` in order, while nothing has reached the client.
+A model cannot take the request when every upstream is marked down, refused,
+timed out, missed its ``first_byte_timeout``, answered 429 or 5xx, or kept
+every slot busy past its ``queue_timeout``. A fallback is skipped when the
+key may not use it, it does not serve the endpoint, or the request's hold,
+re-placed at its prices, does not fit the org's credits or the key's limit.
+A fallback's own fallbacks are not followed. When no model of the chain can
+take the request, the client gets what the last one tried answered.
+
+From a fallback on, ``call.model``, ``call.upstream_model`` and
+``call.pricing`` name the fallback (the answer's ``model``, the row's
+``model`` and its cost); the row's ``requested_model`` keeps the model asked
+for. ``rewrite_request`` plugins ran once, for the requested model; the
+fallback's upstream gets the same body with its own ``upstream_model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import NamedTuple
+
+import aiohttp
+import orjson
+
+from ..config import KeyConfig
+from ..errors import GatewayError, UpstreamFailure
+from ..plugins.call import Call
+from ..store.limits import Hold
+from .deadlines import RequestTimedOut, deadline_of, request_deadline_passed
+from .gateway import Gateway
+from .request_record import RequestRecord
+from .upstream import Route, Upstream, cannot_take
+
+
+class Opened(NamedTuple):
+    route: Route  # the model that serves
+    upstream: Upstream
+    resp: aiohttp.ClientResponse
+    first: bytes | None  # a stream's first bytes, when read to meet first_byte_timeout
+    deadline: float | None  # loop time when request_timeout ends the answer
+
+
+async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, record: RequestRecord,
+                        body: dict, headers: dict[str, str] | None = None) -> Opened:
+    """The first model of the chain that takes the request, with its upstream's response.
+    Raises what the last model tried answered (``GatewayError`` or ``UpstreamFailure``)."""
+    chain = [route] + [gw.routes.get(f) for f in route.model.fallbacks]
+    problem: Exception | None = None
+    for i, model in enumerate(chain):
+        last = i == len(chain) - 1
+        if i > 0:
+            if model is None or not await _switch_to(gw, call, key, record, model, body):
+                continue
+            key_pair = (route.id, model.id)
+            gw.fallback_counts[key_pair] = gw.fallback_counts.get(key_pair, 0) + 1
+        try:
+            opened = await _open_model(gw, call, model, record, body, headers)
+        except RequestTimedOut:
+            raise  # the request's own time is up: no fallback
+        except (GatewayError, UpstreamFailure) as exc:
+            problem = exc
+            continue
+        if cannot_take(opened.resp.status) and not last and _any_left(gw, call, key, chain[i + 1:]):
+            opened.upstream.release()
+            opened.resp.close()
+            problem = UpstreamFailure(f"{opened.upstream.base_url} answered HTTP {opened.resp.status}")
+            continue
+        return opened
+    raise problem
+
+
+async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestRecord, body: dict,
+                      headers: dict[str, str] | None) -> Opened:
+    model = route.model
+    payload = orjson.dumps(body)
+    if record.tap is not None:
+        record.tap.sent_upstream(payload)
+    loop = asyncio.get_running_loop()
+    deadline = deadline_of(record.admitted, model.request_timeout)
+    queue_deadline = loop.time() + model.queue_timeout
+    if deadline is not None:
+        queue_deadline = min(queue_deadline, deadline)
+    if deadline is None:
+        upstream, resp, first = await route.open(gw.session, call.endpoint, payload, call.stream, queue_deadline,
+                                                 headers)
+        return Opened(route, upstream, resp, first, None)
+    try:
+        async with asyncio.timeout_at(deadline):
+            upstream, resp, first = await route.open(gw.session, call.endpoint, payload, call.stream,
+                                                     queue_deadline, headers)
+    except TimeoutError:
+        raise request_deadline_passed(route.id, model.request_timeout) from None
+    return Opened(route, upstream, resp, first, deadline)
+
+
+def _usable(route: Route, key: KeyConfig, endpoint: str) -> bool:
+    return (key.models is None or route.id in key.models) and route.serves(endpoint)
+
+
+def _any_left(gw: Gateway, call: Call, key: KeyConfig, rest: list[Route | None]) -> bool:
+    return any(r is not None and _usable(r, key, call.endpoint) for r in rest)
+
+
+async def _switch_to(gw: Gateway, call: Call, key: KeyConfig, record: RequestRecord, route: Route,
+                     body: dict) -> bool:
+    """Make ``route`` the request's model, its hold re-placed at its prices; False: skip it."""
+    if not _usable(route, key, call.endpoint):
+        return False
+    before = call.model, call.upstream_model, call.pricing
+    call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
+    old = record.hold
+    rehold = getattr(gw.admission, "rehold", None)
+    if old is not None and rehold is not None:
+        new = Hold(call, record.created_at, body, route.model.context_window)
+        new.key_limit, new.key_since, new.per_minute = old.key_limit, old.key_since, old.per_minute
+        try:
+            await rehold(old, new)
+        except GatewayError:  # the org's credits or the key's limit do not fit the fallback's hold
+            call.model, call.upstream_model, call.pricing = before
+            return False
+        record.hold = new  # released with the row, at the fallback's amount
+    body["model"] = route.model.upstream_model
+    return True

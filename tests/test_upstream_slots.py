@@ -1,0 +1,205 @@
+"""Upstream slots (`max_in_flight` per upstream URL), the queue up to `queue_timeout`, 503 upstream_busy,
+a client leaving while queued, SIGHUP changing `max_in_flight` while requests queue, and pooled
+connections closed before the model server closes them."""
+
+import asyncio
+import signal
+
+import aiohttp
+import pytest
+from aiohttp import web
+from processes import GatewayProcess, gateway_config
+
+from kilnproxy.config import parse_config
+from kilnproxy.fixtures.mock_upstream import LOG, STATS, create_mock_app
+from kilnproxy.testing import KEY, MODEL
+from kilnproxy.web.server import start_mock
+
+GEN = "X-Neocloud-Generation-Id"
+
+
+def slotted(slots: int, queue_timeout: float = 0, **model):
+    def configure(config):
+        m = config["models"][0]
+        m.update(upstreams=[{"url": m["upstreams"][0], "max_in_flight": slots}], queue_timeout=queue_timeout,
+                 **model)
+        for org in config["orgs"]:
+            org["max_in_flight"] = 2000
+    return configure
+
+
+def pool(h):
+    return h.gw.routes[MODEL].upstreams[0].slots
+
+
+async def test_config_takes_tables_and_strings_and_refuses_two_caps_for_one_url():
+    base = {"id": "a", "upstreams": [{"url": "http://gpu1:8000/v1/", "max_in_flight": 4}, "http://gpu2:8000/v1"]}
+    config = parse_config({"models": [base]})
+    model = config.models[0]
+    assert model.upstreams == ("http://gpu1:8000/v1", "http://gpu2:8000/v1")
+    assert model.upstream_max_in_flight == (4, None) and model.queue_timeout == 0
+    with pytest.raises(Exception, match="max_in_flight = 2 here but 4"):
+        parse_config({"models": [base, {"id": "b", "upstreams": [{"url": "http://gpu1:8000/v1", "max_in_flight": 2}]}]})
+    with pytest.raises(Exception, match=r"upstreams\[0\]\.max_in_flight: must be greater than 0"):
+        parse_config({"models": [{"id": "a", "upstreams": [{"url": "http://x/v1", "max_in_flight": 0}]}]})
+    with pytest.raises(Exception, match="unknown key"):
+        parse_config({"models": [{"id": "a", "upstreams": [{"url": "http://x/v1", "slots": 2}]}]})
+    with pytest.raises(Exception, match="model 'nope' is not in"):
+        parse_config({"models": [{"id": "a", "upstreams": ["http://x/v1"], "fallbacks": ["nope"]}]})
+
+
+async def test_a_thousand_requests_against_two_slots_without_queue(harness):
+    async with harness(configure=slotted(2)) as h:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "mock": {"delay": 0.001}}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def one():
+                async with s.post(f"{h.url}/v1/completions", json=body, headers=h.headers()) as resp:
+                    return resp.status, dict(resp.headers), await resp.read()
+            answers = await asyncio.gather(*(one() for _ in range(1000)))
+        busy = [a for a in answers if a[0] != 200]
+        assert len(answers) - len(busy) >= 2
+        for status, headers, raw in busy:
+            assert status == 503 and headers["Retry-After"] == "1"
+            assert headers["Content-Type"].startswith("application/json")
+            assert b'"code":"upstream_busy"' in raw
+        for status, _, raw in answers:
+            if status == 200:
+                assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+        assert h.mock.app[STATS]["max_active"] <= 2
+        assert (pool(h).busy, pool(h).queued(), h.gw.routes[MODEL].upstreams[0].in_flight) == (0, 0, 0)
+        assert h.gw.admission.count("acme") == 0
+        rows = await h.rows()
+        assert len(rows) == 1000
+        assert sorted({(r["status"], r["error_code"]) for r in rows}) == (
+            [(200, None), (503, "upstream_busy")] if busy else [(200, None)])
+
+
+async def test_a_queued_request_waits_for_the_slot_and_keeps_its_org_slot(harness, eventually):
+    async with harness(configure=slotted(1, queue_timeout=30)) as h:
+        async with aiohttp.ClientSession() as s:
+            holder = await s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 2, "mock": {"silence": 3600}})
+            waiting = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+            await eventually(lambda: pool(h).queued() == 1)
+            assert h.gw.admission.count("acme") == 2  # the waiting request holds its org slot
+            holder.close()  # its client leaves: the slot goes to the request waiting
+            async with await waiting as second:
+                assert second.status == 200
+                assert (await second.json())["model"] == MODEL
+        assert h.mock.app[STATS]["max_active"] == 1
+        await eventually(lambda: (pool(h).busy, pool(h).queued()) == (0, 0))
+
+
+async def test_the_client_leaving_while_queued(harness, eventually):
+    async with harness(configure=slotted(1, queue_timeout=60)) as h:
+        async with aiohttp.ClientSession() as s:
+            holder = await s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 4, "mock": {"silence": 3600}})
+            queued = asyncio.create_task(s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+            await eventually(lambda: pool(h).queued() == 1)
+            queued.cancel()  # the client gives up while it waits: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            await eventually(lambda: pool(h).queued() == 0 and h.gw.admission.count("acme") == 1)
+            rows = await eventually(lambda: h.rows())
+            assert [(r["status"], r["disconnected"], r["error_code"]) for r in rows] == [(499, 1, None)]
+            holder.close()
+        await eventually(lambda: pool(h).busy == 0 and h.gw.admission.count("acme") == 0)
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
+            assert resp.status == 200  # nothing leaked: the slot is free
+        assert h.mock.app[STATS]["requests"] == 2  # the request that left never reached the upstream
+        assert len(await eventually(lambda: h.rows())) == 3
+
+
+async def test_queue_timeout_then_503_upstream_busy(harness):
+    async with harness(configure=slotted(1, queue_timeout=0.05)) as h:
+        async with aiohttp.ClientSession() as s:
+            holder = await s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 4, "mock": {"silence": 3600}})
+            async with s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                    "model": MODEL, "prompt": "hi"}) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                assert (await resp.json())["error"]["code"] == "upstream_busy"
+                row = await h.row(resp.headers[GEN])
+            assert (row["status"], row["error_code"], row["model"]) == (503, "upstream_busy", MODEL)
+            holder.close()
+
+
+async def test_slots_are_shared_by_the_models_that_list_a_url(harness):
+    def configure(config):
+        slotted(1, queue_timeout=30)(config)
+        m = config["models"][0]
+        config["models"].append({**m, "id": "other-model", "upstreams": [m["upstreams"][0]["url"]]})
+    async with harness(configure=configure) as h:
+        assert pool(h) is h.gw.routes["other-model"].upstreams[0].slots
+        answers = await asyncio.gather(*(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": model, "prompt": "hi", "max_tokens": 2, "stream": True, "mock": {"delay": 0.01}})
+            for model in [MODEL, "other-model"] * 5))
+        for resp in answers:
+            assert resp.status == 200
+            await resp.read()
+            resp.release()
+        assert h.mock.app[STATS]["max_active"] == 1
+
+
+def _toml_slots(url: str, slots: int) -> list:
+    return [{"url": url, "max_in_flight": slots}]
+
+
+async def test_sighup_raising_max_in_flight_serves_the_queue(tmp_path):
+    mock = await start_mock()
+    url = f"{mock.url}/v1"
+    config = gateway_config([url])
+    config["models"][0].update(upstreams=_toml_slots(url, 1), queue_timeout=60)
+    gw = await GatewayProcess(tmp_path, config).start()
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            holder = await s.post(f"{gw.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json={
+                "model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 4, "mock": {"silence": 3600}})
+            queued = [asyncio.create_task(s.post(f"{gw.url}/v1/completions", headers={
+                "Authorization": f"Bearer {KEY}"}, json={"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+                for _ in range(3)]
+            while b'kilnproxy_upstream_queued_requests{upstream="' + url.encode() + b'"} 3.0' not in (
+                    await (await s.get(f"{gw.url}/metrics")).read()):
+                await asyncio.sleep(0.01)
+            config["models"][0]["upstreams"] = _toml_slots(url, 4)
+            gw.write_config(config)
+            gw.send(signal.SIGHUP)
+            answers = await asyncio.gather(*queued)
+            assert [r.status for r in answers] == [200, 200, 200]
+            for r in answers:
+                await r.read()
+            assert mock.app[STATS]["max_active"] <= 4
+            holder.close()
+            async with s.get(f"{mock.url}/mock/wait", params={"hangups": 1}) as resp:
+                assert (await resp.json())["hangups"] == 1
+        await gw.wait_for("stderr", "config reloaded")
+    finally:
+        await gw.stop()
+        await mock.stop()
+    rows = gw.rows()
+    assert sorted((r["status"], r["disconnected"]) for r in rows) == [(200, 0)] * 3 + [(200, 1)]
+
+
+async def test_idle_upstream_connections_close_before_the_servers_do(harness, eventually):
+    """The model server closes idle connections after 0.5 s, the gateway after 0.1 s: every POST
+    goes out on a fresh connection, none on one the server is closing."""
+    runner = web.AppRunner(create_mock_app(), keepalive_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    try:
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url]),
+                           overrides={"server": {"upstream_keepalive_timeout": 0.1}}) as h:
+            connector = h.gw.session.connector
+            for _ in range(5):
+                async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
+                    assert resp.status == 200
+                await eventually(lambda: not connector._conns)  # the gateway dropped its idle connection
+            ports = [r["port"] for r in runner.app[LOG]]
+            assert len(set(ports)) == 5
+    finally:
+        await runner.cleanup()
