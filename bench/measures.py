@@ -130,7 +130,7 @@ class Bench:
             + f"\n\n*{PER_MINUTE}*: requests and tokens per minute set on the org, too high to refuse "
             "anything (their windows kept per request). "
             f"*{NO_LEDGER}*: the M6 variant whose ledger stores nothing: the difference to kilnproxy is "
-            "the wait for the row's commit (SPEC 7: committed before the response ends; WAL checkpoints run "
+            "the wait for the row's commit (committed before the response ends; WAL checkpoints run "
             "in the background, never inside that commit).")
         self.goal("M1", "p50 added over pass-through ≤ 0.1 ms", spread(added, "{:.3f} ms"), median(added) <= 0.1)
         self.goal("M1", "p99 ≤ 2× the pass-through's p99", spread(p99_ratio, "{:.2f}×"), median(p99_ratio) <= 2)
@@ -254,7 +254,7 @@ class Bench:
             "(with the plugin: of the variant minus the full gateway), as a share of the full gateway's. "
             "*usage accounting off*: the same gateway with a ledger that stores nothing "
             "(`bench/gateway_no_ledger.py`). *no-op plugin*: `bench/plugins/`; implementing "
-            "`transform_event` makes every event parsed and re-serialised (SPEC 8).")
+            "`transform_event` makes every event parsed and re-serialised.")
         cost = price(cpu2, VARIANTS[1])
         self.goal("M6", "usage accounting < 5% of M2 (CPU per request)", spread(cost, "{:.1f}%"), median(cost) < 5)
         hooks = price(cpu2, VARIANTS[2])

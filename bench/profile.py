@@ -1,4 +1,4 @@
-"""Where a request's CPU time goes, by SPEC feature: py-spy on the gateway under the loads of M1-M3.
+"""Where a request's CPU time goes, by feature: py-spy on the gateway under the loads of M1-M3.
 
 Starts nginx with the bench's canned answers, the pass-through and kilnproxy (every
 feature on, pinned like ``run.py`` pins them), and for each load records the process
@@ -42,17 +42,17 @@ RATE = 1000  # samples per second, of the thread that holds the GIL (``--gil``):
 # (feature, path fragments of the frames that belong to it); the first feature matched
 # from the innermost frame outwards takes the sample.
 FEATURES = [
-    ("SPEC 7 usage row and ledger (row, group commit, SQLite thread, checkpoints)",
+    ("usage row and ledger (row, group commit, SQLite thread, checkpoints)",
      ("kilnproxy/proxy/request_record.py", "kilnproxy/store/sqlite.py", "kilnproxy/store/checkpoint.py", "aiosqlite/", "sqlite3/",
       "kilnproxy/proxy/gateway.py")),
     ("metrics and access log (ops)", ("kilnproxy/ops/metrics.py", "kilnproxy/ops/accesslog.py", "prometheus_client/")),
-    ("SPEC 4 auth and admission, steps 1-7 (key, credits, body parse, model, slot, stream, params)",
+    ("auth and admission, steps 1-7 (key, credits, body parse, model, slot, stream, params)",
      ("kilnproxy/proxy/rules.py", "kilnproxy/proxy/auth.py", "kilnproxy/store/limits.py", "kilnproxy/plugins/call.py")),
-    ("SPEC 4 steps 8-9, plugins (include_usage, upstream_model, hooks)",
+    ("steps 8-9, plugins (include_usage, upstream_model, hooks)",
      ("kilnproxy/plugins/manager.py", "kilnproxy/plugins/builtin/", "pluggy/")),
-    ("SPEC 5 stream relay (events, usage chunk, keepalive)",
+    ("stream relay (events, usage chunk, keepalive)",
      ("kilnproxy/proxy/relay.py", "kilnproxy/proxy/stream.py", "kilnproxy/sse.py")),
-    ("SPEC 5 answer: model name, usage.cost, finish reason", ("kilnproxy/usage.py", "json_answer")),
+    ("answer: model name, usage.cost, finish reason", ("kilnproxy/usage.py", "json_answer")),
     ("upstream HTTP client (route, aiohttp client, connection pool, read timer)",
      ("kilnproxy/proxy/upstream.py", "aiohttp/client", "aiohttp/connector.py", "aiohttp/tracing.py",
       "aiohttp/cookiejar.py", "aiohttp/http_parser.py", "aiohttp/_http_parser", "aiohttp/tcp_helpers.py",

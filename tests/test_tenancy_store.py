@@ -1,4 +1,4 @@
-"""SPEC 10's store layer: runtime orgs, keys, grants and their audit log, on a real SQLite file and
+"""The store layer of runtime tenancy: runtime orgs, keys, grants and their audit log, on a real SQLite file and
 a real PostgreSQL (every store test runs on both), plus the pure checks of the admin bodies.
 
 ``open_store()`` (the ``tenancy`` fixture) gives a new ``TenancyStore`` on its own connection to the
@@ -32,7 +32,7 @@ ADD_USAGE = ("INSERT INTO usage_events (id, created_at, org, key_id, endpoint, s
 
 
 def ledger_file(path):
-    """An SQLite file as a gateway before SPEC 10 left it: WAL, usage_events, user_version 0."""
+    """An SQLite file as a gateway before runtime tenancy left it: WAL, usage_events, user_version 0."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(USAGE_EVENTS)
@@ -76,6 +76,15 @@ class Stores:
 async def stores(request, tmp_path):
     pg_url = request.getfixturevalue("pg_url") if request.param == "postgresql" else None
     stores = Stores(request.param, tmp_path, pg_url)
+    await stores.setup()
+    yield stores
+    await stores.close()
+
+
+@pytest.fixture
+async def pg_stores(tmp_path, pg_url):
+    """``stores`` on PostgreSQL alone, for what only it does (notifications, a pool)."""
+    stores = Stores("postgresql", tmp_path, pg_url)
     await stores.setup()
     yield stores
     await stores.close()
@@ -256,9 +265,8 @@ async def test_a_change_on_one_connection_moves_the_version_the_other_reads(stor
     assert "acme" in (await gateway.snapshot()).orgs
 
 
-async def test_postgresql_notifies_the_version_at_commit(stores):
-    if stores.kind == "sqlite":
-        pytest.skip("SQLite's readers poll the version counter")
+async def test_postgresql_notifies_the_version_at_commit(pg_stores):
+    stores = pg_stores
     listener = await asyncpg.connect(stores.pg_url)
     heard = asyncio.Queue()
     await listener.add_listener(NOTIFY_CHANNEL, lambda *args: heard.put_nowait(args[3]))
@@ -272,9 +280,8 @@ async def test_postgresql_notifies_the_version_at_commit(stores):
     await listener.close()
 
 
-async def test_a_store_on_a_postgresql_pool(stores):
-    if stores.kind == "sqlite":
-        pytest.skip("the gateway's pool is PostgreSQL's")
+async def test_a_store_on_a_postgresql_pool(pg_stores):
+    stores = pg_stores
     async with asyncpg.create_pool(stores.pg_url, min_size=2, max_size=2) as pool:
         store = TenancyStore(PostgresDb(pool, timeout=5.0))
         results = await asyncio.gather(*(store.add_grant("acme", 1.0, "same") for _ in range(4)))
@@ -365,10 +372,10 @@ def test_an_sqlite_file_without_usage_events_is_refused_in_one_line(tmp_path):
     conn.close()
 
 
-async def test_a_postgresql_database_at_the_previous_version_takes_the_migration(pg_url):
+async def test_a_postgresql_database_of_the_last_release_takes_the_migrations(pg_url):
     conn = await asyncpg.connect(pg_url)
     try:
-        previous = len(pg_schema.MIGRATIONS) - 1
+        previous = 1  # the schema of the release before runtime tenancy
         await conn.execute("CREATE TABLE kiln_schema (version INTEGER NOT NULL)")
         for version in range(previous):
             await conn.execute(pg_schema.MIGRATIONS[version])

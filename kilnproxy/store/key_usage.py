@@ -1,4 +1,4 @@
-"""A key's usage in its current period (SPEC 10): the period's bounds, and the query that sums it.
+"""A key's usage in its current period: the period's bounds, and the query that sums it.
 
 Periods start at 00:00 UTC: each day (``daily``), each Monday (``weekly``),
 the first of each month (``monthly``). A key whose ``limit_reset`` is null

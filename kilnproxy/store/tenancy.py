@@ -1,4 +1,4 @@
-"""Orgs, keys and credit grants made at runtime (SPEC 10), in the SQLite file or PostgreSQL.
+"""Orgs, keys and credit grants made at runtime, in the SQLite file or PostgreSQL.
 
 ``TenancyStore`` is written once for both stores: its queries use ``?``
 placeholders and SQL both dialects read alike, run by a ``SQLiteDb`` or a
@@ -24,7 +24,7 @@ sum per org and the version they are at.
 
 The store does not know the config's orgs and keys: the caller checks that an
 org exists (config or runtime) before granting or making a key, and answers
-404 / 409 itself (SPEC 10's order: 400, 404, 409).
+404 / 409 itself (the admin API's order: 400, 404, 409).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Strict checks of the bodies that change orgs, keys and grants (SPEC 10), as pure functions.
+"""Strict checks of the bodies that change orgs, keys and grants, as pure functions.
 
 The admin API (``/admin/v1``) and the ``orgs`` / ``keys`` commands hand
 their input here before anything touches the store. Each function takes the
