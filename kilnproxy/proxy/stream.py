@@ -24,10 +24,12 @@ from .request_record import RequestRecord
 from .stream_errors import StreamPluginError, error_frame
 from .upstream import Route
 
+# No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
+# response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
+# and a load balancer would send its next request on a connection being closed.
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
-    "Connection": "keep-alive",
     "X-Accel-Buffering": "no",
 }
 
