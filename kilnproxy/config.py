@@ -159,6 +159,9 @@ def _server(r: _Reader) -> ServerConfig:
     port = r.get("port", int, d.port)
     if not 0 <= port <= 65535:
         r.fail(r.key("port"), f"must be between 0 and 65535, got {port}")
+    drain = r.get("drain_seconds", _NUMBER, d.drain_seconds)
+    if drain < 0:
+        r.fail(r.key("drain_seconds"), f"must be 0 (stop listening at once) or more, got {drain!r}")
     server = ServerConfig(
         host=r.get("host", str, d.host),
         port=port,
@@ -169,6 +172,7 @@ def _server(r: _Reader) -> ServerConfig:
         upstream_max_failures=r.positive("upstream_max_failures", d.upstream_max_failures, integer=True),
         upstream_down_seconds=float(r.positive("upstream_down_seconds", d.upstream_down_seconds)),
         shutdown_grace_seconds=float(r.positive("shutdown_grace_seconds", d.shutdown_grace_seconds)),
+        drain_seconds=float(drain),
         request_body_timeout=float(r.positive("request_body_timeout", d.request_body_timeout)),
     )
     r.done()

@@ -23,6 +23,7 @@ class ServerConfig:
     upstream_max_failures: int = 3
     upstream_down_seconds: float = 10.0
     shutdown_grace_seconds: float = 30.0
+    drain_seconds: float = 5.0  # after SIGTERM: not ready, still serving, each connection closed after its response
     request_body_timeout: float = 30.0  # seconds to receive a request's whole body
 
 

@@ -71,6 +71,7 @@ def test_defaults_fill_every_key(tmp_path):
     ('[storage]\nurl = "mysql://a:pw@b/c"\n' + GOOD, "storage.url: must be a postgresql:// URL, got scheme 'mysql'"),
     ('[storage]\nurl_env = "KILNPROXY_TEST_UNSET_URL"\n' + GOOD,
      "storage.url_env: the environment variable KILNPROXY_TEST_UNSET_URL is not set or empty"),
+    ("[server]\ndrain_seconds = -1\n" + GOOD, "server.drain_seconds: must be 0 (stop listening at once) or more"),
     ("[storage]\nreplica_timeout_seconds = 0\n" + GOOD, "storage.replica_timeout_seconds: must be greater than 0"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, text, needle):

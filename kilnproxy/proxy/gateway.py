@@ -60,6 +60,7 @@ class Gateway:
         # Upstream responses being relayed, so a shutdown can end them (kilnproxy.ops.lifecycle).
         self.open_upstreams: set[aiohttp.ClientResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
+        self.draining = False  # set by a graceful shutdown (kilnproxy.ops.lifecycle): /healthz?ready is 503
         self.commit_listeners: list = []  # called with each committed batch; must not block or raise
         self._usage_queue: asyncio.Queue | None = None
         self._usage_task: asyncio.Task | None = None
