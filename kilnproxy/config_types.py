@@ -153,6 +153,18 @@ class InspectorConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces sent over OTLP/HTTP (kilnproxy.ops.tracing; the ``tracing`` extra)."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    headers_env: str | None = None  # a variable holding "name=value,name2=value2" (e.g. an API key)
+    headers: tuple[tuple[str, str], ...] = ()  # read from headers_env at load time
+    sample_ratio: float = 1.0  # of the traces that start here; a client's sampled flag is followed
+    service_name: str = "kilnproxy"
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     storage: StorageConfig = StorageConfig()
@@ -167,6 +179,7 @@ class Config:
     log: LogConfig = LogConfig()
     health: HealthConfig = HealthConfig()
     inspector: InspectorConfig = InspectorConfig()
+    tracing: TracingConfig = TracingConfig()
     base_dir: Path = Path(".")
     source: str = "<built-in>"
 
