@@ -23,6 +23,7 @@ from .accesslog import AccessLog
 from .health import HealthChecker
 from .lifecycle import Shutdown
 from .metrics import ReloadStats, RequestStats, build_registry
+from . import tracing
 from .reload import Reloader
 
 REGISTRY = web.AppKey("metrics_registry", object)
@@ -51,6 +52,7 @@ def install(app: web.Application) -> None:
     app.on_shutdown.append(shutdown.drain)
     app.cleanup_ctx.append(_operations_ctx)
     app.router.add_post("/admin/reload", reload_config, expect_handler=expect_handler)
+    tracing.install(app)  # [tracing]: spans of the completion requests
 
 
 async def _operations_ctx(app: web.Application):

@@ -68,17 +68,25 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
     key = gw.keys.authenticate(request.headers.get("Authorization"))  # 401: no org, no row
     call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
     record = RequestRecord(call)
+    trace = record.trace = None if gw.tracer is None else gw.tracer.begin(request.headers, endpoint, call)
     headers = {GENERATION_HEADER: call.generation_id}
     try:
         rules.check_account(key, gw.disabled_orgs, gw.credits, gw.config.maintenance)  # steps 1-2
         body = await rules.read_json_body(request, gw.config.server)  # step 3
         record.model, record.body = body["model"], body
+        if trace is not None:
+            trace.model(str(record.model))
         if gw.capture is not None:
             record.tap = gw.capture.tap(record, body)
         route = rules.check_model(body, key, gw.routes)  # step 4
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = Hold(call, record.created_at, body, route.model.context_window)
-        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
+        slot = rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
+        if trace is None:
+            await slot
+        else:
+            with trace.admission():
+                await slot
         record.hold = hold  # released with the row, in Gateway.submit
         rules.check_stream(body, call)  # step 6
         rules.check_chat_params(body, call, route)  # step 7
@@ -112,7 +120,7 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, route: Rout
     payload = orjson.dumps(body)
     if record.tap is not None:
         record.tap.sent_upstream(payload)
-    upstream, resp = await route.open(gw.session, call.endpoint, payload)
+    upstream, resp = await route.open(gw.session, call.endpoint, payload, record.trace)
     del payload  # orjson's 4 KiB buffer, sent: a stream that lasts hours does not keep it
     call.upstream = upstream.base_url
     gw.open_upstreams.add(resp)

@@ -31,7 +31,7 @@ class RequestRecord:
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed", "tap", "responded", "hold")
+                 "submitted", "committed", "tap", "responded", "hold", "trace")
 
     def __init__(self, call: Call):
         self.call = call
@@ -51,6 +51,7 @@ class RequestRecord:
         self.tap = None  # the inspector's capture of this request, when capture is on
         self.responded = False  # the status line has gone to the client (a stream was prepared)
         self.hold = None  # the in-flight slot and credit hold taken at step 5, until the row is submitted
+        self.trace = None  # this request's spans when tracing is on (Gateway.tracer)
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status
@@ -59,6 +60,8 @@ class RequestRecord:
     def first_byte(self) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = round((time.perf_counter() - self.started) * 1000, 3)
+            if self.trace is not None:
+                self.trace.first_token(self.ttft_ms)
 
     def final_usage(self) -> Usage:
         if self.usage is not None:

@@ -52,6 +52,8 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
         response, relay = record.tap.stream(record, route, gw.hooks.transform_event, {**SSE_HEADERS, **headers})
     await response.prepare(request)
     record.responded = True
+    if record.trace is not None:
+        record.trace.stream_started()
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive)

@@ -95,9 +95,10 @@ class Route:
         rotated = ups[self._turn:] + ups[:self._turn]
         return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.in_flight)
 
-    async def open(self, session: aiohttp.ClientSession, endpoint: str, body: bytes,
+    async def open(self, session: aiohttp.ClientSession, endpoint: str, body: bytes, trace=None,
                    ) -> tuple[Upstream, aiohttp.ClientResponse]:
-        """Send ``body``; the caller must release the response and ``upstream.in_flight``."""
+        """Send ``body``; the caller must release the response and ``upstream.in_flight``.
+        ``trace`` (tracing on): told of each attempt, it gives the headers that carry the trace."""
         candidates = self.candidates()
         if not candidates:
             raise no_backend_available(self.id)
@@ -105,17 +106,22 @@ class Route:
         for i, upstream in enumerate(candidates):
             last = i == len(candidates) - 1
             upstream.in_flight += 1
+            headers = self.headers if trace is None else trace.attempt(upstream.base_url, self.headers)
             try:
                 # a BytesPayload: aiohttp then skips its search of the payload registry
-                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=self.headers)
+                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=headers)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 upstream.in_flight -= 1
                 upstream.failed()
                 last_problem = f"{upstream.base_url}: {_describe(exc)}"
+                if trace is not None:
+                    trace.attempt_done(None, type(exc).__name__)
                 continue
             except BaseException:
                 upstream.in_flight -= 1
                 raise
+            if trace is not None:
+                trace.attempt_done(resp.status)
             if resp.status in SERVER_DOWN_STATUSES and not last:
                 upstream.in_flight -= 1
                 upstream.failed()
