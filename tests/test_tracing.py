@@ -100,3 +100,15 @@ async def test_an_error_is_the_spans_status_and_error_type(harness, receiver):
 
 async def test_tracing_off_gives_the_gateway_no_tracer(gw):
     assert gw.gw.tracer is None
+
+
+async def test_a_stream_the_client_leaves_ends_its_spans_with_the_disconnect(harness, receiver, eventually):
+    async with harness(overrides=traced(receiver)) as h:
+        resp = await h.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": True, "mock": {"delay": 0.05}})
+        assert (await resp.content.readline()).startswith(b"data: ")
+        resp.close()  # the client leaves mid-stream
+        await eventually(lambda: h.rows())
+    root = receiver.named(f"text_completion {MODEL}")[0]
+    assert root["attributes"]["kilnproxy.disconnected"] is True
+    assert receiver.named("kilnproxy.stream")[0]["attributes"] == {"kilnproxy.disconnected": True}
