@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test e2e bench clean browser postgres
+.PHONY: install run test e2e bench clean browser postgres nginx
 
 $(STAMP): setup.cfg pyproject.toml tests/entrypoint_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ install: $(STAMP)
 run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--config my.toml"`
 	$(PY) -m kilnproxy $(ARGS)
 
-test: $(STAMP) browser postgres  ## the import contracts (setup.cfg [importlinter]), then the whole test suite
+test: $(STAMP) browser postgres nginx  ## the import contracts (setup.cfg [importlinter]), then the whole test suite
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -30,6 +30,10 @@ browser:  ## Debian's chromium, for the inspector's browser test (Playwright dri
 postgres:  ## Debian's PostgreSQL server binaries: the tests and the benchmark start their own throw-away server
 	test -x "$$(pg_config --bindir 2>/dev/null)/initdb" || \
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y postgresql; }
+
+nginx:  ## Debian's nginx: the rolling-restart test puts it in front of two replicas, as the README does
+	test -x /usr/sbin/nginx || \
+		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y nginx; }
 
 bench: $(STAMP) postgres  ## what the gateway adds over a bare pass-through, beside Portkey and LiteLLM, and on PostgreSQL (M1-M6, PG; ~12 min): bench/results/<date>-<time>.md
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || { \

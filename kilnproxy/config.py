@@ -30,6 +30,7 @@ from .config_types import (
     Pricing,
     ServerConfig,
     StorageConfig,
+    TracingConfig,
     sha256_hex,
 )
 from .errors import ConfigError
@@ -128,10 +129,11 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     plugins = _plugins(_Reader(source, "plugins", top.get("plugins", dict, {})))
     admin, metrics, log, health = _operations(source, top)
     inspector = _inspector(_Reader(source, "inspector", top.get("inspector", dict, {})))
+    tracing = _tracing(_Reader(source, "tracing", top.get("tracing", dict, {})))
     top.done()
     _check_references(source, models, orgs, keys)
     return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
-                  admin=admin, metrics=metrics, log=log, health=health, inspector=inspector,
+                  admin=admin, metrics=metrics, log=log, health=health, inspector=inspector, tracing=tracing,
                   base_dir=base_dir, source=source)
 
 
@@ -160,6 +162,9 @@ def _server(r: _Reader) -> ServerConfig:
     port = r.get("port", int, d.port)
     if not 0 <= port <= 65535:
         r.fail(r.key("port"), f"must be between 0 and 65535, got {port}")
+    drain = r.get("drain_seconds", _NUMBER, d.drain_seconds)
+    if drain < 0:
+        r.fail(r.key("drain_seconds"), f"must be 0 (stop listening at once) or more, got {drain!r}")
     server = ServerConfig(
         host=r.get("host", str, d.host),
         port=port,
@@ -170,6 +175,7 @@ def _server(r: _Reader) -> ServerConfig:
         upstream_max_failures=r.positive("upstream_max_failures", d.upstream_max_failures, integer=True),
         upstream_down_seconds=float(r.positive("upstream_down_seconds", d.upstream_down_seconds)),
         shutdown_grace_seconds=float(r.positive("shutdown_grace_seconds", d.shutdown_grace_seconds)),
+        drain_seconds=float(drain),
         request_body_timeout=float(r.positive("request_body_timeout", d.request_body_timeout)),
         upstream_keepalive_timeout=float(r.positive("upstream_keepalive_timeout", d.upstream_keepalive_timeout)),
     )
@@ -371,6 +377,33 @@ def _inspector(r: _Reader) -> InspectorConfig:
     )
     r.done()
     return inspector
+
+
+def _tracing(r: _Reader) -> TracingConfig:
+    d = TracingConfig()
+    endpoint = r.get("endpoint", str, d.endpoint)
+    parsed = urlparse(endpoint)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        r.fail(r.key("endpoint"), f"must be an http(s) URL, e.g. \"{d.endpoint}\", got {endpoint!r}")
+    headers_env = r.get("headers_env", str, None)
+    headers: list[tuple[str, str]] = []
+    if headers_env is not None:
+        for item in filter(None, (p.strip() for p in os.environ.get(headers_env, "").split(","))):
+            name, eq, value = item.partition("=")
+            if not eq or not name.strip():
+                r.fail(r.key("headers_env"), f"the variable {headers_env} must hold name=value pairs separated "
+                                             "by commas (the value is not shown)")
+            headers.append((name.strip(), value.strip()))
+    ratio = r.get("sample_ratio", _NUMBER, d.sample_ratio)
+    if not 0 <= ratio <= 1:
+        r.fail(r.key("sample_ratio"), f"must be between 0 and 1, got {ratio!r}")
+    service = r.get("service_name", str, d.service_name)
+    if not service.strip():
+        r.fail(r.key("service_name"), "must not be empty")
+    tracing = TracingConfig(enabled=r.get("enabled", bool, d.enabled), endpoint=endpoint, headers_env=headers_env,
+                            headers=tuple(headers), sample_ratio=float(ratio), service_name=service)
+    r.done()
+    return tracing
 
 
 def _check_references(source: str, models, orgs, keys) -> None:

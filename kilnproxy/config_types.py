@@ -23,6 +23,7 @@ class ServerConfig:
     upstream_max_failures: int = 3
     upstream_down_seconds: float = 10.0
     shutdown_grace_seconds: float = 30.0
+    drain_seconds: float = 5.0  # after SIGTERM: not ready, still serving, each connection closed after its response
     request_body_timeout: float = 30.0  # seconds to receive a request's whole body
     # Seconds a pooled upstream connection may sit idle before the gateway closes it: below the model
     # servers' own (vLLM and uvicorn close idle connections after 5 s), so that a request is never sent
@@ -173,6 +174,18 @@ class InspectorConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces sent over OTLP/HTTP (kilnproxy.ops.tracing; the ``tracing`` extra)."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    headers_env: str | None = None  # a variable holding "name=value,name2=value2" (e.g. an API key)
+    headers: tuple[tuple[str, str], ...] = ()  # read from headers_env at load time
+    sample_ratio: float = 1.0  # of the traces that start here; a client's sampled flag is followed
+    service_name: str = "kilnproxy"
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = ServerConfig()
     storage: StorageConfig = StorageConfig()
@@ -187,6 +200,7 @@ class Config:
     log: LogConfig = LogConfig()
     health: HealthConfig = HealthConfig()
     inspector: InspectorConfig = InspectorConfig()
+    tracing: TracingConfig = TracingConfig()
     base_dir: Path = Path(".")
     source: str = "<built-in>"
 

@@ -66,7 +66,7 @@ def toml(doc: dict[str, Any]) -> str:
 def gateway_config(upstreams: list[str], **sections: Any) -> dict[str, Any]:
     """The test config of ``kilnproxy.testing``, for a process: port 0, sections merged one level deep."""
     config: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "port": 0},
+        "server": {"host": "127.0.0.1", "port": 0, "drain_seconds": 0},  # tests of the drain set their own
         "storage": {"path": "usage.db"},
         "health": {"interval": 0},
         "models": [{"id": MODEL, "upstreams": upstreams, "upstream_model": UPSTREAM_MODEL,

@@ -36,7 +36,7 @@ def test_a_valid_config_prints_what_it_would_serve(tmp_path):
         "  org      acme: 100.0 USD, 200 in flight, 1 key(s)",
         "  org      globex: 100.0 USD, 8 in flight, 1 key(s)",
         "  ops      metrics on, access log on with bodies, health checks every 2.5 s on /v1/models, admin token,"
-        " shutdown grace 12 s",
+        " drain 0 s, shutdown grace 12 s",
         "  maintenance on (Retry-After: Tue, 01 Dec 2026 06:00:00 GMT)",
     ]
 
@@ -44,7 +44,7 @@ def test_a_valid_config_prints_what_it_would_serve(tmp_path):
 def test_the_example_config_is_valid():
     out = check(ROOT / "config.example.toml")
     assert out.returncode == 0, out.stderr
-    assert "health checks every 10 s on /health, admin loopback, shutdown grace 30 s" in out.stdout
+    assert "health checks every 10 s on /health, admin loopback, drain 5 s, shutdown grace 30 s" in out.stdout
 
 
 @pytest.mark.parametrize("change, message", [

@@ -71,6 +71,11 @@ def test_defaults_fill_every_key(tmp_path):
     ('[storage]\nurl = "mysql://a:pw@b/c"\n' + GOOD, "storage.url: must be a postgresql:// URL, got scheme 'mysql'"),
     ('[storage]\nurl_env = "KILNPROXY_TEST_UNSET_URL"\n' + GOOD,
      "storage.url_env: the environment variable KILNPROXY_TEST_UNSET_URL is not set or empty"),
+    ("[server]\ndrain_seconds = -1\n" + GOOD, "server.drain_seconds: must be 0 (stop listening at once) or more"),
+    ("[tracing]\nendpoint = \"collector:4318\"\n" + GOOD, "tracing.endpoint: must be an http(s) URL"),
+    ("[tracing]\nsample_ratio = 1.5\n" + GOOD, "tracing.sample_ratio: must be between 0 and 1, got 1.5"),
+    ("[tracing]\nservice_name = \" \"\n" + GOOD, "tracing.service_name: must not be empty"),
+    ("[tracing]\nenable = true\n" + GOOD, "tracing.enable: unknown key"),
     ("[storage]\nreplica_timeout_seconds = 0\n" + GOOD, "storage.replica_timeout_seconds: must be greater than 0"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, text, needle):
@@ -118,3 +123,15 @@ def test_check_config_never_prints_the_database_password(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "postgresql://kiln:***@db:5432/kiln" in proc.stdout and "hunter2" not in proc.stdout
+
+
+def test_tracing_headers_come_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILNPROXY_TEST_OTLP", "x-api-key=s3cret, x-team = ml")
+    config = load_config(write(tmp_path, '[tracing]\nenabled = true\nheaders_env = "KILNPROXY_TEST_OTLP"\n' + GOOD))
+    assert config.tracing.headers == (("x-api-key", "s3cret"), ("x-team", "ml"))
+    assert (config.tracing.enabled, config.tracing.sample_ratio, config.tracing.service_name) == (True, 1.0, "kilnproxy")
+    monkeypatch.setenv("KILNPROXY_TEST_OTLP", "s3cret-without-a-name")
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, '[tracing]\nheaders_env = "KILNPROXY_TEST_OTLP"\n' + GOOD))
+    assert "tracing.headers_env: the variable KILNPROXY_TEST_OTLP must hold name=value pairs" in str(info.value)
+    assert "s3cret" not in str(info.value)

@@ -203,7 +203,7 @@ def cmd_check_config(args) -> int:
           + ", admin " + (" or ".join(filter(None, ("token" if config.admin.token_sha256 else "",
                                                     "loopback" if config.admin.allow_loopback else "")))
                           or "nobody")
-          + f", shutdown grace {config.server.shutdown_grace_seconds:g} s")
+          + f", drain {config.server.drain_seconds:g} s, shutdown grace {config.server.shutdown_grace_seconds:g} s")
     if config.maintenance.enabled:
         print(f"  maintenance on (Retry-After: {config.maintenance.retry_after})")
     return 0

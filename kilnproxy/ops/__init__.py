@@ -5,7 +5,8 @@
 * ``metrics``, ``accesslog``: what the gateway is doing, for Prometheus and as JSON lines;
 * ``reload``: the config re-read without a restart (SIGHUP, ``POST /admin/reload``);
 * ``health``: active checks of the upstreams;
-* ``lifecycle``: signals and graceful shutdown.
+* ``lifecycle``: signals, the drain and graceful shutdown;
+* ``tracing``: OpenTelemetry spans of the completion requests (``[tracing]``, handed in as ``Gateway.tracer``).
 
 May import: ``proxy`` and everything below it; not the inspector, the web app or the CLI.
 """

@@ -19,6 +19,7 @@ from ..access import bearer_token, local_request, token_matches
 from ..errors import GatewayError, forbidden
 from ..proxy.gateway import GATEWAY
 from ..proxy.json_routes import expect_handler
+from . import tracing
 from .accesslog import AccessLog
 from .health import HealthChecker
 from .lifecycle import Shutdown
@@ -51,6 +52,7 @@ def install(app: web.Application) -> None:
     app.on_shutdown.append(shutdown.drain)
     app.cleanup_ctx.append(_operations_ctx)
     app.router.add_post("/admin/reload", reload_config, expect_handler=expect_handler)
+    tracing.install(app)  # [tracing]: spans of the completion requests
 
 
 async def _operations_ctx(app: web.Application):

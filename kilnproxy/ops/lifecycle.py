@@ -4,13 +4,20 @@
 runs once the gateway listens:
 
 - SIGHUP reloads the config (``kilnproxy.ops.reload``).
-- SIGTERM or SIGINT stops it gracefully: the listening socket is closed at
-  once, idle keep-alive connections too; requests in flight may finish for up
-  to ``[server] shutdown_grace_seconds``. Streams still open then are ended
+- SIGTERM first drains the connections for ``[server] drain_seconds``: the
+  gateway answers ``GET /healthz?ready`` with 503 at once, so that a load
+  balancer's health check takes it out, and goes on serving whatever still
+  reaches it, each response now saying ``Connection: close`` and its
+  connection closed right after it. A kept-alive connection is never closed
+  while idle then: a balancer may be sending a request on it at that very
+  moment, and it does not retry a POST that may have reached the server.
+- Then (at once for SIGINT, the interactive stop) the listening socket is
+  closed, and the idle keep-alive connections; requests in flight may finish
+  for up to ``[server] shutdown_grace_seconds``. Streams still open then are ended
   with an error event (code ``shutting_down``) and ``data: [DONE]``, their
   rows committed like any other; a request still waiting for its upstream is
   answered 502. Then the ledger commits what is queued and the process exits 0.
-- A second SIGTERM/SIGINT ends the grace period at once (same ending, same
+- A second SIGTERM/SIGINT ends the drain and the grace period at once (same ending, same
   rows, no waiting); a third exits on the spot (committed rows are on disk).
 
 The grace period lives in the app's ``on_shutdown`` (``drain``), so
@@ -34,16 +41,19 @@ END_SECONDS = 5.0  # after the grace period: time for ended streams to write the
 
 
 class Shutdown:
-    """Counts requests in progress (an app middleware) and runs the grace period."""
+    """Counts requests in progress (an app middleware), runs the drain and the grace period."""
 
     def __init__(self, gw) -> None:
         self.gw = gw
         self.active = 0
+        self.draining = False
         self.hurry = asyncio.Event()  # set by a second signal: stop waiting
         self._idle: asyncio.Event | None = None
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
+        if self.draining:
+            close_after_response(request)
         self.active += 1
         try:
             return await handler(request)
@@ -51,6 +61,19 @@ class Shutdown:
             self.active -= 1
             if not self.active and self._idle is not None:
                 self._idle.set()
+
+    async def drain_connections(self) -> None:
+        """Before the listening socket closes: not ready, still serving, one response per connection."""
+        seconds = self.gw.config.server.drain_seconds
+        self.draining = self.gw.draining = True
+        if not seconds:
+            return
+        log.info("draining: /healthz?ready answers 503; serving for %g s more, closing each connection "
+                 "after its response", seconds)
+        try:
+            await asyncio.wait_for(self.hurry.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
 
     async def drain(self, app: web.Application) -> None:
         """``on_shutdown``: wait for requests in flight, then end the streams still open."""
@@ -77,6 +100,12 @@ class Shutdown:
         return not self.active
 
 
+def close_after_response(request: web.BaseRequest) -> None:
+    """The response will say ``Connection: close``, and aiohttp closes the connection once it is
+    sent. (A response left to decide takes keep-alive from the request's parsed message.)"""
+    request._message = request._message._replace(should_close=True)
+
+
 def end_streams(gw) -> int:
     """End every upstream response being relayed: the relay sees ``ShuttingDown``."""
     responses = list(gw.open_upstreams)
@@ -92,12 +121,14 @@ async def serve_until_stopped(running, shutdown: Shutdown, reload=None, ready=No
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = 0
+    drain = False
 
     def on_stop_signal(signum: int) -> None:
-        nonlocal signals
+        nonlocal signals, drain
         signals += 1
         if signals == 1:
             log.info("%s: shutting down gracefully (send it again to stop waiting)", signal.Signals(signum).name)
+            drain = signum == signal.SIGTERM
             stop.set()
         elif signals == 2:
             log.warning("%s again: ending everything in flight now", signal.Signals(signum).name)
@@ -113,6 +144,8 @@ async def serve_until_stopped(running, shutdown: Shutdown, reload=None, ready=No
         if ready is not None:
             ready()
         await stop.wait()
+        if drain:
+            await shutdown.drain_connections()
     finally:
         try:
             await running.stop()

@@ -14,5 +14,5 @@
 
 May import: the kernel, ``plugins``, ``store`` and ``fixtures``. Knows nothing
 of ops, the inspector or the web app: what they need is handed in
-(``Gateway.row_observers``, ``commit_listeners``, ``capture``).
+(``Gateway.row_observers``, ``commit_listeners``, ``capture``, ``tracer``, ``draining``).
 """

@@ -86,12 +86,12 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
         queue_deadline = min(queue_deadline, deadline)
     if deadline is None:
         upstream, resp, first = await route.open(gw.session, call.endpoint, payload, call.stream, queue_deadline,
-                                                 headers)
+                                                 headers, record.trace)
         return Opened(route, upstream, resp, first, None)
     try:
         async with asyncio.timeout_at(deadline):
             upstream, resp, first = await route.open(gw.session, call.endpoint, payload, call.stream,
-                                                     queue_deadline, headers)
+                                                     queue_deadline, headers, record.trace)
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None
     return Opened(route, upstream, resp, first, deadline)

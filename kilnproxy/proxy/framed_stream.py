@@ -33,6 +33,8 @@ async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record
     tap = record.tap
     await response.prepare(request)
     record.responded = True
+    if record.trace is not None:
+        record.trace.stream_started()
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive, first)

@@ -61,6 +61,8 @@ class Gateway:
         # Upstream responses being relayed, so a shutdown can end them (kilnproxy.ops.lifecycle).
         self.open_upstreams: set[aiohttp.ClientResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
+        self.tracer = None  # kilnproxy.ops.tracing's Tracing when [tracing] is on: ``begin`` a request's trace
+        self.draining = False  # set by a graceful shutdown (kilnproxy.ops.lifecycle): /healthz?ready is 503
         self.commit_listeners: list = []  # called with each committed batch; must not block or raise
         self.fallback_counts: dict[tuple[str, str], int] = {}  # (requested model, fallback) -> requests sent
         self._usage_queue: asyncio.Queue | None = None
@@ -148,6 +150,8 @@ class Gateway:
             if self._settled is not None:
                 self._settled(record.hold, row)
             record.committed = self.ledger.submit(row, record.call)
+            if record.trace is not None:
+                record.trace.end(row, record.committed)
             if record.hold is not None:  # after the row is queued: a shared store frees both in one commit
                 self.admission.release(record.hold)
                 record.hold = None

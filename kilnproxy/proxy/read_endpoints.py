@@ -99,9 +99,13 @@ async def generation(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     """Liveness: always 200 while the process serves. ``?ready``: 503 while the shared store is out
-    of reach (a load balancer then sends new requests to another replica)."""
-    available = getattr(request.app[GATEWAY].ledger, "available", True)
+    of reach, and from a graceful shutdown's first moment (a load balancer then sends new requests
+    to another replica while this one still answers what reaches it)."""
+    gw = request.app[GATEWAY]
+    available = getattr(gw.ledger, "available", True)
     body = {"status": "ok", "store": "up" if available else "down"}
-    if "ready" in request.query and not available:
+    if gw.draining:
+        body["draining"] = True
+    if "ready" in request.query and (not available or gw.draining):
         return json_response({**body, "status": "not_ready"}, status=503)
     return json_response(body)

@@ -79,11 +79,14 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         return api.error(err)
     call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
     record = RequestRecord(call)
+    trace = record.trace = None if gw.tracer is None else gw.tracer.begin(request.headers, endpoint, call)
     headers = {GENERATION_HEADER: call.generation_id}
     try:
         rules.check_account(key, gw.disabled_orgs, gw.credits, gw.config.maintenance)  # steps 1-2
         body = await rules.read_json_body(request, gw.config.server)  # step 3
         record.model, record.body = body["model"], body
+        if trace is not None:
+            trace.model(str(record.model))
         if gw.capture is not None:
             record.tap = gw.capture.tap(record, body)
         route = rules.check_model(body, key, gw.routes)  # step 4
@@ -91,7 +94,12 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         record.requested_model = route.id
         call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
         hold = api.hold(call, record.created_at, body, route.model.context_window)
-        await rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
+        slot = rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
+        if trace is None:
+            await slot
+        else:
+            with trace.admission():
+                await slot
         record.hold = hold  # released with the row, in Gateway.submit
         record.admitted = asyncio.get_running_loop().time()  # request_timeout counts from here
         api.checks(body, call, route)  # steps 6-7

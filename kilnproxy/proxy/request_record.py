@@ -31,7 +31,7 @@ class RequestRecord:
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed", "tap", "responded", "hold", "requested_model", "admitted")
+                 "submitted", "committed", "tap", "responded", "hold", "requested_model", "admitted", "trace")
 
     def __init__(self, call: Call):
         self.call = call
@@ -53,6 +53,7 @@ class RequestRecord:
         self.hold = None  # the in-flight slot and credit hold taken at step 5, until the row is submitted
         self.requested_model: str | None = None  # the catalog id asked for (the model that served may differ)
         self.admitted = 0.0  # loop time of admission (step 5), where request_timeout starts
+        self.trace = None  # this request's spans when tracing is on (Gateway.tracer)
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status
@@ -61,6 +62,8 @@ class RequestRecord:
     def first_byte(self) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = round((time.perf_counter() - self.started) * 1000, 3)
+            if self.trace is not None:
+                self.trace.first_token(self.ttft_ms)
 
     def final_usage(self) -> Usage:
         if self.usage is not None:

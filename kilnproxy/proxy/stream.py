@@ -25,10 +25,12 @@ from .request_record import RequestRecord
 from .stream_errors import StreamPluginError, error_frame
 from .upstream import Route
 
+# No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
+# response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
+# and a load balancer would send its next request on a connection being closed.
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
-    "Connection": "keep-alive",
     "X-Accel-Buffering": "no",
 }
 
@@ -53,6 +55,8 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
         response, relay = record.tap.stream(record, route, gw.hooks.transform_event, {**SSE_HEADERS, **headers})
     await response.prepare(request)
     record.responded = True
+    if record.trace is not None:
+        record.trace.stream_started()
     keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive, first)

@@ -126,11 +126,12 @@ class Route:
 
     async def open(self, session: aiohttp.ClientSession, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
-                   ) -> tuple[Upstream, aiohttp.ClientResponse, bytes | None]:
+                   trace=None) -> tuple[Upstream, aiohttp.ClientResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own) on a slot of one of the upstreams;
         returns the upstream, its response and, when the model has a ``first_byte_timeout`` and the
         answer is a stream, its first bytes (else None). The caller must release the response and
-        call ``upstream.release()``."""
+        call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the headers
+        that carry the trace."""
         sent = self.headers if not headers else {**headers, **self.headers}
         tried: list[Upstream] = []
         problem: Exception | None = None
@@ -145,17 +146,22 @@ class Route:
             upstream = next(u for u in candidates if u.slots is pool)
             tried.append(upstream)
             upstream.in_flight += 1
+            attempt_headers = sent if trace is None else trace.attempt(upstream.base_url, sent)
             try:
-                resp, first = await self._attempt(session, upstream, endpoint, body, stream, sent)
+                resp, first = await self._attempt(session, upstream, endpoint, body, stream, attempt_headers)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
                 upstream.release()
                 upstream.failed()
+                if trace is not None:
+                    trace.attempt_done(None, type(exc).__name__)
                 problem = exc if isinstance(exc, GatewayError) else UpstreamFailure(
                     f"{upstream.base_url}: {_describe(exc)}", code="upstream_unreachable")
                 continue
             except BaseException:
                 upstream.release()
                 raise
+            if trace is not None:
+                trace.attempt_done(resp.status)
             status = resp.status
             if status in SERVER_DOWN_STATUSES:
                 upstream.failed()

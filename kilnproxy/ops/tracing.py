@@ -1,0 +1,179 @@
+"""OpenTelemetry traces of the completion requests (``[tracing]``; the ``tracing`` extra).
+
+``install(app)`` does nothing unless ``[tracing] enabled = true``; then it
+imports the OpenTelemetry SDK, builds a tracer provider that sends spans in
+batches over OTLP/HTTP (``endpoint``, headers from ``headers_env``), sampled
+at ``sample_ratio`` for traces that start here and as the client said for
+the others, and hands the request path a ``Tracing`` object
+(``Gateway.tracer``). With tracing off, the request path checks
+``gw.tracer is None`` once per request and pays nothing else.
+
+One span per completion request, named ``"{gen_ai.operation.name}
+{gen_ai.request.model}"`` (``chat qwen3-32b``, ``text_completion qwen3-32b``),
+kind SERVER, a child of the client's W3C ``traceparent``/``tracestate``
+(a malformed one is ignored: a new trace). Attributes follow the GenAI
+semantic conventions (``gen_ai.operation.name``, ``gen_ai.request.model``,
+``gen_ai.response.model``, ``gen_ai.usage.input_tokens``,
+``gen_ai.usage.output_tokens``) plus ``http.response.status_code``,
+``error.type`` (the error code), ``kilnproxy.org``,
+``kilnproxy.generation_id`` and ``kilnproxy.cost_usd``. Its children:
+
+* ``kilnproxy.admission``: the in-flight slot and the credit hold;
+* ``kilnproxy.upstream`` (kind CLIENT), one per upstream tried, with
+  ``server.address`` (the upstream's base URL) and its status or
+  ``error.type``; the upstream request carries this span as its
+  ``traceparent``, so a model server that traces continues the trace;
+* ``kilnproxy.stream``: the relay of a streamed answer, from its first
+  event to ``[DONE]`` (``kilnproxy.disconnected`` when the client left);
+* ``kilnproxy.usage_commit``: from the row's submission to its commit.
+
+Time to first token is the event ``gen_ai.first_token`` on the request span.
+Spans are ended and handed to the exporter as soon as their part ends, so
+nothing of a stream's spans outlives the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from ..config_types import TracingConfig
+from ..proxy.gateway import GATEWAY
+
+log = logging.getLogger("kilnproxy")
+
+# gen_ai.operation.name of each endpoint (the GenAI semantic conventions' names)
+OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings",
+              "responses": "chat", "messages": "chat"}
+
+
+def install(app: web.Application) -> None:
+    gw = app[GATEWAY]
+    if not gw.config.tracing.enabled:
+        return
+    tracing = Tracing(gw.config.tracing)
+
+    async def lifetime(app: web.Application):
+        gw.tracer = tracing
+        yield
+        gw.tracer = None
+        await asyncio.get_running_loop().run_in_executor(None, tracing.close)  # it blocks while it sends
+
+    app.cleanup_ctx.append(lifetime)
+
+
+class Tracing:
+    """The tracer provider of one gateway, and where each request's trace starts."""
+
+    def __init__(self, config: TracingConfig, exporter=None):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}),
+                                       sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+        if exporter is None:
+            exporter = OTLPSpanExporter(endpoint=config.endpoint, headers=dict(config.headers), timeout=5)
+        self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        self.tracer = self.provider.get_tracer("kilnproxy")
+        self.propagator = TraceContextTextMapPropagator()
+        self.kinds = SpanKind
+        self.in_context = set_span_in_context
+        self.error = lambda code: Status(StatusCode.ERROR, code)
+
+    def begin(self, headers, endpoint: str, call) -> "RequestTrace":
+        """The request's span, a child of the client's ``traceparent`` when it sent a valid one."""
+        return RequestTrace(self, self.propagator.extract(headers), endpoint, call)
+
+    def close(self) -> None:
+        """Send what is still queued (a few seconds at most), then stop the exporter's thread."""
+        self.provider.shutdown()
+
+
+class RequestTrace:
+    """One request's spans; the request path calls it at each part (``kilnproxy.proxy``)."""
+
+    __slots__ = ("tracing", "span", "context", "operation", "_attempt", "_stream")
+
+    def __init__(self, tracing: Tracing, parent, endpoint: str, call):
+        self.tracing = tracing
+        self.operation = OPERATIONS.get(endpoint, endpoint)
+        self.span = tracing.tracer.start_span(self.operation, context=parent, kind=tracing.kinds.SERVER, attributes={
+            "gen_ai.operation.name": self.operation, "kilnproxy.org": call.org,
+            "kilnproxy.generation_id": call.generation_id})
+        self.context = tracing.in_context(self.span)
+        self._attempt = None
+        self._stream = None
+
+    def child(self, name: str, kind=None, attributes=None):
+        return self.tracing.tracer.start_span(name, context=self.context, kind=kind or self.tracing.kinds.INTERNAL,
+                                              attributes=attributes)
+
+    def admission(self):
+        """A context manager around the slot and hold."""
+        return self.tracing.tracer.start_as_current_span("kilnproxy.admission", context=self.context,
+                                                         end_on_exit=True)
+
+    def model(self, requested: str) -> None:
+        self.span.set_attribute("gen_ai.request.model", requested)
+        self.span.update_name(f"{self.operation} {requested}")
+
+    def attempt(self, base_url: str, headers: dict) -> dict:
+        """An upstream attempt begins: its span, and the headers that carry it upstream."""
+        self._attempt = self.child("kilnproxy.upstream", self.tracing.kinds.CLIENT, {"server.address": base_url})
+        carrier = dict(headers)
+        self.tracing.propagator.inject(carrier, context=self.tracing.in_context(self._attempt))
+        return carrier
+
+    def attempt_done(self, status: int | None, problem: str | None = None) -> None:
+        span, self._attempt = self._attempt, None
+        if span is None:
+            return
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        if problem is not None or (status is not None and status >= 500):
+            span.set_attribute("error.type", problem or str(status))
+            span.set_status(self.tracing.error(problem or f"HTTP {status}"))
+        span.end()
+
+    def first_token(self, ttft_ms: float) -> None:
+        self.span.add_event("gen_ai.first_token", {"kilnproxy.ttft_ms": ttft_ms})
+
+    def stream_started(self) -> None:
+        self._stream = self.child("kilnproxy.stream")
+
+    def stream_ended(self, disconnected: bool) -> None:
+        span, self._stream = self._stream, None
+        if span is not None:
+            span.set_attribute("kilnproxy.disconnected", disconnected)
+            span.end()
+
+    def end(self, row: dict, committed) -> None:
+        """The row is submitted: record it on the span, which ends with the row's commit."""
+        self.attempt_done(None, "cancelled")
+        self.stream_ended(bool(row["disconnected"]))
+        span = self.span
+        span.set_attributes({
+            "gen_ai.response.model": row["model"] or "", "gen_ai.usage.input_tokens": row["prompt_tokens"],
+            "gen_ai.usage.output_tokens": row["completion_tokens"], "kilnproxy.cost_usd": row["cost"],
+            "http.response.status_code": row["status"], "kilnproxy.disconnected": bool(row["disconnected"])})
+        if row["error_code"] is not None:
+            span.set_attribute("error.type", row["error_code"])
+            if row["status"] >= 500 or row["status"] == 200:  # a server fault, or a stream that ended in one
+                span.set_status(self.tracing.error(row["error_code"]))
+        commit = self.child("kilnproxy.usage_commit")
+
+        def done(_future) -> None:
+            commit.end()
+            span.end()
+
+        if committed is None or committed.done():
+            done(None)
+        else:
+            committed.add_done_callback(done)

@@ -1,0 +1,114 @@
+"""OpenTelemetry traces: spans sent over OTLP/HTTP to a real receiver, the client's traceparent
+continued and passed on to the upstream."""
+
+import pytest
+from otlp_receiver import Receiver
+
+from kilnproxy.testing import MODEL, free_port
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+SERVER, CLIENT, INTERNAL = 2, 3, 1  # the protobuf's SpanKind numbers
+ERROR = 2  # Status.STATUS_CODE_ERROR
+
+
+@pytest.fixture
+async def receiver():
+    r = await Receiver().start()
+    yield r
+    await r.stop()
+
+
+def traced(receiver, **tracing):
+    return {"tracing": {"enabled": True, "endpoint": receiver.url, "service_name": "gw-test", **tracing}}
+
+
+async def test_a_streamed_chat_request_is_one_span_tree_continuing_the_clients_trace(harness, receiver):
+    async with harness(overrides=traced(receiver)) as h:
+        resp = await h.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+            headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01", "tracestate": "vendor=1"})
+        assert resp.status == 200 and (await resp.read()).endswith(b"data: [DONE]\n\n")
+        generation = resp.headers["X-Neocloud-Generation-Id"]
+        sent = (await h.mock_requests())[-1]["headers"]
+        row = (await h.rows())[0]
+    # the gateway has stopped: its last spans are sent
+    request = receiver.named(f"chat {MODEL}")
+    assert len(request) == 1 and len(receiver.spans) == 5
+    root = request[0]
+    assert (root["trace_id"], root["parent_span_id"], root["kind"]) == (TRACE_ID, CLIENT_SPAN, SERVER)
+    assert (root["service"], root["scope"]) == ("gw-test", "kilnproxy")
+    assert root["attributes"] == {
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": MODEL, "gen_ai.response.model": MODEL,
+        "gen_ai.usage.input_tokens": row["prompt_tokens"], "gen_ai.usage.output_tokens": 3,
+        "kilnproxy.org": "acme", "kilnproxy.generation_id": generation, "kilnproxy.cost_usd": row["cost"],
+        "http.response.status_code": 200, "kilnproxy.disconnected": False}
+    assert root["events"] == [("gen_ai.first_token", {"kilnproxy.ttft_ms": row["ttft_ms"]})]
+    children = {s["name"]: s for s in receiver.spans if s is not root}
+    assert sorted(children) == ["kilnproxy.admission", "kilnproxy.stream", "kilnproxy.upstream",
+                                "kilnproxy.usage_commit"]
+    assert all((s["trace_id"], s["parent_span_id"]) == (TRACE_ID, root["span_id"]) for s in children.values())
+    upstream = children["kilnproxy.upstream"]
+    assert upstream["kind"] == CLIENT
+    assert upstream["attributes"] == {"server.address": f"{h.mock_url}/v1", "http.response.status_code": 200}
+    assert children["kilnproxy.stream"]["attributes"] == {"kilnproxy.disconnected": False}
+    # the model server is asked as part of the same trace, under the upstream span
+    assert sent["traceparent"] == f"00-{TRACE_ID}-{upstream['span_id']}-01"
+    assert sent["tracestate"] == "vendor=1"
+
+
+async def test_a_malformed_traceparent_is_ignored_and_a_new_trace_begins(harness, receiver):
+    async with harness(overrides=traced(receiver)) as h:
+        resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                            headers={"traceparent": "00-not-a-trace-01"})
+        assert resp.status == 200
+        sent = (await h.mock_requests())[-1]["headers"]
+    root = receiver.named(f"text_completion {MODEL}")[0]
+    assert root["parent_span_id"] == "" and len(root["trace_id"]) == 32 and root["trace_id"] != "0" * 32
+    assert sent["traceparent"].startswith(f"00-{root['trace_id']}-")
+    assert [s["name"] for s in receiver.spans if s["name"] == "kilnproxy.stream"] == []
+
+
+async def test_failover_shows_each_upstream_attempt(harness, receiver):
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+
+    def two_upstreams(config):
+        model = config["models"][0]
+        model["upstreams"] = [dead, model["upstreams"][0]]
+
+    async with harness(overrides=traced(receiver), configure=two_upstreams) as h:
+        h.gw.routes[MODEL]._turn = len(h.gw.routes[MODEL].upstreams) - 1  # the dead one is tried first
+        resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert resp.status == 200
+    root = receiver.named(f"text_completion {MODEL}")[0]
+    attempts = receiver.named("kilnproxy.upstream")
+    assert [a["attributes"]["server.address"] for a in attempts] == [dead, f"{h.mock_url}/v1"]
+    assert attempts[0]["attributes"]["error.type"] == "ClientConnectorError" and attempts[0]["status"] == ERROR
+    assert attempts[1]["attributes"]["http.response.status_code"] == 200
+    assert all(a["parent_span_id"] == root["span_id"] for a in attempts)
+
+
+async def test_an_error_is_the_spans_status_and_error_type(harness, receiver):
+    async with harness(overrides=traced(receiver)) as h:
+        resp = await h.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2, "mock": {"fail": "503"}})
+        assert resp.status == 502
+    root = receiver.named(f"text_completion {MODEL}")[0]
+    assert root["attributes"]["error.type"] == "upstream_error" and root["status"] == ERROR
+    assert root["attributes"]["http.response.status_code"] == 502
+
+
+async def test_tracing_off_gives_the_gateway_no_tracer(gw):
+    assert gw.gw.tracer is None
+
+
+async def test_a_stream_the_client_leaves_ends_its_spans_with_the_disconnect(harness, receiver, eventually):
+    async with harness(overrides=traced(receiver)) as h:
+        resp = await h.post("/v1/completions", json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": True, "mock": {"delay": 0.05}})
+        assert (await resp.content.readline()).startswith(b"data: ")
+        resp.close()  # the client leaves mid-stream
+        await eventually(lambda: h.rows())
+    root = receiver.named(f"text_completion {MODEL}")[0]
+    assert root["attributes"]["kilnproxy.disconnected"] is True
+    assert receiver.named("kilnproxy.stream")[0]["attributes"] == {"kilnproxy.disconnected": True}
