@@ -25,14 +25,11 @@ from aiohttp import web
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call
-from ..plugins.manager import plugin_headers, transformed_response
 from ..store.limits import Hold
 from ..usage import Usage
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
-from .completions import _read_upstream, pass_through
-from .deadlines import watch
-from .fallbacks import open_upstream
+from .forward import read_upstream
 from .framed_stream import relay_framed
 from .gateway import GATEWAY, Gateway
 from .request_record import RequestRecord
@@ -100,57 +97,20 @@ def _upstream_headers(request: web.BaseRequest) -> dict[str, str]:
     return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
-async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyConfig, route: Route,
-                  record: RequestRecord, body: dict, headers: dict) -> web.StreamResponse:
-    opened = await open_upstream(gw, call, key, route, record, body, _upstream_headers(request))
-    upstream, resp = opened.upstream, opened.resp
-    call.upstream = upstream.base_url
-    gw.open_upstreams.add(resp)
-    timer = watch(resp, opened.deadline)
-    try:
-        if gw.hooks.response_headers:
-            headers = {**await plugin_headers(gw.hooks, call), **headers}
-        if resp.status in (400, 422):
-            return await pass_through(gw, resp, record, headers)
-        if resp.status >= 300:
-            raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{call.endpoint}")
-        if call.stream and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return await relay_framed(request, gw, call, record, resp, headers, opened.first)
-        if call.stream:
-            raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
-                                  code="upstream_bad_response")
-        return await json_answer(gw, call, record, resp, headers)
-    finally:
-        if timer is not None:
-            timer.cancel()
-        gw.open_upstreams.discard(resp)
-        upstream.release()
-        if resp.content.is_eof():
-            resp.release()
-        else:
-            resp.close()  # cut short: hang up so the model server stops generating
+async def _relay(request: web.BaseRequest, gw: Gateway, call: Call, route: Route, record: RequestRecord,
+                 resp, headers: dict, first: bytes | None) -> web.StreamResponse:
+    return await relay_framed(request, gw, call, record, resp, headers, first)
 
 
-async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp, headers: dict) -> web.Response:
-    raw = await _read_upstream(resp)
-    record.first_byte()
-    try:
-        answer = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        answer = None
-    if not isinstance(answer, dict):
-        raise UpstreamFailure("the upstream's answer is not a JSON object", code="upstream_bad_response")
+def read_answer(call: Call, record: RequestRecord, answer: dict) -> None:
+    """Usage from the endpoint's own usage object; the Responses API's ``status`` or Anthropic's
+    ``stop_reason`` as the finish reason."""
     usage = answer.get("usage")
     if isinstance(usage, dict):
         record.usage = Usage.of_endpoint(call.endpoint, usage)
     reason = answer.get("stop_reason") if call.endpoint == "messages" else answer.get("status")
     if call.endpoint != "embeddings" and isinstance(reason, str):
         record.finish_reason = reason
-    out = await transformed_response(gw.hooks, call, answer)
-    if record.tap is not None:
-        record.tap.answer(raw, out)
-    await gw.submit(record)
-    return web.Response(body=out, content_type="application/json", headers=headers)
 
 
 async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) -> web.Response:
@@ -165,7 +125,7 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         upstream, resp, _ = await route.open(gw.session, endpoint, orjson.dumps(body),
                                              headers=_upstream_headers(request))  # a free slot, or 503 at once
         try:
-            raw = await _read_upstream(resp)
+            raw = await read_upstream(resp)
         finally:
             upstream.release()
             resp.release()
@@ -177,7 +137,7 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         return _error(err, getattr(err, "headers", None), endpoint)
 
 
-OPENAI = request_path.Api(forward=forward, checks=_checks, hold=api_hold)
-ANTHROPIC = request_path.Api(forward=forward, checks=_checks, hold=api_hold,
+OPENAI = request_path.Api(checks=_checks, relay=_relay, read_answer=read_answer, hold=api_hold)
+ANTHROPIC = request_path.Api(checks=_checks, relay=_relay, read_answer=read_answer, hold=api_hold,
                              authorization=partial(_authorization, endpoint="messages"),
-                             error=partial(_error, endpoint="messages"))
+                             error=partial(_error, endpoint="messages"), upstream_headers=_upstream_headers)

@@ -21,14 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+import aiohttp
 from aiohttp import web
 
-from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call
 from ..plugins.manager import run_request_hooks
 from ..store.limits import Hold
 from . import rules
+from .forward import forward
 from .gateway import Gateway
 from .request_record import RequestRecord
 from .upstream import Route
@@ -50,8 +51,8 @@ def _generation_ids():
 
 new_generation_id = _generation_ids().__next__
 
-Forward = Callable[[web.BaseRequest, Gateway, Call, KeyConfig, Route, RequestRecord, dict, dict],
-                   Awaitable[web.StreamResponse]]
+Relay = Callable[[web.BaseRequest, Gateway, Call, Route, RequestRecord, aiohttp.ClientResponse, dict, bytes | None],
+                 Awaitable[web.StreamResponse]]
 
 
 def bearer(request: web.BaseRequest) -> str | None:
@@ -62,13 +63,19 @@ def json_error(err: GatewayError | UpstreamFailure, headers: dict | None = None)
     return err.response(headers)
 
 
+def no_headers(request: web.BaseRequest) -> dict[str, str]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Api:
-    forward: Forward  # steps past admission: upstream, then the answer or the stream
     checks: Callable[[dict, Call, Route], None]  # steps 6-7, once admitted
+    relay: Relay  # a streamed answer, from the upstream's response to the client
+    read_answer: Callable[[Call, RequestRecord, dict], None]  # usage and finish reason of a JSON answer
     hold: Callable[[Call, str, dict, int | None], Hold] = Hold  # the most the request can cost
     authorization: Callable[[web.BaseRequest], str | None] = bearer  # the ``Authorization`` header to check
     error: Callable[..., web.Response] = json_error  # an error in the API's own form
+    upstream_headers: Callable[[web.BaseRequest], dict[str, str]] = no_headers  # the client's, sent on
 
 
 async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api) -> web.StreamResponse:
@@ -104,7 +111,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         record.admitted = asyncio.get_running_loop().time()  # request_timeout counts from here
         api.checks(body, call, route)  # steps 6-7
         await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
-        return await api.forward(request, gw, call, key, route, record, body, headers)
+        return await forward(request, gw, call, key, route, record, body, headers, api)
     except (GatewayError, UpstreamFailure) as err:
         record.fail(err.status, err.code)
         await gw.submit(record)  # the row is on disk before the response ends

@@ -1,0 +1,110 @@
+"""From admission to the response, the same for every API: the upstream (``fallbacks.open_upstream``:
+slots, deadlines, fallbacks), then its refusal passed through (400, 422), its JSON answer, or its
+stream relayed (the API's ``relay``); the upstream connection released or hung up on every way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from ..config import KeyConfig
+from ..errors import UpstreamFailure
+from ..plugins.call import Call
+from ..plugins.manager import plugin_headers, transformed_response
+from .deadlines import DeadlinePassed, watch
+from .fallbacks import open_upstream
+from .gateway import Gateway
+from .request_record import RequestRecord
+from .upstream import Route
+
+PASS_THROUGH_STATUSES = (400, 422)
+
+
+async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyConfig, route: Route,
+                  record: RequestRecord, body: dict, headers: dict, api) -> web.StreamResponse:
+    """Steps past admission for the request's ``api`` (a ``request_path.Api``)."""
+    route, upstream, resp, first, deadline = await open_upstream(gw, call, key, route, record, body,
+                                                                 api.upstream_headers(request))
+    call.upstream = upstream.base_url
+    gw.open_upstreams.add(resp)
+    timer = watch(resp, deadline)
+    try:
+        if gw.hooks.response_headers:
+            headers = {**await plugin_headers(gw.hooks, call), **headers}
+        if resp.status in PASS_THROUGH_STATUSES:
+            return await pass_through(gw, resp, record, headers)
+        if resp.status >= 300:
+            raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{call.endpoint}")
+        if call.stream:
+            if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raise UpstreamFailure(f"{upstream.base_url} did not answer with an event stream",
+                                      code="upstream_bad_response")
+            return await api.relay(request, gw, call, route, record, resp, headers, first)
+        return await json_answer(gw, call, record, resp, headers, api)
+    finally:
+        if timer is not None:
+            timer.cancel()
+        gw.open_upstreams.discard(resp)
+        upstream.release()
+        if resp.content.is_eof():
+            resp.release()  # back to the pool for the next request
+        else:
+            resp.close()  # cut short: hang up so the model server stops generating
+
+
+async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: RequestRecord,
+                       headers: dict) -> web.Response:
+    """Upstream 400/422: the model server rejected the request; same status, same body."""
+    raw = await read_upstream(resp)
+    record.first_byte()
+    record.fail(resp.status, _error_code(raw))
+    if record.tap is not None:
+        record.tap.answer(raw, raw)
+    await gw.submit(record)  # the row is on disk before the response ends
+    return web.Response(status=resp.status, body=raw, headers={
+        **headers, "Content-Type": resp.headers.get("Content-Type", "application/json")})
+
+
+async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aiohttp.ClientResponse,
+                      headers: dict, api) -> web.Response:
+    """A non-streamed answer: what the API reads of it (usage, finish reason), then the plugins'."""
+    raw = await read_upstream(resp)
+    record.first_byte()
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamFailure("the upstream's answer is not JSON", code="upstream_bad_response") from None
+    if not isinstance(answer, dict):
+        raise UpstreamFailure("the upstream's answer is not a JSON object", code="upstream_bad_response")
+    api.read_answer(call, record, answer)
+    out = await transformed_response(gw.hooks, call, answer)
+    if record.tap is not None:
+        record.tap.answer(raw, out)
+    await gw.submit(record)
+    return web.Response(body=out, content_type="application/json", headers=headers)
+
+
+async def read_upstream(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except DeadlinePassed as exc:
+        raise exc.error() from None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise UpstreamFailure(f"the upstream failed while sending its answer: {type(exc).__name__}",
+                              code="upstream_error") from None
+
+
+def _error_code(raw: bytes) -> str:
+    try:
+        error = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "upstream_rejected"
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code:
+        return code
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) and kind else "upstream_rejected"
