@@ -164,9 +164,13 @@ class GatewayCollector:
         yield from families
         credits = self.gw.credits
         m = GaugeMetricFamily("kilnproxy_org_credits_remaining_usd", "Credits left, USD.", labels=("org",))
+        granted = GaugeMetricFamily("kilnproxy_org_credits_granted_usd", "Credits granted to the org (config "
+                                    "and grants), USD.", labels=("org",))
         for org in self.gw.org_limits:
             m.add_metric((org,), credits.remaining(org))
+            granted.add_metric((org,), credits.granted.get(org, 0.0))
         yield m
+        yield granted
 
     def _in_flight(self) -> Iterable[Metric]:
         gw = self.gw
