@@ -400,8 +400,15 @@ def _tracing(r: _Reader) -> TracingConfig:
     service = r.get("service_name", str, d.service_name)
     if not service.strip():
         r.fail(r.key("service_name"), "must not be empty")
+    trace_url = r.get("trace_url", str, None)
+    if trace_url is not None and (urlparse(trace_url).scheme not in ("http", "https") or "{trace_id}" not in trace_url):
+        r.fail(r.key("trace_url"), "must be an http(s) URL with {trace_id} in it, e.g. "
+                                   f"\"https://grafana.example/explore?traceId={{trace_id}}\", got {trace_url!r}")
     tracing = TracingConfig(enabled=r.get("enabled", bool, d.enabled), endpoint=endpoint, headers_env=headers_env,
-                            headers=tuple(headers), sample_ratio=float(ratio), service_name=service)
+                            headers=tuple(headers), sample_ratio=float(ratio), service_name=service,
+                            timeout=float(r.positive("timeout", d.timeout)),
+                            max_queue_size=r.positive("max_queue_size", d.max_queue_size, integer=True),
+                            trace_url=trace_url)
     r.done()
     return tracing
 

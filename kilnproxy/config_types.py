@@ -183,6 +183,9 @@ class TracingConfig:
     headers: tuple[tuple[str, str], ...] = ()  # read from headers_env at load time
     sample_ratio: float = 1.0  # of the traces that start here; a client's sampled flag is followed
     service_name: str = "kilnproxy"
+    timeout: float = 5.0  # seconds one export may take, its retries included
+    max_queue_size: int = 2048  # spans waiting for their export; beyond, the oldest are dropped
+    trace_url: str | None = None  # the inspector links each request to this, "{trace_id}" replaced
 
 
 @dataclass(frozen=True)

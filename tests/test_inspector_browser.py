@@ -9,6 +9,7 @@ import os
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from otlp_receiver import Receiver
 from playwright.async_api import async_playwright
 
 from kilnproxy.testing import UPSTREAM_MODEL
@@ -123,6 +124,24 @@ async def test_filters_reload_the_list_from_the_api(harness):
         await page.locator(f'tr[data-id="{missing}"]').click()
         await page.wait_for_function("document.querySelector('#detail-note').textContent.includes('capture = true')")
         assert await page.is_hidden("#detail-streams")
+        assert await page.is_hidden("#trace-link")  # no [tracing] trace_url
+
+
+async def test_the_detail_links_to_the_requests_trace(harness):
+    receiver = await Receiver().start()
+    tracing = {"enabled": True, "endpoint": receiver.url, "trace_url": "https://traces.example/trace/{trace_id}"}
+    try:
+        async with harness(overrides={"tracing": tracing}) as h, chromium_page() as page:
+            generation = await stream_through(h, "traced")
+            trace_id = h.gw.tracer.link(generation)["trace_id"]
+            await page.goto(f"{h.url}/ui/#/requests/{generation}")
+            await page.wait_for_selector("#trace-link", state="visible")
+            assert await page.get_attribute("#trace-link", "href") == f"https://traces.example/trace/{trace_id}"
+            facts = dict(zip(await page.locator("#detail-facts dt").all_inner_texts(),
+                             await page.locator("#detail-facts dd").all_inner_texts()))
+            assert facts["trace"] == trace_id
+    finally:
+        await receiver.stop()
 
 
 async def test_a_request_in_flight_shows_its_streams_as_they_come(harness):

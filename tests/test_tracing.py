@@ -1,6 +1,10 @@
 """OpenTelemetry traces: spans sent over OTLP/HTTP to a real receiver, the client's traceparent
 continued and passed on to the upstream."""
 
+import asyncio
+import logging
+import re
+
 import pytest
 from otlp_receiver import Receiver
 
@@ -112,3 +116,60 @@ async def test_a_stream_the_client_leaves_ends_its_spans_with_the_disconnect(har
     root = receiver.named(f"text_completion {MODEL}")[0]
     assert root["attributes"]["kilnproxy.disconnected"] is True
     assert receiver.named("kilnproxy.stream")[0]["attributes"] == {"kilnproxy.disconnected": True}
+
+
+async def test_an_unreachable_endpoint_costs_requests_nothing_and_is_said_once_a_minute(harness, caplog, eventually):
+    dead = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens: every export is refused
+    tracing = {"enabled": True, "endpoint": dead, "timeout": 2, "max_queue_size": 40}
+    caplog.set_level(logging.INFO)
+    async with harness(overrides={"tracing": tracing}) as h:
+        tracer = h.gw.tracer
+        assert tracer.processor._batch_processor._queue.maxlen == 40  # the SDK's queue: memory bounded
+        for _ in range(15):  # 15 x 8 requests of 4 spans each: far more than the queue holds
+            answers = await asyncio.gather(*(h.post("/v1/completions", json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2}) for _ in range(8)))
+            assert [r.status for r in answers] == [200] * 8
+            assert tracer.processor.queued() <= 40
+        await eventually(lambda: tracer.exporter.failed_exports >= 2)  # two batches refused, at least
+        async with h.session.get(f"{h.url}/metrics") as r:
+            exposed = await r.text()
+        assert "kilnproxy_trace_spans_exported_total 0.0" in exposed
+        dropped = float(re.search(r"^kilnproxy_trace_spans_dropped_total (\S+)$", exposed, re.M)[1])
+        assert 0 < dropped <= tracer.exporter.dropped
+        rows = await h.rows()
+    assert len(rows) == 120 and all(r["status"] == 200 for r in rows)
+    assert max(r["duration_ms"] for r in rows) < 2000  # no request waited for an export (timeout: 2 s)
+    assert tracer.exporter.exported == 0 and tracer.exporter.dropped >= 40
+    lines = [r.getMessage() for r in caplog.records if "span(s) dropped" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert dead in lines[0] and "at most once a minute" in lines[0]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")] == []
+
+
+async def test_the_inspector_links_a_request_to_its_trace(harness, receiver):
+    url = "https://grafana.example/explore?left={\"queries\":[{\"query\":\"{trace_id}\"}]}"
+    async with harness(overrides=traced(receiver, trace_url=url)) as h:
+        resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                            headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
+        generation = resp.headers["X-Neocloud-Generation-Id"]
+        async with h.session.get(f"{h.url}/ui/api/requests/{generation}") as r:
+            detail = await r.json()
+        # not sampled by the client: no trace to link to
+        resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                            headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-00"})
+        async with h.session.get(f"{h.url}/ui/api/requests/{resp.headers['X-Neocloud-Generation-Id']}") as r:
+            unsampled = await r.json()
+        row_columns = set((await h.rows())[0])
+    assert detail["trace"] == {"trace_id": TRACE_ID,
+                               "url": url.replace("{trace_id}", TRACE_ID)}
+    assert detail["row"]["id"] == generation and unsampled["trace"] is None
+    assert "trace_id" not in row_columns  # the usage table is unchanged
+    assert receiver.named(f"text_completion {MODEL}")[0]["trace_id"] == TRACE_ID
+
+
+async def test_without_a_trace_url_there_is_no_link(harness, receiver):
+    async with harness(overrides=traced(receiver)) as h:
+        resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        async with h.session.get(f"{h.url}/ui/api/requests/{resp.headers['X-Neocloud-Generation-Id']}") as r:
+            assert (await r.json())["trace"] is None
+        assert h.gw.tracer.trace_ids is None  # nothing is kept per request

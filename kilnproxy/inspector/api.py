@@ -139,8 +139,10 @@ class InspectorAPI:
         tap = capture.get(generation_id) if capture is not None else None
         if row is None and tap is None:
             raise GatewayError(404, "not_found", f"No request {generation_id!r} in the ledger.")
+        tracer = self.gateway.tracer  # [tracing] on: ``link`` is the request's trace, with trace_url set
         return _json({"id": generation_id, "row": row, "in_flight": row is None,
-                      "capture": describe(tap, row) if tap is not None else None})
+                      "capture": describe(tap, row) if tap is not None else None,
+                      "trace": tracer.link(generation_id) if tracer is not None else None})
 
     async def fixture(self, request: web.Request) -> web.Response:
         """The capture's exchange with the upstream as a fixture file (docs/fixtures.md), to download."""

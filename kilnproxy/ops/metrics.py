@@ -253,6 +253,12 @@ class GatewayCollector:
                                 "When the config in force was loaded (Unix time).", value=self.reloads.last_ok)
         yield GaugeMetricFamily("kilnproxy_maintenance", "1 while maintenance mode is on.",
                                 value=int(self.gw.config.maintenance.enabled))
+        exporter = getattr(self.gw.tracer, "exporter", None)  # [tracing] on (kilnproxy.ops.trace_export)
+        if exporter is not None:
+            yield CounterMetricFamily("kilnproxy_trace_spans_exported", "Spans sent to the OTLP endpoint.",
+                                      value=exporter.exported)
+            yield CounterMetricFamily("kilnproxy_trace_spans_dropped", "Spans dropped: the OTLP endpoint did not "
+                                      "take them, or the queue to it was full.", value=exporter.dropped)
 
 
 def _counts(inflight) -> dict[str, int]:

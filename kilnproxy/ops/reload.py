@@ -37,7 +37,7 @@ log = logging.getLogger("kilnproxy")
 
 RESTART_ONLY_SERVER = ("host", "port", "upstream_connect_timeout", "upstream_idle_timeout",
                        "upstream_keepalive_timeout")
-RESTART_ONLY = ("storage", "metrics", "plugins")
+RESTART_ONLY = ("storage", "metrics", "plugins", "tracing")
 
 
 class Reloader:

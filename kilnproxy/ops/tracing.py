@@ -30,12 +30,23 @@ semantic conventions (``gen_ai.operation.name``, ``gen_ai.request.model``,
 Time to first token is the event ``gen_ai.first_token`` on the request span.
 Spans are ended and handed to the exporter as soon as their part ends, so
 nothing of a stream's spans outlives the stream.
+
+Spans wait for their export in a queue of at most ``max_queue_size`` and are
+sent from the SDK's own thread; an endpoint that is away costs requests
+nothing, its spans are dropped and said so once a minute
+(``kilnproxy.ops.trace_export``).
+
+With ``trace_url`` set, the trace id of each sampled request is kept for the
+last ``KEEP_LINKS`` requests (``Tracing.link``): the inspector's detail of a
+request links to its trace. The usage table is not changed, so a request
+another replica served has no link on this one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 
 from aiohttp import web
 
@@ -43,6 +54,8 @@ from ..config_types import TracingConfig
 from ..proxy.gateway import GATEWAY
 
 log = logging.getLogger("kilnproxy")
+
+KEEP_LINKS = 10_000  # requests whose trace id is kept for the inspector's link (about 1 MB)
 
 # gen_ai.operation.name of each endpoint (the GenAI semantic conventions' names)
 OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings",
@@ -71,28 +84,46 @@ class Tracing:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}),
                                        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+        from .trace_export import BoundedProcessor, QuietExporter, silence_sdk
+
         if exporter is None:
-            exporter = OTLPSpanExporter(endpoint=config.endpoint, headers=dict(config.headers), timeout=5)
-        self.provider.add_span_processor(BatchSpanProcessor(exporter))
+            exporter = OTLPSpanExporter(endpoint=config.endpoint, headers=dict(config.headers),
+                                        timeout=config.timeout)
+        silence_sdk()
+        self.timeout = config.timeout
+        self.exporter = QuietExporter(exporter, config.endpoint)
+        self.processor = BoundedProcessor(self.exporter, config.max_queue_size)
+        self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("kilnproxy")
         self.propagator = TraceContextTextMapPropagator()
         self.kinds = SpanKind
         self.in_context = set_span_in_context
         self.error = lambda code: Status(StatusCode.ERROR, code)
+        self.trace_url = config.trace_url
+        self.trace_ids: OrderedDict[str, str] | None = OrderedDict() if config.trace_url else None
 
     def begin(self, headers, endpoint: str, call) -> "RequestTrace":
         """The request's span, a child of the client's ``traceparent`` when it sent a valid one."""
         return RequestTrace(self, self.propagator.extract(headers), endpoint, call)
 
+    def link(self, generation_id: str) -> dict | None:
+        """``{"trace_id", "url"}`` of a request this process traced (``trace_url`` set, sampled, among
+        the last ``KEEP_LINKS``); the template's ``{trace_id}`` replaced as plain text."""
+        trace_id = self.trace_ids.get(generation_id) if self.trace_ids is not None else None
+        if trace_id is None:
+            return None
+        return {"trace_id": trace_id, "url": self.trace_url.replace("{trace_id}", trace_id)}
+
     def close(self) -> None:
-        """Send what is still queued (a few seconds at most), then stop the exporter's thread."""
+        """Send what is still queued (``timeout`` and one export at most: an endpoint that is away does
+        not hold the shutdown up), then stop the exporter's thread."""
+        self.processor.shutdown(timeout_millis=self.timeout * 1000)
         self.provider.shutdown()
 
 
@@ -110,6 +141,17 @@ class RequestTrace:
         self.context = tracing.in_context(self.span)
         self._attempt = None
         self._stream = None
+        ids = tracing.trace_ids
+        if ids is not None and (trace_id := self.trace_id) is not None:
+            ids[call.generation_id] = trace_id
+            if len(ids) > KEEP_LINKS:
+                ids.popitem(last=False)
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace's id in hex, when this request's spans are sampled (sent); else ``None``."""
+        context = self.span.get_span_context()
+        return format(context.trace_id, "032x") if context.trace_flags.sampled else None
 
     def child(self, name: str, kind=None, attributes=None):
         return self.tracing.tracer.start_span(name, context=self.context, kind=kind or self.tracing.kinds.INTERNAL,

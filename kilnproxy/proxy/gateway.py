@@ -61,7 +61,8 @@ class Gateway:
         # Upstream responses being relayed, so a shutdown can end them (kilnproxy.ops.lifecycle).
         self.open_upstreams: set[aiohttp.ClientResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
-        self.tracer = None  # kilnproxy.ops.tracing's Tracing when [tracing] is on: ``begin`` a request's trace
+        self.tracer = None  # kilnproxy.ops.tracing's Tracing when [tracing] is on: ``begin`` a request's trace,
+        # ``link(generation_id)`` its trace id and URL for the inspector (or None)
         self.draining = False  # set by a graceful shutdown (kilnproxy.ops.lifecycle): /healthz?ready is 503
         self.commit_listeners: list = []  # called with each committed batch; must not block or raise
         self.fallback_counts: dict[tuple[str, str], int] = {}  # (requested model, fallback) -> requests sent

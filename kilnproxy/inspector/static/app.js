@@ -167,7 +167,11 @@ async function showDetail(id) {
   } else facts.push(fact("state", "in flight"));
   if (cap) facts.push(fact("tokens / s", timing.tokens_per_second ? timing.tokens_per_second.toFixed(1) : "–"),
     fact("captured", `${(cap.bytes / 1024).toFixed(1)} KiB${cap.truncated ? " (truncated)" : ""}`));
+  if (detail.trace) facts.push(fact("trace", detail.trace.trace_id));
   $("detail-facts").replaceChildren(...facts);
+  const traceLink = $("trace-link");  // [tracing] trace_url: the request's trace in the tracing backend
+  traceLink.hidden = !detail.trace;
+  if (detail.trace) traceLink.href = detail.trace.url;
 
   const note = $("detail-note");
   note.textContent = !cap ? (state.meta && state.meta.capture
