@@ -45,7 +45,7 @@ class Opened(NamedTuple):
 
 
 async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, record: RequestRecord,
-                        body: dict, headers: dict[str, str] | None = None) -> Opened:
+                        body: dict, headers: dict[str, str] | None = None, hold_of=Hold) -> Opened:
     """The first model of the chain that takes the request, with its upstream's response.
     Raises what the last model tried answered (``GatewayError`` or ``UpstreamFailure``)."""
     chain = [route] + [gw.routes.get(f) for f in route.model.fallbacks]
@@ -53,7 +53,7 @@ async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, r
     for i, model in enumerate(chain):
         last = i == len(chain) - 1
         if i > 0:
-            if model is None or not await _switch_to(gw, call, key, record, model, body):
+            if model is None or not await _switch_to(gw, call, key, record, model, body, hold_of):
                 continue
             key_pair = (route.id, model.id)
             gw.fallback_counts[key_pair] = gw.fallback_counts.get(key_pair, 0) + 1
@@ -106,7 +106,7 @@ def _any_left(gw: Gateway, call: Call, key: KeyConfig, rest: list[Route | None])
 
 
 async def _switch_to(gw: Gateway, call: Call, key: KeyConfig, record: RequestRecord, route: Route,
-                     body: dict) -> bool:
+                     body: dict, hold_of) -> bool:
     """Make ``route`` the request's model, its hold re-placed at its prices; False: skip it."""
     if not _usable(route, key, call.endpoint):
         return False
@@ -115,7 +115,7 @@ async def _switch_to(gw: Gateway, call: Call, key: KeyConfig, record: RequestRec
     old = record.hold
     rehold = getattr(gw.admission, "rehold", None)
     if old is not None and rehold is not None:
-        new = Hold(call, record.created_at, body, route.model.context_window)
+        new = hold_of(call, record.created_at, body, route.model.context_window)  # the API's own hold
         new.key_limit, new.key_since, new.per_minute = old.key_limit, old.key_since, old.per_minute
         try:
             await rehold(old, new)

@@ -28,7 +28,7 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyCon
                   record: RequestRecord, body: dict, headers: dict, api) -> web.StreamResponse:
     """Steps past admission for the request's ``api`` (a ``request_path.Api``)."""
     route, upstream, resp, first, deadline = await open_upstream(gw, call, key, route, record, body,
-                                                                 api.upstream_headers(request))
+                                                                 api.upstream_headers(request), api.hold)
     call.upstream = upstream.base_url
     gw.open_upstreams.add(resp)
     timer = watch(resp, deadline)
