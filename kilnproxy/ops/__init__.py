@@ -6,7 +6,8 @@
 * ``reload``: the config re-read without a restart (SIGHUP, ``POST /admin/reload``);
 * ``health``: active checks of the upstreams;
 * ``lifecycle``: signals, the drain and graceful shutdown;
-* ``tracing``: OpenTelemetry spans of the metered requests (``[tracing]``, handed in as ``Gateway.tracer``).
+* ``tracing``: OpenTelemetry spans of the metered requests (``[tracing]``, handed in as ``Gateway.tracer``);
+* ``trace_export``: their export, a queue of bounded size, and spans dropped said once a minute.
 
 May import: ``proxy`` and everything below it; not the inspector, the web app or the CLI.
 """
