@@ -1,15 +1,18 @@
-"""Load generators: wrk for M1-M3 and M6, the aiohttp clients of ``clients.py`` for M4 and M5."""
+"""Load generators: wrk for M1-M3, M6 and M8, the aiohttp clients of ``clients.py`` for M4, M5 and M7."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Self
 
 HERE = Path(__file__).resolve().parent
 LUA = HERE / "post.lua"
@@ -107,3 +110,46 @@ def post(url: str, body: bytes = b"{}", key: str = "") -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=body, headers=headers, method="POST")
     with urllib.request.urlopen(req, timeout=30) as resp:
         return resp.status, resp.read()
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+class MetricsPeaks:
+    """Polls a gateway's ``/metrics`` in a thread while a load runs; ``peaks`` holds the highest value
+    seen of each gauge ``name`` (its series whose labels contain ``match``).
+
+        with MetricsPeaks(url, ("kilnproxy_upstream_queued_requests",), "127.0.0.1:9000") as m:
+            ...  # the load
+        m.peaks  # {"kilnproxy_upstream_queued_requests": 60.0}
+    """
+
+    def __init__(self, base_url: str, names: tuple[str, ...], match: str, every: float = 0.1):
+        self.url, self.every = f"{base_url}/metrics", every
+        self.lines = {name: re.compile(rf"^{name}{{[^}}]*{re.escape(match)}[^}}]*}} (\S+)$", re.MULTILINE) for name in names}
+        self.peaks = {name: 0.0 for name in names}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                continue
+            self.samples += 1
+            for name, pattern in self.lines.items():
+                for value in pattern.findall(text):
+                    self.peaks[name] = max(self.peaks[name], float(value))

@@ -1,19 +1,35 @@
-"""M1-M6: each runs its targets in rounds, the order rotated every round (A B C, B C A, ...)."""
+"""M1-M8: each runs its targets in rounds, the order rotated every round (A B C, B C A, ...)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
 from pathlib import Path
 from statistics import median
 
-from loads import LoadError, hold_streams, post, stream_latency, wrk
+from loads import (
+    LoadError,
+    MetricsPeaks,
+    get_json,
+    hold_streams,
+    post,
+    stream_latency,
+    wrk,
+)
 from peers import PORTKEY, litellm_headers, portkey_headers
 from procs import free_port, peak_rss_kib
 from report import ratio, spread, table
-from upstreams import CHUNKS, request_body
+from upstreams import (
+    CHUNKS,
+    EMBEDDING_DIMENSIONS,
+    RESPONSES_EVENTS,
+    embeddings_body,
+    request_body,
+    responses_body,
+)
 
 HERE = Path(__file__).resolve().parent
 GW, PT, UP = "kilnproxy", "pass-through", "upstream"
@@ -22,6 +38,13 @@ GW_EVENT = "kilnproxy, no-op transform_event plugin"
 NO_LEDGER = "kilnproxy, usage accounting off"
 PER_MINUTE = "kilnproxy, per-minute limits on"  # requests and tokens per minute on the org, never reached
 PEER_STREAMS = 2000  # M5: streams a peer holds open
+SLOTS, QUEUE_CLIENTS, QUEUE_STREAMS = 4, 64, 128  # M7: an upstream's slots; clients at once; streams a round
+QUEUED = f"kilnproxy, {SLOTS} slots, {QUEUE_CLIENTS} clients"
+UNQUEUED = f"kilnproxy, no cap, {SLOTS} clients"
+GW_JSON = "kilnproxy, /v1/completions (M2's)"
+PT_JSON = "pass-through, /v1/completions"
+GW_COMPLETIONS = "kilnproxy, /v1/completions stream (M3's)"
+PT_COMPLETIONS = "pass-through, /v1/completions stream"
 VARIANTS = ("kilnproxy, every feature on", "usage accounting off", "no-op plugin, per-request hooks",
             "no-op plugin, every hook")
 
@@ -60,20 +83,29 @@ class Bench:
                 out[name].append(run(targets[name]))
         return out
 
-    def wrk_rounds(self, targets: dict, body: bytes, connections: int) -> dict[str, list]:
-        """``targets``: name -> URL, or (URL, headers)."""
-        def run(target):
+    def wrk_rounds(self, targets: dict, body: bytes, connections: int,
+                   bodies: dict[str, bytes] | None = None) -> dict[str, list]:
+        """``targets``: name -> URL, or (URL, headers); ``bodies``: name -> a body of its own."""
+        bodies = bodies or {}
+        named = {name: (name, target) for name, target in targets.items()}
+
+        def split(item):
+            name, target = item
             url, headers = target if isinstance(target, tuple) else (target, None)
-            summary = wrk(url, body, self.key, connections, self.args.seconds,
+            return url, headers, bodies.get(name, body)
+
+        def run(item):
+            url, headers, sent = split(item)
+            summary = wrk(url, sent, self.key, connections, self.args.seconds,
                           self.pids["/".join(url.split("/")[:3])], headers)
             if summary["errors"]:
                 raise LoadError(f"{url}: {summary['errors']} failed requests in {summary}")
             return summary
 
-        def warm(target):
-            url, headers = target if isinstance(target, tuple) else (target, None)
-            wrk(url, body, self.key, connections, 1, headers=headers)
-        return self.rounds(targets, run, warm=warm)
+        def warm(item):
+            url, headers, sent = split(item)
+            wrk(url, sent, self.key, connections, 1, headers=headers)
+        return self.rounds(named, run, warm=warm)
 
     @property
     def gw_no_ledger(self) -> str:
@@ -109,6 +141,25 @@ class Bench:
         status, raw = post(f"{self.gw}/v1/completions", request_body(False), self.key)
         if status != 200 or b'"cost"' not in raw:
             raise LoadError(f"the gateway's JSON answer is wrong: {status} {raw!r}")
+        self.check_apis()
+
+    def check_apis(self) -> None:
+        """M8's answers: the embeddings JSON and the Responses stream, through the gateway and the pass-through."""
+        for url in (f"{self.gw}/v1/embeddings", f"{self.pt_nginx}/json/v1/embeddings"):
+            status, raw = post(url, embeddings_body(), self.key)
+            answer = json.loads(raw) if status == 200 else {}
+            if len(answer.get("data", [{}])[0].get("embedding", ())) != EMBEDDING_DIMENSIONS:
+                raise LoadError(f"{url}: a wrong embeddings answer: {status} {raw[:300]!r}")
+            if url.startswith(self.gw) and ("cost" not in answer["usage"] or answer["model"] != "bench-embed"):
+                raise LoadError(f"{url}: no cost or the wrong model in the embeddings answer: {answer['usage']}")
+        for url in (f"{self.gw}/v1/responses", f"{self.pt_nginx}/sse/v1/responses"):
+            status, raw = post(url, responses_body(), self.key)
+            frames = [f for f in raw.split(b"\n\n") if f]
+            if (status != 200 or len(frames) != RESPONSES_EVENTS or not all(f.startswith(b"event: ") for f in frames)
+                    or b"[DONE]" in raw or not frames[-1].startswith(b"event: response.completed\n")):
+                raise LoadError(f"{url}: a wrong Responses stream: {status} {len(frames)} frames, {raw[-300:]!r}")
+            if url.startswith(self.gw) and (b'"cost"' not in frames[-1] or b'"model":"bench-responses"' not in frames[0]):
+                raise LoadError(f"{url}: no cost or the wrong model in the Responses stream: {frames[-1][-300:]!r}")
 
     def m1(self) -> None:
         targets = {UP: f"{self.nginx}/json/v1/completions", PT: f"{self.pt_nginx}/json/v1/completions",
@@ -134,21 +185,27 @@ class Bench:
             "in the background, never inside that commit).")
         self.goal("M1", "p50 added over pass-through ≤ 0.1 ms", spread(added, "{:.3f} ms"), median(added) <= 0.1)
         self.goal("M1", "p99 ≤ 2× the pass-through's p99", spread(p99_ratio, "{:.2f}×"), median(p99_ratio) <= 2)
+        limits = [m - g for m, g in zip(p50[PER_MINUTE], p50[GW])]
+        self.goal("M1", "per-minute limits on: p50 within noise of kilnproxy without (difference)",
+                  spread(limits, "{:+.3f} ms"), None)
 
-    def throughput_table(self, res: dict, per: int, unit: str) -> tuple[list[list[str]], list[float], list[float]]:
+    def throughput_table(self, res: dict, per: int, unit: str, base: dict[str, str] | None = None,
+                         gw: str = GW, pt: str = PT) -> tuple[list[list[str]], list[float], list[float]]:
         """Rows of requests (or chunks) per second, measured and per full core (1 / CPU time per
         request): on a shared machine the gateway's core is not all ours, so the CPU time is the
-        steadier figure. Returns the rows and the per-round shares of the pass-through, both ways."""
+        steadier figure. ``base``: the baseline of each row (default: the pass-through; none for the
+        upstream). Returns the rows and the per-round shares of ``gw`` to ``pt``, both ways."""
+        base = base or {k: PT for k in res if k not in (UP, PT)}
         rate = {k: [s["rps"] * per for s in v] for k, v in res.items()}
         cpu = {k: [s["cpu_us"] for s in v] for k, v in res.items()}
         core = {k: [per * 1e6 / c for c in v] for k, v in cpu.items()}
-        rows = [[k, spread(rate[k]), ratio(rate[k], rate[PT]) if k != UP else "",
+        rows = [[k, spread(rate[k]), ratio(rate[k], rate[base[k]]) if k in base else "",
                  spread([s["cpu_share"] * 100 for s in res[k]], "{:.0f}%"), spread(cpu[k], "{:.0f}"),
-                 spread(core[k]), ratio(core[k], core[PT]) if k != UP else ""] for k in res]
+                 spread(core[k]), ratio(core[k], core[base[k]]) if k in base else ""] for k in res]
         header = ["", f"{unit}/s", "% of pass-through", "CPU used", f"CPU µs per {'request' if per == 1 else 'stream'}",
                   f"{unit}/s per full core", "% of pass-through, per core"]
-        measured = [g / p * 100 for g, p in zip(rate[GW], rate[PT])]
-        by_core = [g / p * 100 for g, p in zip(core[GW], core[PT])]
+        measured = [g / p * 100 for g, p in zip(rate[gw], rate[pt])]
+        by_core = [g / p * 100 for g, p in zip(core[gw], core[pt])]
         return [header] + rows, measured, by_core
 
     def m2(self) -> None:
@@ -162,6 +219,9 @@ class Bench:
                              "rate, a lower bound. *per full core*: 1 s / CPU time per request of that process.")
         self.goal("M2", "≥ 100% of pass-through requests/s (per full core; measured)",
                   f"{spread(by_core, '{:.0f}%')}; {spread(measured, '{:.0f}%')}", median(by_core) >= 100)
+        limits = [g["cpu_us"] / m["cpu_us"] * 100 for g, m in zip(res[GW], res[PER_MINUTE])]
+        self.goal("M2", "per-minute limits on: requests/s per core within noise of kilnproxy without",
+                  spread(limits, "{:.0f}%"), None)
 
     def m3(self) -> None:
         body = request_body(True, model="bench-stream")
@@ -261,6 +321,127 @@ class Bench:
         self.goal("M6", "no-op per-request hooks, price in M2 (hooks nobody implements are never called)",
                   spread(hooks, "{:.1f}%"), None)
 
+    def m7(self) -> None:
+        """Issue 20's shape: 64 clients on an upstream with 4 slots, M4's streams (64 chunks at 5 ms from
+        the mock upstream). The time a request waits for a slot is its extra time to first byte over the
+        same streams unqueued (4 clients, the upstream as busy: 4 at once), round by round."""
+        mocks = {}
+        for name in ("slots", "free"):
+            port = free_port()
+            self.procs.start(f"mock-{name}", [sys.executable, "-m", "kilnproxy", "mock-upstream", "--port", str(port),
+                                              "--delay", "0.005"], port=port)
+            mocks[name] = f"http://127.0.0.1:{port}"
+        gw = self.gateway("kilnproxy-slots", extra={
+            "bench-slots": {"url": f"{mocks['slots']}/v1", "max_in_flight": SLOTS, "queue_timeout": 600},
+            "bench-free": f"{mocks['free']}/v1"})
+        targets = {QUEUED: ("bench-slots", QUEUE_STREAMS, QUEUE_CLIENTS),
+                   UNQUEUED: ("bench-free", QUEUE_STREAMS // 4, SLOTS)}
+        peaks = {}
+
+        def latency(target, warm=False):
+            model, n, clients = target
+            body = request_body(True, model=model)
+            url = f"{gw}/v1/completions"
+            if warm or model != "bench-slots":
+                return stream_latency(url, body, self.key, clients if warm else n, clients)
+            with MetricsPeaks(gw, ("kilnproxy_upstream_queued_requests", "kilnproxy_upstream_slots_busy"),
+                              mocks["slots"].split("//")[1]) as sampled:
+                out = stream_latency(url, body, self.key, n, clients)
+            for name, value in sampled.peaks.items():
+                peaks[name] = max(peaks.get(name, 0), value)
+            return out
+        res = self.rounds(targets, latency, warm=lambda t: latency(t, warm=True))
+        max_active = {name: get_json(f"{url}/mock/stats")["max_active"] for name, url in mocks.items()}
+        base = [median(r["ttfb_ms"]) for r in res[UNQUEUED]]
+        waits = [[t - b for t in r["ttfb_ms"]] for r, b in zip(res[QUEUED], base)]  # per round
+        q50 = [percentile(w, 50) for w in waits]
+        q99 = [percentile(w, 99) for w in waits]
+
+        expected = [(QUEUE_CLIENTS - SLOTS) / SLOTS * percentile(r["total_ms"], 50) for r in res[UNQUEUED]]
+        rate = {k: [len(r["ttfb_ms"]) / r["wall_ms"] * 1000 for r in v] for k, v in res.items()}
+        use = [q / u * 100 for q, u in zip(rate[QUEUED], rate[UNQUEUED])]
+
+        def row(name, at_upstream):
+            r = res[name]
+            cells = [name, spread([percentile(x["ttfb_ms"], 50) for x in r], "{:.1f}"),
+                     spread([percentile(x["ttfb_ms"], 99) for x in r], "{:.1f}"),
+                     spread([percentile(x["total_ms"], 50) for x in r], "{:.1f}"), spread(rate[name], "{:.2f}")]
+            if name == QUEUED:
+                cells += [spread(use, "{:.0f}%"), spread(q50, "{:.0f}"), spread(q99, "{:.0f}")]
+            else:
+                cells += ["", "", ""]
+            return cells + [str(at_upstream)]
+        rows = [row(QUEUED, max_active["slots"]), row(UNQUEUED, max_active["free"])]
+        queued, busy = peaks.get("kilnproxy_upstream_queued_requests", 0), peaks.get("kilnproxy_upstream_slots_busy", 0)
+        self.sections.append(
+            f"## M7 upstream slots: {QUEUE_CLIENTS} clients, an upstream with max_in_flight = {SLOTS} "
+            f"({QUEUE_STREAMS} streams a round, {CHUNKS} chunks at 5 ms, the mock upstream)\n\n" + table(
+                ["", "time to first byte p50 ms", "TTFB p99 ms", "total p50 ms", "streams/s",
+                 "streams/s, % of unqueued", "time in queue p50 ms", "time in queue p99 ms",
+                 "most at the upstream at once"], rows)
+            + f"\n\n*time in queue*: a stream's time to first byte minus the median of *{UNQUEUED}* in the "
+            f"same round (the same streams with the upstream as busy, {SLOTS} at once, and no wait), from an "
+            f"aiohttp client; `queue_timeout = 600`. *most at the upstream at once*: the mock's `/mock/stats` "
+            f"`max_active` over the whole measurement, warm-up included. *streams/s*: streams a round / "
+            f"the round's time; with the upstream {SLOTS} at once in both, the queued run's share of the "
+            f"unqueued one is how well freed slots are handed on (the first and last streams of a round "
+            f"run with fewer than {SLOTS} in flight in both). The gateway's `/metrics`, polled "
+            f"every 0.1 s: at most {queued:.0f} requests queued and {busy:.0f} slots busy. In a closed loop each "
+            f"request, once the first {QUEUE_CLIENTS} have started, waits for the {QUEUE_CLIENTS - SLOTS} ahead of "
+            f"it: ({QUEUE_CLIENTS} − {SLOTS}) / {SLOTS} × the stream's total time (unqueued, p50) = "
+            f"{spread(expected, '{:.0f}')} ms; the first {QUEUE_CLIENTS} of a round wait from 0 to that.")
+        self.goal("M7", f"{QUEUE_CLIENTS} clients on {SLOTS} slots: time in queue p50; p99",
+                  f"{spread(q50, '{:.0f} ms')}; {spread(q99, '{:.0f} ms')}", None)
+        self.goal("M7", f"{QUEUE_CLIENTS} clients on {SLOTS} slots: streams/s, % of the unqueued run's",
+                  spread(use, "{:.0f}%"), None)
+        self.goal("M7", f"the upstream never above {SLOTS} at once", f"{max_active['slots']} at most",
+                  max_active["slots"] <= SLOTS and busy <= SLOTS)
+
+    def m8(self) -> None:
+        """Issue 23's endpoints: /v1/embeddings in M2's shape, the Responses API stream in M3's, the latter
+        beside the completions relay of the same run."""
+        emb = {UP: f"{self.nginx}/json/v1/embeddings", PT: f"{self.pt_nginx}/json/v1/embeddings",
+               GW: f"{self.gw}/v1/embeddings", PT_JSON: f"{self.pt_nginx}/json/v1/completions",
+               GW_JSON: f"{self.gw}/v1/completions"}
+        completion = request_body(False)
+        res = self.wrk_rounds(emb, embeddings_body(), 64, bodies={PT_JSON: completion, GW_JSON: completion})
+        rows, measured, by_core = self.throughput_table(res, 1, "requests", base={GW: PT, GW_JSON: PT_JSON})
+        rows[0][2:] = ["% of its pass-through", *rows[0][3:6], "% of its pass-through, per core"]
+        cpu = {k: [s["cpu_us"] for s in v] for k, v in res.items()}
+        extra = [(e - pe) - (c - pc) for e, pe, c, pc in zip(cpu[GW], cpu[PT], cpu[GW_JSON], cpu[PT_JSON])]
+        self.sections.append("## M8a embeddings, non-streamed, 64 in flight (wrk -c64)\n\n"
+                             + table(rows[0], rows[1:])
+                             + f"\n\nOne input, one {EMBEDDING_DIMENSIONS}-float vector back (16 KB of JSON, "
+                             "vLLM's shape), nginx's canned answer; the completions rows are M2's, in the same "
+                             "run. What kilnproxy adds to an embeddings request (CPU over its pass-through) "
+                             "minus what it adds to a completion: "
+                             f"{spread(extra, '{:+.0f}')} µs.")
+        self.goal("M8", "embeddings: requests/s, % of the pass-through's (per full core; measured)",
+                  f"{spread(by_core, '{:.0f}%')}; {spread(measured, '{:.0f}%')}", None)
+        streams = {UP: f"{self.nginx}/sse/v1/responses", PT: f"{self.pt_nginx}/sse/v1/responses",
+                   GW: f"{self.gw}/v1/responses", PT_COMPLETIONS: f"{self.pt_nginx}/sse/v1/completions",
+                   GW_COMPLETIONS: f"{self.gw}/v1/completions"}
+        completions = request_body(True, model="bench-stream")
+        res = self.wrk_rounds(streams, responses_body(), 32,
+                              bodies={PT_COMPLETIONS: completions, GW_COMPLETIONS: completions})
+        rows, measured, by_core = self.throughput_table(res, CHUNKS, "chunks",
+                                                        base={GW: PT, GW_COMPLETIONS: PT_COMPLETIONS})
+        rows[0][2:] = ["% of its pass-through", *rows[0][3:6], "% of its pass-through, per core"]
+        core = {k: [CHUNKS * 1e6 / s["cpu_us"] for s in v] for k, v in res.items()}
+        relay = [r / c * 100 for r, c in zip(core[GW], core[GW_COMPLETIONS])]
+        relay_measured = [r["rps"] / c["rps"] * 100 for r, c in zip(res[GW], res[GW_COMPLETIONS])]
+        self.sections.append(f"## M8b the Responses API stream, {CHUNKS} text deltas, 32 in flight (wrk -c32)\n\n"
+                             + table(rows[0], rows[1:])
+                             + f"\n\nA Responses stream: {RESPONSES_EVENTS} `event:` + `data:` pairs "
+                             f"(`response.created` ... {CHUNKS} `response.output_text.delta` ... "
+                             "`response.completed` with the usage), no `[DONE]`, 16 KB; the completions "
+                             "stream is M3's (13 KB). *chunks*: the text deltas, 64 a stream in both. "
+                             "The Responses stream through kilnproxy per core, as a share of the completions "
+                             f"relay's in the same run: {spread(relay, '{:.0f}%')} (measured: "
+                             f"{spread(relay_measured, '{:.0f}%')}).")
+        self.goal("M8", "Responses stream ≥ 80% of the completions relay's chunks/s (per full core; measured)",
+                  f"{spread(relay, '{:.0f}%')}; {spread(relay_measured, '{:.0f}%')}", median(relay) >= 80)
+
     def m5(self) -> None:
         # Each stream holds two sockets in the process under test (client side, upstream side).
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -329,3 +510,9 @@ class Bench:
     def _load_cpu(self) -> str:
         import os
         return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]

@@ -3,7 +3,7 @@
 Starts, on 127.0.0.1 only, nginx with canned answers, the mock upstream, a
 slow upstream, the pass-through of ``passthrough.py``, kilnproxy with every
 feature on (auth, in-flight limit, SQLite usage ledger, cost) and the peers of
-``peers.py`` that can be installed (Portkey, LiteLLM), runs M1-M6 alternating
+``peers.py`` that can be installed (Portkey, LiteLLM), runs M1-M8 alternating
 the targets round by round, prints the tables and writes them to a file of the
 run's own: ``bench/results/<date>-<time>.md`` for a full run,
 ``bench/results/partial/<date>-<time>-<measures>.md`` for a partial one (which
@@ -35,23 +35,37 @@ from upstreams import UPSTREAM_MODEL, request_body, write_nginx_files
 from kilnproxy.testing.postgres import PostgresServer
 
 HERE = Path(__file__).resolve().parent
-ALL = ("M1", "M2", "M3", "M4", "M5", "M6", "PG")
+ALL = ("M1", "M2", "M3", "M4", "M5", "M6", "M7", "M8", "PG")
 PY = sys.executable
 KEY = "sk-bench"
 
 
-def gateway_config(path: Path, db: Path, port: int, upstreams: dict[str, str], plugin: str | None = None,
+def model_lines(spec: str | dict) -> str:
+    """A model's upstream and extra lines: ``spec`` is the upstream's base URL, or a dict with ``url``,
+    ``max_in_flight`` (an upstream with slots), ``queue_timeout`` and ``endpoints`` (the APIs it answers)."""
+    if isinstance(spec, str):
+        return f'upstreams = ["{spec}"]'
+    slots = f", max_in_flight = {spec['max_in_flight']}" if "max_in_flight" in spec else ""
+    lines = [f'upstreams = [{{url = "{spec["url"]}"{slots}}}]']
+    if "queue_timeout" in spec:
+        lines.append(f"queue_timeout = {spec['queue_timeout']}")
+    if "endpoints" in spec:
+        lines.append("endpoints = [" + ", ".join(f'"{e}"' for e in spec["endpoints"]) + "]")
+    return "\n".join(lines)
+
+
+def gateway_config(path: Path, db: Path, port: int, upstreams: dict[str, str | dict], plugin: str | None = None,
                    storage: str | None = None, per_minute: bool = False) -> Path:
     models = "".join(f"""
 [[models]]
 id = "{model}"
-upstreams = ["{url}"]
+{model_lines(spec)}
 upstream_model = "{UPSTREAM_MODEL}"
 context_window = 32768
 [models.pricing]
 prompt = 0.10
 completion = 0.30
-""" for model, url in upstreams.items())
+""" for model, spec in upstreams.items())
     path.write_text(f"""
 [server]
 host = "127.0.0.1"
@@ -115,10 +129,12 @@ def main() -> int:
                              "--delay", "0.005"], port=ports["mock"])
         nginx = f"http://127.0.0.1:{ports['nginx']}"
         mock = f"http://127.0.0.1:{ports['mock']}"
-        upstreams = {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1", "bench-mock": f"{mock}/v1"}
+        upstreams = {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1", "bench-mock": f"{mock}/v1",
+                     "bench-embed": {"url": f"{nginx}/json/v1", "endpoints": ["embeddings"]},
+                     "bench-responses": {"url": f"{nginx}/sse/v1", "endpoints": ["responses"]}}
 
         def gateway(name: str, plugin: str | None = None, argv_head: list[str] | None = None,
-                    extra: dict[str, str] | None = None, storage: str | None = None,
+                    extra: dict[str, str | dict] | None = None, storage: str | None = None,
                     per_minute: bool = False) -> str:
             port = free_port()
             cfg = gateway_config(work / f"{name}.toml", work / f"{name}.db", port, {**upstreams, **(extra or {})},
@@ -161,11 +177,12 @@ def main() -> int:
                       peer=peer, peers=list(commands))
         try:
             bench.check()
-            for name in ("M1", "M2", "M3", "M4", "M6", "M5"):  # M5 last: it restarts what it measures
+            for name in ("M1", "M2", "M3", "M4", "M6", "M7", "M8", "M5"):  # M5 last: it restarts what it measures
                 if name in only:
                     print(f"\n{name} ...", flush=True)
+                    before = len(bench.sections)
                     getattr(bench, name.lower())()
-                    print(bench.sections[-1], flush=True)
+                    print("\n\n".join(bench.sections[before:]), flush=True)
             if "PG" in only:
                 print("\nPG ...", flush=True)
                 with PostgresServer(fsync=True) as postgres:  # on the load CPU, as this process is

@@ -1,26 +1,34 @@
 """The upstreams the benchmark talks to, all on 127.0.0.1.
 
-* ``nginx``: canned answers, so the upstream is never what limits M1-M3.
+* ``nginx``: canned answers, so the upstream is never what limits M1-M3 and M8.
   ``POST /json/v1/completions`` returns a vLLM-shaped JSON completion and
   ``POST /sse/v1/completions`` a vLLM-shaped stream of 64 text chunks, the
   finish chunk, the usage chunk and ``[DONE]``, both built with the mock
   upstream's own shapes and served as static files (no proxying, no logs).
+  M8's: ``POST /json/v1/embeddings``, one 768-float vector (a retrieval
+  query's), and ``POST /sse/v1/responses``, a Responses API stream of
+  ``event:`` + ``data:`` pairs with 64 text deltas, both answered by the mock
+  upstream's own handlers (in-process, once) with vLLM's shapes.
 * ``slow_upstream.py`` (M5): streams that stay open until told to end.
-* M4 uses ``python -m kilnproxy mock-upstream --delay 0.005``.
+* M4 and M7 use ``python -m kilnproxy mock-upstream --delay 0.005``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from pathlib import Path
 
 import orjson
 
-from kilnproxy.fixtures.mock_upstream import _Generation
+from kilnproxy.fixtures.mock_upstream import _Generation, create_mock_app
 
 UPSTREAM_MODEL = "org/Bench-7B"
 CHUNKS = 64
 PROMPT = "The capital of France is"
+EMBEDDING_DIMENSIONS = 768  # a small embedding model's (nomic-embed-text, EmbeddingGemma)
+RESPONSES_EVENTS = CHUNKS + 8  # created, in_progress, item and part added, 64 deltas, text/part/item done, completed
 
 
 def request_body(stream: bool, model: str = "bench", include_usage: bool = True, **extra) -> bytes:
@@ -51,6 +59,49 @@ def canned_sse() -> bytes:
     return b"".join(frames) + b"data: [DONE]\n\n"
 
 
+def embeddings_body(model: str = "bench-embed") -> bytes:
+    return orjson.dumps({"model": model, "input": PROMPT})
+
+
+def responses_body(model: str = "bench-responses") -> bytes:
+    return orjson.dumps({"model": model, "input": PROMPT, "max_output_tokens": CHUNKS, "temperature": 0.7,
+                         "stream": True})
+
+
+def _mock_answer(path: str, body: bytes) -> bytes:
+    """What the mock upstream answers ``body`` on ``path`` (vLLM's flavor), run in-process."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def ask() -> bytes:
+        async with TestClient(TestServer(create_mock_app(flavor="vllm"))) as client:
+            resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+            assert resp.status == 200, (path, resp.status, await resp.text())
+            return await resp.read()
+    return asyncio.run(ask())
+
+
+def canned_embeddings() -> bytes:
+    """The mock's embeddings answer for one input, its vector widened to a real model's size."""
+    body = orjson.loads(embeddings_body(UPSTREAM_MODEL))
+    answer = orjson.loads(_mock_answer("/v1/embeddings", orjson.dumps(body)))
+    rng = random.Random(0)
+    for item in answer["data"]:
+        item["embedding"] = [rng.gauss(0.0, 0.036) for _ in range(EMBEDDING_DIMENSIONS)]
+    answer["id"] = "embd-bench0000000000000000000000000000"
+    return orjson.dumps(answer)
+
+
+def canned_responses_sse() -> bytes:
+    """The mock's Responses API stream: ``event:`` + ``data:`` pairs, ``response.completed`` with the
+    usage last, no ``[DONE]``."""
+    body = {**orjson.loads(responses_body(UPSTREAM_MODEL)),
+            "mock": {"id": "resp_bench0000000000000000000000000000", "created": int(time.time())}}
+    raw = _mock_answer("/v1/responses", orjson.dumps(body))
+    # the gateway forwards the body without the bench's own fields; the mock echoes only "model"
+    assert raw.count(b"\nevent: ") + raw.startswith(b"event: ") == RESPONSES_EVENTS, raw[:300]
+    return raw
+
+
 def write_nginx_files(port: int, workdir: Path) -> Path:
     """The config and the canned answers; returns the config's path.
 
@@ -58,10 +109,11 @@ def write_nginx_files(port: int, workdir: Path) -> Path:
     turns that into the file itself (an internal GET), which is the cheapest
     canned answer nginx gives to a POST of any size.
     """
-    for name, body in (("json", canned_json()), ("sse", canned_sse())):
+    for name, path, body in (("json", "completions", canned_json()), ("sse", "completions", canned_sse()),
+                             ("json", "embeddings", canned_embeddings()), ("sse", "responses", canned_responses_sse())):
         folder = workdir / "www" / name / "v1"
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "completions").write_bytes(body)
+        (folder / path).write_bytes(body)
     conf = workdir / "nginx.conf"
     conf.write_text(f"""
 daemon off;
