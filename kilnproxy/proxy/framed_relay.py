@@ -37,7 +37,27 @@ log = logging.getLogger("kilnproxy.plugins")
 
 DELTAS = {"responses": b'"response.output_text.delta"', "messages": b'"content_block_delta"'}
 FINAL = {"responses": ("response.completed", "response.incomplete", "response.failed"), "messages": ("message_stop",)}
+
+
 MARKERS = (b'"model"', b'"usage"', b'"error"', b'"message_stop"', b'"response.failed"', b'"response.incomplete"')
+
+
+def _first_marked(data: bytes, start: int, ahead: list[int]) -> int:
+    """Where the first marker at or after ``start`` is, or -1; ``ahead`` holds each marker's next
+    place found so far, and is moved on only for the markers left behind (each scan once)."""
+    first = -1
+    for i, at in enumerate(ahead):
+        if 0 <= at < start:
+            at = ahead[i] = data.find(MARKERS[i], start)
+        if at >= 0 and (first < 0 or at < first):
+            first = at
+    return first
+
+
+def _marked(data: bytes) -> bool:
+    """``data`` may hold what the gateway reads or changes (the model, usage, an error, the end)."""
+    return (b'"model"' in data or b'"usage"' in data or b'"error"' in data or b'"message_stop"' in data
+            or b'"response.failed"' in data or b'"response.incomplete"' in data)
 
 
 class FramedRelay:
@@ -70,14 +90,48 @@ class FramedRelay:
             self.rest = data
             return b""
         self.rest = data[end + 2:]
+        block = data[:end]
+        if self.impls:  # every event is shown to the plugins
+            return self._frames(block)
         out = []
-        for frame in data[:end].split(b"\n\n"):
+        pos, size = 0, len(block)
+        ahead = [block.find(marker) for marker in MARKERS]  # each marker's next place (-1: none left)
+        while pos < size and not self.ended:  # frames with nothing to read go out as they came
+            marked = _first_marked(block, pos, ahead)
+            if marked < 0:
+                self._plain(block[pos:])
+                out.append(block[pos:] + b"\n\n")
+                break
+            start = block.rfind(b"\n\n", pos, marked)
+            start = pos if start < 0 else start + 2
+            stop = block.find(b"\n\n", marked)
+            stop = size if stop < 0 else stop
+            if start > pos:
+                self._plain(block[pos:start - 2])
+                out.append(block[pos:start])
+            out.append(self._frames(block[start:stop]))
+            pos = stop + 2
+        return b"".join(out)
+
+    def _frames(self, block: bytes) -> bytes:
+        out = []
+        for frame in block.split(b"\n\n"):
             if self.ended:
                 break
             sent = self._frame(frame.lstrip(b"\n"))
             if sent:
                 out.append(sent)
         return b"".join(out)
+
+    def _plain(self, block: bytes) -> None:
+        """Count what a run of frames that need no change holds: events, and text deltas."""
+        self.sequence += block.count(b"\ndata:") + (block[:5] == b"data:")
+        deltas = block.count(self.delta)
+        if deltas:
+            self.record.streamed_chunks += deltas
+            if self.partial is not None:  # until the final count: the output streamed so far
+                self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
+                                          self.partial.cached_tokens)
 
     def close(self) -> bytes:
         """The upstream's body ended: a last frame without its blank line still counts."""
@@ -98,7 +152,7 @@ class FramedRelay:
             if self.partial is not None:  # until the final count: the output streamed so far
                 self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
                                           self.partial.cached_tokens)
-        if not self.impls and not any(marker in payload for marker in MARKERS):
+        if not self.impls and not _marked(payload):
             return frame + b"\n\n"
         try:
             event = orjson.loads(payload)
