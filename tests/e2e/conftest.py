@@ -7,6 +7,8 @@ servers are stopped when the session ends, whatever way it ends.
 
 from __future__ import annotations
 
+import signal
+
 import aiohttp
 import openai
 import pytest
@@ -28,7 +30,7 @@ def stack(tmp_path_factory) -> Stack:
         yield Stack(llama, gateway, db, workdir)
     finally:
         if gateway is not None:
-            gateway.stop()
+            gateway.stop(signal.SIGINT)  # no drain: the run is over
         llama.stop()
 
 

@@ -93,9 +93,10 @@ class Process:
             time.sleep(0.05)
         raise RuntimeError(f"{self.name} did not print {pattern!r} within {seconds} s:\n{self.output()[-4000:]}")
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """End the process with ``sig`` (a gateway given SIGINT skips its drain), SIGKILL after 15 s."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -105,14 +106,18 @@ class Process:
 
 
 class LlamaServer(Process):
-    def __init__(self, workdir: Path):
+    """``llama-server`` serving the model as ``alias`` with ``parallel`` slots; ``extra`` adds flags
+    (``--embeddings`` for a server of embeddings)."""
+
+    def __init__(self, workdir: Path, alias: str = LLAMA_ALIAS, parallel: int = N_PARALLEL,
+                 extra: tuple[str, ...] = (), name: str = "llama-server"):
         argv = [
-            str(llama_binary()), "--model", str(model_path()), "--alias", LLAMA_ALIAS,
+            str(llama_binary()), "--model", str(model_path()), "--alias", alias,
             "--host", "127.0.0.1", "--port", "0",
-            "--ctx-size", str(N_PARALLEL * N_CTX_PER_SLOT), "--parallel", str(N_PARALLEL),
-            "--threads", "2", "--seed", "42", "--metrics", "--slots", "--no-webui",
+            "--ctx-size", str(parallel * N_CTX_PER_SLOT), "--parallel", str(parallel),
+            "--threads", "2", "--seed", "42", "--metrics", "--slots", "--no-webui", *extra,
         ]
-        super().__init__("llama-server", argv, workdir / "llama-server.log", cwd=workdir)
+        super().__init__(name, argv, workdir / f"{name}.log", cwd=workdir)
         match = self.wait_for_line(r"listening on (http://127\.0\.0\.1:\d+)")
         self.url = match.group(1)
         self._wait_healthy()

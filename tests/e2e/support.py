@@ -114,22 +114,27 @@ async def wait_for_row(stack: Stack, generation_id: str, seconds: float = 30.0) 
     return row(stack, generation_id)
 
 
-async def llama_metric(http: aiohttp.ClientSession, stack: Stack, name: str) -> float:
-    async with http.get(f"{stack.llama_url}/metrics") as resp:
+async def llama_metric(http: aiohttp.ClientSession, stack: Stack | LlamaServer, name: str) -> float:
+    """One of llama.cpp's own ``/metrics`` (``llamacpp:<name>``), of the stack's server or another."""
+    async with http.get(f"{stack.url if isinstance(stack, LlamaServer) else stack.llama_url}/metrics") as resp:
         text = await resp.text()
     match = re.search(rf"^llamacpp:{name} (\S+)$", text, re.M)
     assert match, f"llama.cpp's /metrics has no {name}"
     return float(match.group(1))
 
 
-async def wait_llama_idle(http: aiohttp.ClientSession, stack: Stack, seconds: float = 60.0) -> None:
+async def llama_busy_slots(http: aiohttp.ClientSession, llama_url: str) -> int:
+    """How many of llama.cpp's slots are processing a request now (its /slots)."""
+    async with http.get(f"{llama_url}/slots") as resp:
+        slots = await resp.json()
+    return sum(1 for s in slots if s["is_processing"])
+
+
+async def wait_llama_idle(http: aiohttp.ClientSession, stack: Stack | LlamaServer, seconds: float = 60.0) -> None:
     """Until no llama.cpp slot is processing (read from its /slots)."""
+    url = stack.url if isinstance(stack, LlamaServer) else stack.llama_url
     async with asyncio.timeout(seconds):
-        while True:
-            async with http.get(f"{stack.llama_url}/slots") as resp:
-                slots = await resp.json()
-            if not any(s["is_processing"] for s in slots):
-                return
+        while await llama_busy_slots(http, url):
             await asyncio.sleep(0.05)
 
 

@@ -9,6 +9,7 @@ only the demo's address changed to the free port it got.
 from __future__ import annotations
 
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def demo(stack, tmp_path_factory):
     try:
         yield gateway, workdir
     finally:
-        gateway.stop()
+        gateway.stop(signal.SIGINT)  # no drain: the module is done
 
 
 def test_banner_names_the_upstream_and_the_readme_curl(demo, stack):

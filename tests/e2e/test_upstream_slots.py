@@ -1,0 +1,154 @@
+"""Upstream slots in front of the real server: llama.cpp with 2 slots behind ``max_in_flight = 2``.
+
+The stack's llama.cpp runs ``--parallel 2``; a second gateway (this module's)
+lists it as ``upstreams = [{url = ..., max_in_flight = 2}]`` with a long
+``queue_timeout``. Six long requests at once: the gateway sends two, queues
+four (first come, first served), and every one is answered; llama.cpp's own
+``/slots`` never shows more than two busy and its ``requests_deferred`` never
+rises (it never had to queue one itself, unlike ``test_concurrency.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import textwrap
+
+import aiohttp
+import orjson
+import pytest
+
+from kilnproxy.testing import usage_rows
+
+from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, N_PARALLEL, GatewayProcess
+from .support import (
+    GENERATION_HEADER,
+    KEY,
+    PRICING,
+    events,
+    expected_cost,
+    frames,
+    llama_busy_slots,
+    llama_metric,
+    wait_llama_idle,
+)
+
+MODEL = "gemma-slots"
+REQUESTS = 3 * N_PARALLEL
+MAX_TOKENS = 64  # about 3 s of generation each on 2 threads: the requests overlap
+
+
+@pytest.fixture(scope="module")
+def slotted(stack, tmp_path_factory):
+    """A gateway whose only model sends at most N_PARALLEL requests at once to the stack's llama.cpp."""
+    workdir = tmp_path_factory.mktemp("slots")
+    config = workdir / "kilnproxy.toml"
+    config.write_text(textwrap.dedent(f"""\
+        [server]
+        host = "127.0.0.1"
+        port = 0
+
+        [storage]
+        path = "{workdir / 'usage.db'}"
+
+        [[models]]
+        id = "{MODEL}"
+        upstreams = [{{url = "{stack.llama_url}/v1", max_in_flight = {N_PARALLEL}}}]
+        upstream_model = "{LLAMA_ALIAS}"
+        context_window = {N_CTX_PER_SLOT}
+        queue_timeout = 120
+        [models.pricing]
+        prompt = {PRICING["prompt"]}
+        completion = {PRICING["completion"]}
+        cached_prompt = {PRICING["cached_prompt"]}
+
+        [[orgs]]
+        id = "acme"
+        credits = 100.0
+        max_in_flight = 16
+
+        [[keys]]
+        key = "{KEY}"
+        org = "acme"
+        id = "acme-key"
+
+        [plugins]
+        modules = []
+        entry_points = false
+        """))
+    gateway = GatewayProcess(workdir, ["--config", str(config)], name="kilnproxy-slots")
+    try:
+        yield gateway, workdir / "usage.db"
+    finally:
+        gateway.stop(signal.SIGINT)  # no drain: nothing is in flight
+
+
+async def gateway_queue(http: aiohttp.ClientSession, gateway_url: str, upstream: str) -> tuple[float, float]:
+    """The gateway's own view of the upstream: (slots busy, requests waiting), from its /metrics."""
+    async with http.get(f"{gateway_url}/metrics") as resp:
+        text = await resp.text()
+
+    def gauge(name: str) -> float:
+        match = re.search(rf'^{name}\{{upstream="{re.escape(upstream)}"\}} (\S+)$', text, re.M)
+        assert match, f"the gateway's /metrics has no {name} for {upstream}"
+        return float(match.group(1))
+
+    return gauge("kilnproxy_upstream_slots_busy"), gauge("kilnproxy_upstream_queued_requests")
+
+
+async def test_six_requests_through_two_slots(stack, slotted, http):
+    gateway, db = slotted
+    upstream = f"{stack.llama_url}/v1"
+    await wait_llama_idle(http, stack)
+    deferred_before = await llama_metric(http, stack, "requests_deferred")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    seen = {"busy": [], "deferred": [], "gateway_busy": [], "queued": []}
+
+    async def one(i: int) -> tuple[int, bytes, str]:
+        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": MAX_TOKENS,
+                "ignore_eos": True, "temperature": 0, "stream": i % 2 == 0}
+        async with http.post(f"{gateway.url}/v1/completions", json=body, headers=headers) as resp:
+            return resp.status, await resp.read(), resp.headers[GENERATION_HEADER]
+
+    async def watch() -> None:
+        while True:
+            seen["busy"].append(await llama_busy_slots(http, stack.llama_url))
+            seen["deferred"].append(await llama_metric(http, stack, "requests_deferred"))
+            busy, queued = await gateway_queue(http, gateway.url, upstream)
+            seen["gateway_busy"].append(busy)
+            seen["queued"].append(queued)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async with asyncio.timeout(240):
+            results = await asyncio.gather(*(one(i) for i in range(REQUESTS)))
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+    # the requests overlapped: both slots were busy at once, and the gateway held the others back
+    assert max(seen["busy"]) == N_PARALLEL, seen["busy"]
+    assert max(seen["gateway_busy"]) == N_PARALLEL, seen["gateway_busy"]
+    assert max(seen["queued"]) >= 1, seen["queued"]
+    # llama.cpp never had more than it has slots: it never had to defer one itself
+    assert max(seen["deferred"]) == deferred_before == 0, seen["deferred"]
+
+    for i, (status, raw, generation_id) in enumerate(results):
+        assert status == 200, raw
+        if i % 2 == 0:
+            chunks = events(frames(raw))
+            assert "".join(ch["text"] for c in chunks for ch in c["choices"])
+        else:
+            usage = orjson.loads(raw)["usage"]
+            assert usage["completion_tokens"] == MAX_TOKENS
+            assert usage["cost"] == expected_cost(usage["prompt_tokens"], MAX_TOKENS,
+                                                  usage["prompt_tokens_details"]["cached_tokens"])
+        found = usage_rows(db, id=generation_id)
+        assert len(found) == 1
+        r = found[0]
+        assert (r["model"], r["status"], r["completion_tokens"], r["finish_reason"], r["disconnected"],
+                r["error_code"]) == (MODEL, 200, MAX_TOKENS, "length", 0, None)
+    assert len(usage_rows(db)) == REQUESTS
+    assert await gateway_queue(http, gateway.url, upstream) == (0, 0)  # every slot given back
