@@ -74,6 +74,22 @@ def eventually():
     return wait
 
 
+@pytest.fixture
+def committed(eventually):
+    """``await committed(h, n, **where)``: the usage rows matching ``where``, once there are ``n``.
+
+    With PostgreSQL a request's slot and hold are freed in the commit of its row, which comes
+    just after its client has gone: a test that reuses them waits for the row, not for time."""
+
+    async def wait(h, n: int, **where):
+        async def rows():
+            found = await h.rows(**where)
+            return found if len(found) >= n else None
+        return await eventually(rows)
+
+    return wait
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """One throw-away PostgreSQL server for the whole run (``kilnproxy.testing.postgres``).

@@ -36,7 +36,8 @@ def without_max_tokens(body: dict) -> dict:
     return body
 
 
-async def test_a_hold_larger_than_what_is_left_refuses_the_next_request_with_402(harness, store, eventually):
+async def test_a_hold_larger_than_what_is_left_refuses_the_next_request_with_402(harness, store, eventually,
+                                                                                 committed):
     async with harness(overrides=grant(store)) as h:
         small = await h.post("/v1/completions", stalled(max_tokens=1000))  # holds 0.0003 of 0.001
         large = await h.post("/v1/completions", stalled(max_tokens=4000))  # admitted: 0.0007 was left
@@ -49,6 +50,7 @@ async def test_a_hold_larger_than_what_is_left_refuses_the_next_request_with_402
             refused = resp.headers["X-Neocloud-Generation-Id"]
         large.close()
         await eventually(lambda: h.app[GATEWAY].admission.count("acme") == 1)
+        await committed(h, 2)  # the 402's row and the closed stream's
         async with h.post("/v1/completions", completion_body(max_tokens=4)) as resp:  # the hold became its cost
             assert resp.status == 200
         small.close()
@@ -56,9 +58,10 @@ async def test_a_hold_larger_than_what_is_left_refuses_the_next_request_with_402
         assert (by_id[refused]["status"], by_id[refused]["error_code"]) == (402, "insufficient_credits")
 
 
-async def test_without_max_tokens_the_hold_is_the_context_window(harness, store, eventually):
+async def test_without_max_tokens_the_hold_is_the_context_window(harness, store, eventually, committed):
     async with harness(overrides=grant(store, credits=hold_of(4096) * 0.9)) as h:
-        for first_body, second_status in ((without_max_tokens(stalled()), 402), (stalled(max_tokens=100), 200)):
+        for rounds, (first_body, second_status) in enumerate(((without_max_tokens(stalled()), 402),
+                                                              (stalled(max_tokens=100), 200)), 1):
             first = await h.post("/v1/completions", first_body)
             assert first.status == 200
             await first.content.readline()
@@ -66,6 +69,7 @@ async def test_without_max_tokens_the_hold_is_the_context_window(harness, store,
                 assert resp.status == second_status
             first.close()
             await eventually(lambda: h.app[GATEWAY].admission.count("acme") == 0)
+            await committed(h, 2 * rounds)
 
 
 async def test_many_requests_at_once_overdraw_an_org_by_one_request_at_most(harness, store):

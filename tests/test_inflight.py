@@ -88,6 +88,7 @@ async def test_429_at_once_without_rate_limit_headers_and_per_org_override(harne
             resp.close()
         await h.mock_wait(hangups=5)
         await eventually(lambda: inflight(h).snapshot() == {})
+        await eventually(lambda: _count(h, 7))  # a shared store frees a slot in the commit of its row
         async with h.post("/v1/completions", body()) as resp:
             assert resp.status == 200
         rows = await eventually(lambda: _count(h, 8))
@@ -147,6 +148,7 @@ async def test_slot_is_released_on_client_disconnect(harness, store, eventually)
         held[0].close()
         await h.mock_wait(hangups=1)
         await eventually(lambda: inflight(h).snapshot() == {})
+        await eventually(lambda: _count(h, 1))  # a shared store frees a slot in the commit of its row
         task = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(),
                                                   json=body(mock={"fail": "hang"})))
         await eventually(lambda: inflight(h).count("acme") == 1)

@@ -40,7 +40,7 @@ async def test_a_runtime_key_has_its_own_requests_per_minute(harness, store):
         assert await status_and_code(h, key=KEY) == (200, None)  # the org's other key is not bound by it
 
 
-async def test_tokens_are_reserved_at_admission_and_settled_to_the_real_count(harness, store):
+async def test_tokens_are_reserved_at_admission_and_settled_to_the_real_count(harness, store, committed):
     # the prompt "The capital of France is" is estimated at 6 tokens: max_tokens=60 reserves 66
     async with harness(overrides={**store, "orgs": orgs(tokens_per_minute=100)}) as h:
         stalled = completion_body(stream=True, max_tokens=60, mock={"fail": "stall", "after": 1})
@@ -53,8 +53,7 @@ async def test_tokens_are_reserved_at_admission_and_settled_to_the_real_count(ha
         assert await status_and_code(h, completion_body(max_tokens=1)) == (429, "rate_limit_exceeded")
         first.close()
         second.close()
-        while h.gw.admission.count("acme"):
-            await asyncio.sleep(0.01)
+        await committed(h, 3, org="acme")  # the 429's row and the two closed streams'
         # the two rows settled what was streamed (a few tokens each), not the 132 reserved
         used = sum(r["total_tokens"] for r in await h.rows(org="acme") if r["status"] == 200)
         assert used < 100

@@ -145,7 +145,8 @@ async def test_a_runtime_org_starts_with_nothing_and_grants_raise_what_it_may_sp
             assert (await resp.json())["granted"] == 100.0 + 2.0  # the config's credits + the grant
 
 
-async def test_a_key_limit_is_held_like_credits_and_overrun_by_one_request_at_most(harness, store, eventually):
+async def test_a_key_limit_is_held_like_credits_and_overrun_by_one_request_at_most(harness, store, eventually,
+                                                                                   committed):
     # test model: 0.30 USD per million completion tokens; a hold of max_tokens=1000 is ~0.0003 USD
     async with harness(overrides=store) as h:
         secret, key = await h.gw.tenancy.create_key("acme", "capped", limit=0.0005, limit_reset="daily")
@@ -163,6 +164,7 @@ async def test_a_key_limit_is_held_like_credits_and_overrun_by_one_request_at_mo
         first.close()
         second.close()
         await eventually(lambda: h.app[GATEWAY].admission.count("acme") == 0)
+        await committed(h, 3, key_id=key["id"])  # the 402's row and the two closed streams'
         assert await status_of(h, secret) == 200  # the holds became the (small) real costs
         statuses = await asyncio.gather(*(status_of(h, secret, completion_body(max_tokens=400)) for _ in range(30)))
         assert 402 in statuses
