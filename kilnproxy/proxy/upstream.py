@@ -175,14 +175,13 @@ class Route:
 
     async def _attempt(self, session: aiohttp.ClientSession, upstream: Upstream, endpoint: str, body: bytes,
                        stream: bool, headers: Mapping[str, str]) -> tuple[aiohttp.ClientResponse, bytes | None]:
-        # a BytesPayload: aiohttp then skips its search of the payload registry
         seconds = self.model.first_byte_timeout
         if seconds is None:
-            return await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=headers), None
+            return await _post(session, upstream.urls[endpoint], body, headers), None
         deadline = asyncio.timeout(seconds)
         try:
             async with deadline:
-                resp = await session.post(upstream.urls[endpoint], data=BytesPayload(body), headers=headers)
+                resp = await _post(session, upstream.urls[endpoint], body, headers)
                 try:
                     if stream and resp.status == 200:
                         return resp, await resp.content.readany()
@@ -194,6 +193,20 @@ class Route:
             if deadline.expired():
                 raise first_byte_missed(self.id, seconds) from None
             raise
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes,
+                headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+    """POST ``body``; sent again, once, when the server hung up before answering anything.
+
+    A model server may close a kept-alive connection just as it is taken from the pool (llama.cpp
+    closes it right after each streamed answer, without saying so): the request then never reached
+    it, and the second try goes out on another connection. A server that fails twice in a row fails.
+    """
+    try:  # a BytesPayload: aiohttp then skips its search of the payload registry
+        return await session.post(url, data=BytesPayload(body), headers=headers)
+    except aiohttp.ServerDisconnectedError:
+        return await session.post(url, data=BytesPayload(body), headers=headers)
 
 
 def _describe(exc: BaseException) -> str:
