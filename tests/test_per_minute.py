@@ -3,7 +3,9 @@ two gateways on one PostgreSQL; tokens reserved at admission and settled to the 
 
 import asyncio
 
+import aiohttp
 import pytest
+from replicas import stop_all, two_replicas
 
 from kilnproxy.config import parse_config
 from kilnproxy.errors import ConfigError
@@ -104,3 +106,18 @@ def test_a_bad_per_minute_bound_is_one_line_naming_the_key(tmp_path, where, valu
     with pytest.raises(ConfigError) as refused:
         parse_config(config, source="kiln.toml", base_dir=tmp_path)
     assert f"{where}[0].requests_per_minute" in str(refused.value)
+
+
+async def test_two_replica_processes_share_an_orgs_requests_per_minute(tmp_path, mock_url, pg_url):
+    a, b = await two_replicas(tmp_path, mock_url, pg_url, orgs=orgs(requests_per_minute=5, max_in_flight=64))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def one(url: str) -> int:
+                async with s.post(f"{url}/v1/completions", json=completion_body(),
+                                  headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                    await resp.read()
+                    return resp.status
+            statuses = await asyncio.gather(*(one(url) for url in (a.url, b.url) * 8))
+        assert sorted(statuses) == [200] * 5 + [429] * 11
+    finally:
+        await stop_all(a, b)
