@@ -13,86 +13,23 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
+from . import config_ops
+from .config_reader import NUMBER, Reader
 from .config_types import (
     ENDPOINTS,
-    AdminConfig,
     Config,
-    HealthConfig,
-    InspectorConfig,
     KeyConfig,
     LimitsConfig,
-    LogConfig,
     MaintenanceConfig,
-    MetricsConfig,
     ModelConfig,
     OrgConfig,
     PluginsConfig,
     Pricing,
     ServerConfig,
     StorageConfig,
-    TracingConfig,
     sha256_hex,
 )
 from .errors import ConfigError
-
-_NUMBER = (int, float)
-
-
-class _Reader:
-    """Reads one TOML table, checking names and types; errors name file and key."""
-
-    def __init__(self, source: str, where: str, table: Any):
-        self.source = source
-        self.where = where
-        if not isinstance(table, dict):
-            self.fail(where, f"must be a table, got {type(table).__name__}")
-        self.table = table
-        self.seen: set[str] = set()
-
-    def fail(self, key: str, problem: str) -> None:
-        raise ConfigError(f"{self.source}: {key}: {problem}")
-
-    def key(self, name: str) -> str:
-        return f"{self.where}.{name}" if self.where else name
-
-    def get(self, name: str, kind: type | tuple, default: Any = None, *, required: bool = False) -> Any:
-        self.seen.add(name)
-        if name not in self.table:
-            if required:
-                self.fail(self.key(name), "is required")
-            return default
-        value = self.table[name]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if isinstance(value, bool) and bool not in kinds:
-            self.fail(self.key(name), f"must be {_describe(kinds)}, got {value!r}")
-        if not isinstance(value, kinds):
-            self.fail(self.key(name), f"must be {_describe(kinds)}, got {type(value).__name__} {value!r}")
-        return value
-
-    def positive(self, name: str, default: float, *, integer: bool = False) -> Any:
-        value = self.get(name, int if integer else _NUMBER, default)
-        if value <= 0:
-            self.fail(self.key(name), f"must be greater than 0, got {value!r}")
-        return value
-
-    def strings(self, name: str, default: Any = None) -> tuple[str, ...] | None:
-        value = self.get(name, list, default)
-        if value is default:
-            return value
-        if not all(isinstance(v, str) for v in value):
-            self.fail(self.key(name), "must be a list of strings")
-        return tuple(value)
-
-    def done(self) -> None:
-        unknown = sorted(set(self.table) - self.seen)
-        if unknown:
-            self.fail(self.key(unknown[0]), "unknown key (check its spelling against config.example.toml)")
-
-
-def _describe(kinds: tuple) -> str:
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-             list: "a list", dict: "a table"}
-    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -111,13 +48,13 @@ def load_config(path: str | os.PathLike) -> Config:
 
 def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: Path = Path(".")) -> Config:
     """Validate an already-parsed TOML document."""
-    top = _Reader(source, "", dict(raw))
-    server = _server(_Reader(source, "server", top.get("server", dict, {})))
-    storage = _storage(_Reader(source, "storage", top.get("storage", dict, {})))
-    limits_r = _Reader(source, "limits", top.get("limits", dict, {}))
+    top = Reader(source, "", dict(raw))
+    server = _server(Reader(source, "server", top.get("server", dict, {})))
+    storage = _storage(Reader(source, "storage", top.get("storage", dict, {})))
+    limits_r = Reader(source, "limits", top.get("limits", dict, {}))
     limits = LimitsConfig(limits_r.positive("max_in_flight_per_org", 8, integer=True))
     limits_r.done()
-    maint_r = _Reader(source, "maintenance", top.get("maintenance", dict, {}))
+    maint_r = Reader(source, "maintenance", top.get("maintenance", dict, {}))
     maintenance = MaintenanceConfig(
         enabled=maint_r.get("enabled", bool, False),
         retry_after=maint_r.get("retry_after", str, MaintenanceConfig.retry_after),
@@ -126,10 +63,10 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     models = tuple(_model(source, i, t) for i, t in enumerate(top.get("models", list, [])))
     orgs = tuple(_org(source, i, t) for i, t in enumerate(top.get("orgs", list, [])))
     keys = tuple(_key(source, i, t) for i, t in enumerate(top.get("keys", list, [])))
-    plugins = _plugins(_Reader(source, "plugins", top.get("plugins", dict, {})))
-    admin, metrics, log, health = _operations(source, top)
-    inspector = _inspector(_Reader(source, "inspector", top.get("inspector", dict, {})))
-    tracing = _tracing(_Reader(source, "tracing", top.get("tracing", dict, {})))
+    plugins = _plugins(Reader(source, "plugins", top.get("plugins", dict, {})))
+    admin, metrics, log, health = config_ops.operations(source, top)
+    inspector = config_ops.inspector(Reader(source, "inspector", top.get("inspector", dict, {})))
+    tracing = config_ops.tracing(Reader(source, "tracing", top.get("tracing", dict, {})))
     top.done()
     _check_references(source, models, orgs, keys)
     return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
@@ -137,7 +74,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
                   base_dir=base_dir, source=source)
 
 
-def _storage(r: _Reader) -> StorageConfig:
+def _storage(r: Reader) -> StorageConfig:
     d = StorageConfig()
     url, url_env = r.get("url", str, None), r.get("url_env", str, None)
     if url is not None and url_env is not None:
@@ -157,12 +94,12 @@ def _storage(r: _Reader) -> StorageConfig:
     return storage
 
 
-def _server(r: _Reader) -> ServerConfig:
+def _server(r: Reader) -> ServerConfig:
     d = ServerConfig()
     port = r.get("port", int, d.port)
     if not 0 <= port <= 65535:
         r.fail(r.key("port"), f"must be between 0 and 65535, got {port}")
-    drain = r.get("drain_seconds", _NUMBER, d.drain_seconds)
+    drain = r.get("drain_seconds", NUMBER, d.drain_seconds)
     if drain < 0:
         r.fail(r.key("drain_seconds"), f"must be 0 (stop listening at once) or more, got {drain!r}")
     server = ServerConfig(
@@ -184,17 +121,17 @@ def _server(r: _Reader) -> ServerConfig:
 
 
 def _model(source: str, i: int, table: Any) -> ModelConfig:
-    r = _Reader(source, f"models[{i}]", table)
+    r = Reader(source, f"models[{i}]", table)
     model_id = r.get("id", str, required=True)
     r.where = f"models[{i}] ({model_id})"
     upstreams, slots = _upstreams(r)
     window = r.get("context_window", int, None)
     if window is not None and window <= 0:
         r.fail(r.key("context_window"), "must be greater than 0")
-    pricing_r = _Reader(source, r.key("pricing"), r.get("pricing", dict, {}))
+    pricing_r = Reader(source, r.key("pricing"), r.get("pricing", dict, {}))
     rates = {}
     for name in ("prompt", "completion", "cached_prompt"):
-        value = pricing_r.get(name, _NUMBER, None)
+        value = pricing_r.get(name, NUMBER, None)
         if value is not None and value < 0:
             pricing_r.fail(pricing_r.key(name), "must not be negative")
         rates[name] = None if value is None else float(value)
@@ -211,7 +148,7 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
         fallbacks=r.strings("fallbacks", ()),
         first_byte_timeout=_seconds(r, "first_byte_timeout"),
         request_timeout=_seconds(r, "request_timeout"),
-        queue_timeout=float(r.get("queue_timeout", _NUMBER, 0.0)),
+        queue_timeout=float(r.get("queue_timeout", NUMBER, 0.0)),
         endpoints=_endpoints(r),
         discover=r.get("discover", bool, False),
         alias=r.get("alias", str, None),
@@ -226,7 +163,7 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
     return model
 
 
-def _endpoints(r: _Reader) -> tuple[str, ...]:
+def _endpoints(r: Reader) -> tuple[str, ...]:
     endpoints = r.strings("endpoints", ModelConfig.endpoints)
     for name in endpoints:
         if name not in ENDPOINTS:
@@ -234,7 +171,7 @@ def _endpoints(r: _Reader) -> tuple[str, ...]:
     return endpoints
 
 
-def _upstreams(r: _Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
+def _upstreams(r: Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
     """``upstreams``: base URLs, each a string or ``{url = "...", max_in_flight = N}``."""
     entries = r.get("upstreams", list, None)
     if not entries:
@@ -243,7 +180,7 @@ def _upstreams(r: _Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
     for i, entry in enumerate(entries):
         limit = None
         if isinstance(entry, dict):
-            t = _Reader(r.source, f"{r.key('upstreams')}[{i}]", entry)
+            t = Reader(r.source, f"{r.key('upstreams')}[{i}]", entry)
             url = t.get("url", str, required=True)
             limit = t.get("max_in_flight", int, None)
             if limit is not None and limit <= 0:
@@ -261,18 +198,18 @@ def _upstreams(r: _Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
     return tuple(urls), tuple(slots)
 
 
-def _seconds(r: _Reader, name: str) -> float | None:
-    value = r.get(name, _NUMBER, None)
+def _seconds(r: Reader, name: str) -> float | None:
+    value = r.get(name, NUMBER, None)
     if value is not None and value <= 0:
         r.fail(r.key(name), f"must be greater than 0 (leave it out for none), got {value!r}")
     return None if value is None else float(value)
 
 
 def _org(source: str, i: int, table: Any) -> OrgConfig:
-    r = _Reader(source, f"orgs[{i}]", table)
+    r = Reader(source, f"orgs[{i}]", table)
     org = OrgConfig(
         id=r.get("id", str, required=True),
-        credits=float(r.get("credits", _NUMBER, 0.0)),
+        credits=float(r.get("credits", NUMBER, 0.0)),
         max_in_flight=r.get("max_in_flight", int, None),
         requests_per_minute=_per_minute(r, "requests_per_minute"),
         tokens_per_minute=_per_minute(r, "tokens_per_minute"),
@@ -283,7 +220,7 @@ def _org(source: str, i: int, table: Any) -> OrgConfig:
     return org
 
 
-def _per_minute(r: "_Reader", name: str) -> int | None:
+def _per_minute(r: "Reader", name: str) -> int | None:
     value = r.get(name, int, None)
     if value is not None and value <= 0:
         r.fail(r.key(name), "must be greater than 0 (leave it out for no bound)")
@@ -291,7 +228,7 @@ def _per_minute(r: "_Reader", name: str) -> int | None:
 
 
 def _key(source: str, i: int, table: Any) -> KeyConfig:
-    r = _Reader(source, f"keys[{i}]", table)
+    r = Reader(source, f"keys[{i}]", table)
     secret = r.get("key", str, None)
     digest = r.get("key_sha256", str, None)
     if (secret is None) == (digest is None):
@@ -315,7 +252,7 @@ def _key(source: str, i: int, table: Any) -> KeyConfig:
     return key
 
 
-def _plugins(r: _Reader) -> PluginsConfig:
+def _plugins(r: Reader) -> PluginsConfig:
     settings = r.get("settings", dict, {})
     for name, table in settings.items():
         if not isinstance(table, dict):
@@ -327,90 +264,6 @@ def _plugins(r: _Reader) -> PluginsConfig:
     )
     r.done()
     return plugins
-
-
-def _operations(source: str, top: _Reader) -> tuple[AdminConfig, MetricsConfig, LogConfig, HealthConfig]:
-    """The ``[admin]``, ``[metrics]``, ``[log]`` and ``[health]`` tables."""
-    r = _Reader(source, "admin", top.get("admin", dict, {}))
-    token = r.get("token", str, None)
-    digest = r.get("token_sha256", str, None)
-    if token is not None and digest is not None:
-        r.fail(r.key("token"), "give token or token_sha256, not both")
-    if token is not None and not token.strip():
-        r.fail(r.key("token"), "must not be empty")
-    if digest is not None:
-        digest = digest.lower()
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            r.fail(r.key("token_sha256"), "must be 64 hex digits (sha256 of the token)")
-    admin = AdminConfig(digest or (sha256_hex(token) if token is not None else None),
-                        r.get("allow_loopback", bool, True))
-    r.done()
-    r = _Reader(source, "metrics", top.get("metrics", dict, {}))
-    metrics = MetricsConfig(r.get("enabled", bool, True))
-    r.done()
-    r = _Reader(source, "log", top.get("log", dict, {}))
-    log = LogConfig(r.get("access", bool, True), r.get("bodies", bool, False))
-    r.done()
-    r = _Reader(source, "health", top.get("health", dict, {}))
-    interval = r.get("interval", _NUMBER, HealthConfig.interval)
-    if interval < 0:
-        r.fail(r.key("interval"), f"must be 0 (no active checks) or more, got {interval!r}")
-    path = r.get("path", str, HealthConfig.path)
-    if not path.startswith("/"):
-        r.fail(r.key("path"), f"must start with '/', e.g. \"/health\" or \"/v1/models\", got {path!r}")
-    health = HealthConfig(float(interval), path, float(r.positive("timeout", HealthConfig.timeout)))
-    r.done()
-    return admin, metrics, log, health
-
-
-def _inspector(r: _Reader) -> InspectorConfig:
-    d = InspectorConfig()
-    token = r.get("token", str, None)
-    if token is not None and not token.strip():
-        r.fail(r.key("token"), "must not be empty (leave it out to allow loopback clients only)")
-    inspector = InspectorConfig(
-        enabled=r.get("enabled", bool, d.enabled),
-        capture=r.get("capture", bool, d.capture),
-        capture_requests=r.positive("capture_requests", d.capture_requests, integer=True),
-        capture_bytes=r.positive("capture_bytes", d.capture_bytes, integer=True),
-        token=token,
-    )
-    r.done()
-    return inspector
-
-
-def _tracing(r: _Reader) -> TracingConfig:
-    d = TracingConfig()
-    endpoint = r.get("endpoint", str, d.endpoint)
-    parsed = urlparse(endpoint)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        r.fail(r.key("endpoint"), f"must be an http(s) URL, e.g. \"{d.endpoint}\", got {endpoint!r}")
-    headers_env = r.get("headers_env", str, None)
-    headers: list[tuple[str, str]] = []
-    if headers_env is not None:
-        for item in filter(None, (p.strip() for p in os.environ.get(headers_env, "").split(","))):
-            name, eq, value = item.partition("=")
-            if not eq or not name.strip():
-                r.fail(r.key("headers_env"), f"the variable {headers_env} must hold name=value pairs separated "
-                                             "by commas (the value is not shown)")
-            headers.append((name.strip(), value.strip()))
-    ratio = r.get("sample_ratio", _NUMBER, d.sample_ratio)
-    if not 0 <= ratio <= 1:
-        r.fail(r.key("sample_ratio"), f"must be between 0 and 1, got {ratio!r}")
-    service = r.get("service_name", str, d.service_name)
-    if not service.strip():
-        r.fail(r.key("service_name"), "must not be empty")
-    trace_url = r.get("trace_url", str, None)
-    if trace_url is not None and (urlparse(trace_url).scheme not in ("http", "https") or "{trace_id}" not in trace_url):
-        r.fail(r.key("trace_url"), "must be an http(s) URL with {trace_id} in it, e.g. "
-                                   f"\"https://grafana.example/explore?traceId={{trace_id}}\", got {trace_url!r}")
-    tracing = TracingConfig(enabled=r.get("enabled", bool, d.enabled), endpoint=endpoint, headers_env=headers_env,
-                            headers=tuple(headers), sample_ratio=float(ratio), service_name=service,
-                            timeout=float(r.positive("timeout", d.timeout)),
-                            max_queue_size=r.positive("max_queue_size", d.max_queue_size, integer=True),
-                            trace_url=trace_url)
-    r.done()
-    return tracing
 
 
 def _check_references(source: str, models, orgs, keys) -> None:

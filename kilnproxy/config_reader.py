@@ -1,0 +1,66 @@
+"""Reading one TOML table of the config: names and types checked, errors naming the file and key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ConfigError
+
+NUMBER = (int, float)
+
+
+class Reader:
+    """Reads one TOML table, checking names and types; errors name file and key."""
+
+    def __init__(self, source: str, where: str, table: Any):
+        self.source = source
+        self.where = where
+        if not isinstance(table, dict):
+            self.fail(where, f"must be a table, got {type(table).__name__}")
+        self.table = table
+        self.seen: set[str] = set()
+
+    def fail(self, key: str, problem: str) -> None:
+        raise ConfigError(f"{self.source}: {key}: {problem}")
+
+    def key(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
+
+    def get(self, name: str, kind: type | tuple, default: Any = None, *, required: bool = False) -> Any:
+        self.seen.add(name)
+        if name not in self.table:
+            if required:
+                self.fail(self.key(name), "is required")
+            return default
+        value = self.table[name]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds:
+            self.fail(self.key(name), f"must be {_describe(kinds)}, got {value!r}")
+        if not isinstance(value, kinds):
+            self.fail(self.key(name), f"must be {_describe(kinds)}, got {type(value).__name__} {value!r}")
+        return value
+
+    def positive(self, name: str, default: float, *, integer: bool = False) -> Any:
+        value = self.get(name, int if integer else NUMBER, default)
+        if value <= 0:
+            self.fail(self.key(name), f"must be greater than 0, got {value!r}")
+        return value
+
+    def strings(self, name: str, default: Any = None) -> tuple[str, ...] | None:
+        value = self.get(name, list, default)
+        if value is default:
+            return value
+        if not all(isinstance(v, str) for v in value):
+            self.fail(self.key(name), "must be a list of strings")
+        return tuple(value)
+
+    def done(self) -> None:
+        unknown = sorted(set(self.table) - self.seen)
+        if unknown:
+            self.fail(self.key(unknown[0]), "unknown key (check its spelling against config.example.toml)")
+
+
+def _describe(kinds: tuple) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "a table"}
+    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
