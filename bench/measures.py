@@ -7,6 +7,8 @@ import math
 import os
 import resource
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 from statistics import median
 
@@ -22,6 +24,7 @@ from loads import (
 from peers import PORTKEY, litellm_headers, portkey_headers
 from procs import free_port, peak_rss_kib
 from report import ratio, spread, table
+from runtime_keys import make_keys
 from upstreams import (
     CHUNKS,
     EMBEDDING_DIMENSIONS,
@@ -37,6 +40,9 @@ PT_LINES = "pass-through, line by line"
 GW_EVENT = "kilnproxy, no-op transform_event plugin"
 NO_LEDGER = "kilnproxy, usage accounting off"
 PER_MINUTE = "kilnproxy, per-minute limits on"  # requests and tokens per minute on the org, never reached
+RUNTIME_KEY_COUNT = 10_000
+RUNTIME_KEYS = f"kilnproxy, {RUNTIME_KEY_COUNT:,} runtime keys"  # in its SQLite store; the load sends one of them
+TRACING = "kilnproxy, tracing on"  # every request traced, spans exported to a local OTLP/HTTP receiver
 PEER_STREAMS = 2000  # M5: streams a peer holds open
 SLOTS, QUEUE_CLIENTS, QUEUE_STREAMS = 4, 64, 128  # M7: an upstream's slots; clients at once; streams a round
 QUEUED = f"kilnproxy, {SLOTS} slots, {QUEUE_CLIENTS} clients"
@@ -61,6 +67,7 @@ class Bench:
         self.pt_mock = passthrough("passthrough-mock", mock)
         self.sections: list[str] = []
         self.goals: list[list[str]] = []
+        self.sent: Counter[str] = Counter()  # requests wrk sent to each URL, warm-ups included
 
     # -- helpers --------------------------------------------------------------
 
@@ -98,13 +105,14 @@ class Bench:
             url, headers, sent = split(item)
             summary = wrk(url, sent, self.key, connections, self.args.seconds,
                           self.pids["/".join(url.split("/")[:3])], headers)
+            self.sent[url] += summary["requests"]
             if summary["errors"]:
                 raise LoadError(f"{url}: {summary['errors']} failed requests in {summary}")
             return summary
 
         def warm(item):
             url, headers, sent = split(item)
-            wrk(url, sent, self.key, connections, 1, headers=headers)
+            self.sent[url] += wrk(url, sent, self.key, connections, 1, headers=headers)["requests"]
         return self.rounds(named, run, warm=warm)
 
     @property
@@ -119,6 +127,52 @@ class Bench:
         if not hasattr(self, "_gw_per_minute"):
             self._gw_per_minute = self.gateway("kilnproxy-per-minute", per_minute=True)
         return self._gw_per_minute
+
+    @property
+    def gw_runtime_keys(self) -> tuple[str, dict[str, str]]:
+        """Issue 19's gateway: its SQLite store holds RUNTIME_KEY_COUNT runtime keys of the config's org
+        "bench", made before it starts; the target (URL, headers) sends one of their secrets."""
+        if not hasattr(self, "_gw_runtime_keys"):
+            name = "kilnproxy-runtime-keys"
+            db = self.procs.logdir / f"{name}.db"
+            started = time.monotonic()
+            secret = make_keys(db, "bench", RUNTIME_KEY_COUNT)
+            self.keys_made_s = time.monotonic() - started
+            url = f"{self.gateway(name, storage=f'path = {json.dumps(str(db))}')}/v1/completions"
+            try:
+                status, raw = post(url, request_body(False), secret)
+            except OSError as exc:  # urllib's HTTPError too (a 401: the key was not loaded)
+                raise LoadError(f"{url}: a runtime key's request failed: {exc}") from None
+            if status != 200 or b'"cost"' not in raw:
+                raise LoadError(f"{url}: a wrong answer to a runtime key: {status} {raw[:300]!r}")
+            self._gw_runtime_keys = (url, {"Authorization": f"Bearer {secret}"})
+        return self._gw_runtime_keys
+
+    @property
+    def gw_tracing(self) -> str:
+        """Issue 21's gateway: ``[tracing]`` on, every trace kept, spans sent to ``otlp_sink.py`` (on the
+        load CPU, as the upstreams are)."""
+        if not hasattr(self, "_gw_tracing"):
+            port = free_port()
+            self.procs.start("otlp-sink", [sys.executable, str(HERE / "otlp_sink.py"), "--port", str(port)],
+                             port=port)
+            self.otlp = f"http://127.0.0.1:{port}"
+            self._gw_tracing = self.gateway("kilnproxy-tracing", sections=(
+                f'\n[tracing]\nenabled = true\nendpoint = "{self.otlp}/v1/traces"\nsample_ratio = 1.0\n'))
+        return self._gw_tracing
+
+    def tracing_note(self) -> str:
+        """What the receiver got so far against the requests sent to the tracing gateway, and the spans its
+        log says it dropped (the last batch, up to 5 s of spans, may still be on its way)."""
+        stats = get_json(f"{self.otlp}/stats")
+        sent = self.sent[f"{self.gw_tracing}/v1/completions"]
+        log = (self.procs.logdir / "kilnproxy-tracing.log").read_text(errors="replace")
+        drops = [line for line in log.splitlines() if "span(s) dropped" in line]
+        dropped = (f"its log reports dropped spans: {drops[-1].strip()[:200]}" if drops
+                   else "its log reports no dropped span")
+        return (f"The receiver has taken {stats['spans']:,} spans in {stats['exports']:,} exports "
+                f"({stats['bytes'] / 1e6:.1f} MB) for {sent:,} requests sent to *{TRACING}* so far "
+                f"({stats['spans'] / max(sent, 1):.2f} a request); {dropped}.")
 
     def goal(self, name: str, target: str, figure: str, met: bool | None) -> None:
         self.goals.append([name, target, figure, "yes" if met else "n/a" if met is None else "**no**"])
@@ -164,7 +218,8 @@ class Bench:
     def m1(self) -> None:
         targets = {UP: f"{self.nginx}/json/v1/completions", PT: f"{self.pt_nginx}/json/v1/completions",
                    GW: f"{self.gw}/v1/completions", NO_LEDGER: f"{self.gw_no_ledger}/v1/completions",
-                   PER_MINUTE: f"{self.gw_per_minute}/v1/completions", **self.peer_targets(f"{self.nginx}/json/v1")}
+                   PER_MINUTE: f"{self.gw_per_minute}/v1/completions", RUNTIME_KEYS: self.gw_runtime_keys,
+                   TRACING: f"{self.gw_tracing}/v1/completions", **self.peer_targets(f"{self.nginx}/json/v1")}
         res = self.wrk_rounds(targets, request_body(False), 1)
         p50 = {k: [s["p50_us"] / 1000 for s in v] for k, v in res.items()}
         p99 = {k: [s["p99_us"] / 1000 for s in v] for k, v in res.items()}
@@ -182,12 +237,27 @@ class Bench:
             "anything (their windows kept per request). "
             f"*{NO_LEDGER}*: the M6 variant whose ledger stores nothing: the difference to kilnproxy is "
             "the wait for the row's commit (committed before the response ends; WAL checkpoints run "
-            "in the background, never inside that commit).")
+            "in the background, never inside that commit). " + self.variants_note() + " " + self.tracing_note())
         self.goal("M1", "p50 added over pass-through ≤ 0.1 ms", spread(added, "{:.3f} ms"), median(added) <= 0.1)
         self.goal("M1", "p99 ≤ 2× the pass-through's p99", spread(p99_ratio, "{:.2f}×"), median(p99_ratio) <= 2)
         limits = [m - g for m, g in zip(p50[PER_MINUTE], p50[GW])]
         self.goal("M1", "per-minute limits on: p50 within noise of kilnproxy without (difference)",
                   spread(limits, "{:+.3f} ms"), None)
+        keys = [k - g for k, g in zip(p50[RUNTIME_KEYS], p50[GW])]
+        self.goal("M1", f"{RUNTIME_KEY_COUNT:,} runtime keys in the store: p50 within noise of kilnproxy with "
+                  "its config key (difference)", spread(keys, "{:+.3f} ms"), None)
+        traced = [t - g for t, g in zip(p50[TRACING], p50[GW])]
+        self.goal("M1", "tracing on: p50 added over tracing off (difference)", spread(traced, "{:+.3f} ms"), None)
+
+    def variants_note(self) -> str:
+        made = f" (made in {self.keys_made_s:.0f} s)" if hasattr(self, "keys_made_s") else ""
+        return (f"*{RUNTIME_KEYS}*: the gateway's SQLite store holds {RUNTIME_KEY_COUNT:,} keys of the org, "
+                f"created before it started{made} as the admin API creates them, and the load sends one of "
+                "their secrets (kilnproxy authenticates from the store's snapshot in memory; its config has "
+                f"one key, the one the other rows send). *{TRACING}*: `[tracing] enabled = true`, "
+                "`sample_ratio = 1.0`, spans exported over OTLP/HTTP to a local receiver that counts them "
+                f"and answers 200 (`bench/otlp_sink.py`, CPU {self._load_cpu()}); the exporter's thread is in "
+                "the gateway's process and its CPU time.")
 
     def throughput_table(self, res: dict, per: int, unit: str, base: dict[str, str] | None = None,
                          gw: str = GW, pt: str = PT) -> tuple[list[list[str]], list[float], list[float]]:
@@ -211,17 +281,27 @@ class Bench:
     def m2(self) -> None:
         targets = {UP: f"{self.nginx}/json/v1/completions", PT: f"{self.pt_nginx}/json/v1/completions",
                    GW: f"{self.gw}/v1/completions", PER_MINUTE: f"{self.gw_per_minute}/v1/completions",
+                   RUNTIME_KEYS: self.gw_runtime_keys, TRACING: f"{self.gw_tracing}/v1/completions",
                    **self.peer_targets(f"{self.nginx}/json/v1")}
         res = self.wrk_rounds(targets, request_body(False), 64)
         rows, measured, by_core = self.throughput_table(res, 1, "requests")
         self.sections.append("## M2 throughput, non-streamed, 64 in flight (wrk -c64)\n\n" + table(rows[0], rows[1:])
                              + f"\n\nThe upstream row is nginx sharing CPU {self._load_cpu()} with wrk: its own "
-                             "rate, a lower bound. *per full core*: 1 s / CPU time per request of that process.")
+                             "rate, a lower bound. *per full core*: 1 s / CPU time per request of that process. "
+                             + self.variants_note() + " " + self.tracing_note())
         self.goal("M2", "≥ 100% of pass-through requests/s (per full core; measured)",
                   f"{spread(by_core, '{:.0f}%')}; {spread(measured, '{:.0f}%')}", median(by_core) >= 100)
         limits = [g["cpu_us"] / m["cpu_us"] * 100 for g, m in zip(res[GW], res[PER_MINUTE])]
         self.goal("M2", "per-minute limits on: requests/s per core within noise of kilnproxy without",
                   spread(limits, "{:.0f}%"), None)
+        keys = [g["cpu_us"] / k["cpu_us"] * 100 for g, k in zip(res[GW], res[RUNTIME_KEYS])]
+        self.goal("M2", f"{RUNTIME_KEY_COUNT:,} runtime keys in the store: requests/s per core within noise of "
+                  "kilnproxy with its config key", spread(keys, "{:.0f}%"), None)
+        traced = [g["cpu_us"] / t["cpu_us"] * 100 for g, t in zip(res[GW], res[TRACING])]
+        traced_measured = [t["rps"] / g["rps"] * 100 for g, t in zip(res[GW], res[TRACING])]
+        self.goal("M2", "tracing on (exporting to a local receiver): requests/s within 10% of off "
+                  "(per full core; measured)",
+                  f"{spread(traced, '{:.0f}%')}; {spread(traced_measured, '{:.0f}%')}", median(traced) >= 90)
 
     def m3(self) -> None:
         body = request_body(True, model="bench-stream")

@@ -55,7 +55,8 @@ def model_lines(spec: str | dict) -> str:
 
 
 def gateway_config(path: Path, db: Path, port: int, upstreams: dict[str, str | dict], plugin: str | None = None,
-                   storage: str | None = None, per_minute: bool = False) -> Path:
+                   storage: str | None = None, per_minute: bool = False, sections: str = "") -> Path:
+    """``sections``: more TOML tables, appended as they are (e.g. ``[tracing]``)."""
     models = "".join(f"""
 [[models]]
 id = "{model}"
@@ -89,7 +90,7 @@ org = "bench"
 [plugins]
 modules = [{f'"{plugin}"' if plugin else ""}]
 entry_points = false
-""")
+{sections}""")
     return path
 
 
@@ -135,10 +136,10 @@ def main() -> int:
 
         def gateway(name: str, plugin: str | None = None, argv_head: list[str] | None = None,
                     extra: dict[str, str | dict] | None = None, storage: str | None = None,
-                    per_minute: bool = False) -> str:
+                    per_minute: bool = False, sections: str = "") -> str:
             port = free_port()
             cfg = gateway_config(work / f"{name}.toml", work / f"{name}.db", port, {**upstreams, **(extra or {})},
-                                 plugin, storage, per_minute)
+                                 plugin, storage, per_minute, sections)
             head = argv_head or [PY, "-m", "kilnproxy", "serve"]
             url = f"http://127.0.0.1:{port}"
             pids[url] = procs.start(name, head + ["--config", str(cfg)], cpus=gw_cpus, port=port).pid
