@@ -23,6 +23,8 @@ UPSTREAM_MODEL = b'"model":"gemma3-270m"'
 PRICING = {"prompt": 0.10, "completion": 0.30}  # kilnproxy.testing's test model
 NON_STREAMED = ["completions", "chat", "chat-n2"]
 STREAMED = ["completions-stream", "chat-stream", "completions-stream-n2", "completions-stream-pings"]
+JSON_ANSWERS = ["responses", "messages", "embeddings"]  # the names test_recorded_llamacpp_apis.py replays
+STREAMS = ["responses-stream", "messages-stream"]
 
 
 def fixture_path(name: str):
@@ -74,7 +76,8 @@ async def send(h, body) -> tuple[int, str, bytes, str]:
 def test_every_shipped_fixture_is_replayed_here_and_small():
     names = {p.stem for p in FIXTURES.glob("*.json")}
     assert names == {*NON_STREAMED, *STREAMED, "completions-stream-over-context", "completions-stream-error",
-                     "completions-500", "chat-stream-client-leaves"}
+                     "completions-500", "chat-stream-client-leaves",
+                     *JSON_ANSWERS, *STREAMS}  # the other APIs', replayed in test_recorded_llamacpp_apis.py
     for name in names:
         raw = fixture_path(name).read_bytes()
         assert len(raw) < 24_000, name

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from .stack import GatewayProcess, LlamaServer
-from .support import KEY, Stack, gateway_toml
+from .support import EMBED_ALIAS, KEY, Stack, gateway_toml
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +32,20 @@ def stack(tmp_path_factory) -> Stack:
         if gateway is not None:
             gateway.stop(signal.SIGINT)  # no drain: the run is over
         llama.stop()
+
+
+@pytest.fixture(scope="session")
+def embedder(tmp_path_factory) -> LlamaServer:
+    """A second, one-slot llama.cpp that serves ``/v1/embeddings`` (as ``EMBED_ALIAS``), started on first use.
+
+    llama.cpp serves embeddings only when started with ``--embeddings``, and with a pooling other
+    than ``none`` (Gemma's own, which ``/v1/embeddings`` refuses)."""
+    server = LlamaServer(tmp_path_factory.mktemp("embedder"), alias=EMBED_ALIAS, parallel=1,
+                         extra=("--embeddings", "--pooling", "mean"), name="llama-server-embeddings")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

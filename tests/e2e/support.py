@@ -21,13 +21,17 @@ from kilnproxy.usage import round_usd
 from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
 
 MODEL = "gemma-e2e"  # the catalog id; llama.cpp calls it LLAMA_ALIAS, so every chunk's model is rewritten
+EMBED_ALIAS = "gemma3-270m-embed"  # the second llama.cpp, started with --embeddings (conftest's ``embedder``)
+ENDPOINTS = ["completions", "chat/completions", "embeddings", "responses", "messages"]
 KEY = "sk-e2e-acme"
 TIGHT_KEY = "sk-e2e-tight"  # org "tight": max_in_flight = TIGHT_LIMIT
 TIGHT_LIMIT = 3
 PRICING = {"prompt": 0.5, "completion": 1.5, "cached_prompt": 0.25}  # USD per million tokens
 
 
-def gateway_toml(llama_url: str, db: Path) -> str:
+def gateway_toml(llama_url: str, db: Path, upstream_model: str = LLAMA_ALIAS) -> str:
+    """The e2e gateway: ``MODEL`` served by the llama.cpp at ``llama_url`` (as ``upstream_model``), on
+    every endpoint (the stack's llama.cpp answers embeddings with a 501: only ``embedder`` serves them)."""
     return textwrap.dedent(f"""\
         [server]
         host = "127.0.0.1"
@@ -39,8 +43,9 @@ def gateway_toml(llama_url: str, db: Path) -> str:
         [[models]]
         id = "{MODEL}"
         upstreams = ["{llama_url}/v1"]
-        upstream_model = "{LLAMA_ALIAS}"
+        upstream_model = "{upstream_model}"
         context_window = {N_CTX_PER_SLOT}
+        endpoints = {orjson.dumps(ENDPOINTS).decode()}
         [models.pricing]
         prompt = {PRICING["prompt"]}
         completion = {PRICING["completion"]}

@@ -8,7 +8,7 @@ predicted) or its ``/tokenize``.
 
 llama.cpp serves embeddings only when started with ``--embeddings`` (and a
 pooling other than ``none``: Gemma's own is ``none``, which ``/v1/embeddings``
-refuses), so this module starts a second, one-slot server for them. The
+refuses), so a second, one-slot server serves them (conftest's ``embedder``). The
 stack's server, without ``--embeddings``, answers ``/v1/embeddings`` with 501,
 which the gateway turns into a 502 with one row.
 """
@@ -30,6 +30,7 @@ from kilnproxy.testing import usage_rows
 
 from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
 from .support import (
+    EMBED_ALIAS,
     GENERATION_HEADER,
     KEY,
     PRICING,
@@ -40,7 +41,6 @@ from .support import (
 
 MODEL = "gemma-apis"  # the stack's llama.cpp: completions, responses, messages (and embeddings, which it refuses)
 EMBED_MODEL = "gemma-embed"  # the embeddings server
-EMBED_ALIAS = "gemma3-270m-embed"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -74,10 +74,8 @@ class Apis:
 
 
 @pytest.fixture(scope="module")
-def apis(stack, tmp_path_factory):
+def apis(stack, embedder, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("apis")
-    embedder = LlamaServer(workdir, alias=EMBED_ALIAS, parallel=1, extra=("--embeddings", "--pooling", "mean"),
-                           name="llama-server-embeddings")
     gateway = None
     try:
         config = workdir / "kilnproxy.toml"
@@ -111,7 +109,6 @@ def apis(stack, tmp_path_factory):
     finally:
         if gateway is not None:
             gateway.stop(signal.SIGINT)  # no drain: nothing is in flight
-        embedder.stop()
 
 
 @pytest.fixture

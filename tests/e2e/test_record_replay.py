@@ -6,7 +6,9 @@ to a second gateway whose upstream replays that recording: status, content
 type and body must be equal byte for byte (for the client that leaves early:
 every byte it read). The recordings are kept: ``make fixtures`` runs this file
 with ``--kilnproxy-record kilnproxy/recordings/llamacpp``, which is how the
-fixtures that ``make test`` replays (tests/test_recorded_llamacpp.py) are made.
+fixtures that ``make test`` replays (tests/test_recorded_llamacpp.py and
+tests/test_recorded_llamacpp_apis.py) are made. The embeddings scenario records
+the second llama.cpp, the one started with ``--embeddings`` (conftest's ``embedder``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from kilnproxy.fixtures.format import load
 from kilnproxy.testing import Replay, usage_rows
 from kilnproxy.web.server import start_gateway
 
-from .support import GENERATION_HEADER, KEY, MODEL, gateway_toml
+from .stack import LLAMA_ALIAS
+from .support import EMBED_ALIAS, GENERATION_HEADER, KEY, MODEL, gateway_toml
 from .test_llama_quirks import DEAD_END, LONG_PROMPT, OVERFLOW_PROMPT
 
 SAMPLING = {"temperature": 0, "seed": 7, "cache_prompt": False}
@@ -30,6 +33,7 @@ PROMPT = {"prompt": "The capital of France is"}
 CHAT = {"messages": [{"role": "user", "content": "Name the capital of France."}]}
 STORY = {"messages": [{"role": "user", "content": "Tell me a long story."}]}
 LEAVE_AFTER = 5  # frames the leaving client reads
+EMBED_INPUT = {"input": ["Paris", "The capital of Italy is Rome."], "encoding_format": "base64"}  # the SDK's way
 
 # name: (endpoint, client body); the fixture is saved as <name>.json
 SCENARIOS = {
@@ -49,13 +53,20 @@ SCENARIOS = {
     "completions-500": ("completions", {"prompt": "Say a", **DEAD_END}),
     "chat-stream-client-leaves": ("chat/completions", {**STORY, "max_tokens": 400, "ignore_eos": True,
                                                        **SAMPLING, "stream": True}),
+    "responses": ("responses", {"input": "The capital of France is", "max_output_tokens": 4, **SAMPLING}),
+    "responses-stream": ("responses", {"input": "The capital of France is", "max_output_tokens": 4, **SAMPLING,
+                                       "stream": True}),
+    "messages": ("messages", {**CHAT, "max_tokens": 4, **SAMPLING}),
+    "messages-stream": ("messages", {**CHAT, "max_tokens": 4, **SAMPLING, "stream": True}),
+    "embeddings": ("embeddings", EMBED_INPUT),
 }
 
 
 @asynccontextmanager
-async def gateway(upstream: str, folder: Path):
+async def gateway(upstream: str, folder: Path, upstream_model: str):
     """A gateway with the e2e config in front of ``upstream`` (a base URL without /v1)."""
-    config = parse_config(tomllib.loads(gateway_toml(upstream, folder / "usage.db")), source="<e2e>")
+    toml = gateway_toml(upstream, folder / "usage.db", upstream_model)
+    config = parse_config(tomllib.loads(toml), source="<e2e>")
     running = await start_gateway(config)
     try:
         yield running
@@ -84,20 +95,23 @@ async def exchange(http, url: str, upstream: str, endpoint: str, body: dict,
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_replay_gives_the_client_what_llama_gave(stack, http, tmp_path, kilnproxy_recorder, eventually,
-                                                       name):
+                                                       request, name):
     endpoint, body = SCENARIOS[name]
     leave = name.endswith("client-leaves")
+    llama_url, alias = ((request.getfixturevalue("embedder").url, EMBED_ALIAS) if endpoint == "embeddings"
+                        else (stack.llama_url, LLAMA_ALIAS))
     (tmp_path / "live").mkdir()
     (tmp_path / "replay").mkdir()
-    async with kilnproxy_recorder(stack.llama_url) as rec:
-        async with gateway(rec.url, tmp_path / "live") as gw:
+    async with kilnproxy_recorder(llama_url) as rec:
+        async with gateway(rec.url, tmp_path / "live", alias) as gw:
             live = await exchange(http, gw.url, rec.url, endpoint, body, leave)
             await eventually(lambda: rec.saved)
         path = rec.saved[-1].replace(rec.saved[-1].with_name(f"{name}.json"))
     fixture = load(path)
-    assert fixture.body["model"] == "gemma3-270m" and fixture.end == ("client_gone" if leave else "eof")
+    assert fixture.body["model"] == alias and fixture.end == ("client_gone" if leave else "eof")
+    assert live[0] == 200 or name in ("completions-500", "completions-stream-over-context"), live
 
-    async with Replay(fixture) as replayer, gateway(replayer.url, tmp_path / "replay") as gw:
+    async with Replay(fixture) as replayer, gateway(replayer.url, tmp_path / "replay", alias) as gw:
         replayed = await exchange(http, gw.url, replayer.url, endpoint, body, leave)
     assert replayed[:3] == live[:3]
 
@@ -106,6 +120,6 @@ async def test_replay_gives_the_client_what_llama_gave(stack, http, tmp_path, ki
     if leave:  # the replay ran ahead of the client: more tokens reached the gateway before it left
         assert live_row["disconnected"] == replay_row["disconnected"] == 1
         return
-    keep = ("status", "error_code", "stream", "prompt_tokens", "completion_tokens", "finish_reason", "cost",
-            "disconnected")
+    keep = ("endpoint", "status", "error_code", "stream", "prompt_tokens", "completion_tokens", "cached_tokens",
+            "finish_reason", "cost", "disconnected")
     assert {k: live_row[k] for k in keep} == {k: replay_row[k] for k in keep}

@@ -20,10 +20,12 @@ SHIPPED = sorted(p.name for p in (RECORDINGS / "llamacpp").glob("*.json"))
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-async def test_replay_against_the_live_llama_finds_no_difference(stack, name):
+async def test_replay_against_the_live_llama_finds_no_difference(stack, request, name):
     path = RECORDINGS / "llamacpp" / name
+    # embeddings were recorded from the llama.cpp started with --embeddings
+    url = request.getfixturevalue("embedder").url if name.startswith("embeddings") else stack.llama_url
     proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "kilnproxy", "replay", str(path),
-                                                    "--against", f"{stack.llama_url}/v1"],
+                                                    "--against", f"{url}/v1"],
                                    capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1] == f"{path}: 0 difference(s) in shape against {stack.llama_url}/v1"
+    assert proc.stdout.splitlines()[-1] == f"{path}: 0 difference(s) in shape against {url}/v1"
