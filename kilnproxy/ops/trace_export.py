@@ -140,7 +140,11 @@ class BoundedProcessor(BatchSpanProcessor):
                          max_export_batch_size=min(512, max_queue_size))
         self.quiet = exporter
         self.max_queue_size = max_queue_size
-        self._queue = getattr(self._batch_processor, "_queue", None)  # the SDK's deque(maxlen=max_queue_size)
+        batch = self._batch_processor
+        self._queue = getattr(batch, "_queue", None)  # the SDK's deque(maxlen=max_queue_size)
+        self._batch_size = getattr(batch, "_max_export_batch_size", 0)
+        if not hasattr(batch, "_shutdown") or not hasattr(batch, "emit"):
+            self._queue = None  # an SDK built otherwise: its own on_end, with no count of overflows
 
     def shutdown(self, timeout_millis: float = 30000) -> None:
         """Export what is queued for ``timeout_millis`` at most, then stop the exporter (which ends its
@@ -155,6 +159,18 @@ class BoundedProcessor(BatchSpanProcessor):
         return len(self._queue) if self._queue is not None else 0
 
     def on_end(self, span) -> None:
-        if self._queue is not None and len(self._queue) >= self.max_queue_size and span.context.trace_flags.sampled:
+        """Queue an ended span: on the event loop, once per span, so the common case (sampled, the queue
+        neither full nor a batch long) is one append; the rest goes the SDK's way (``emit``: dropping the
+        oldest of a full queue, waking the exporter's thread for a full batch, refusing after shutdown)."""
+        queue = self._queue
+        if queue is None:
+            return super().on_end(span)
+        if not span.context.trace_flags.sampled:
+            return
+        queued = len(queue)
+        if queued >= self.max_queue_size:
             self.quiet.drop(1, f"the queue of spans to send is full ({self.max_queue_size})")
-        super().on_end(span)
+        elif queued + 1 < self._batch_size and not self._batch_processor._shutdown:
+            queue.appendleft(span)
+            return
+        self._batch_processor.emit(span)

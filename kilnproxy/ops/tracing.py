@@ -85,7 +85,7 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}),
@@ -103,8 +103,8 @@ class Tracing:
         self.tracer = self.provider.get_tracer("kilnproxy")
         self.propagator = TraceContextTextMapPropagator()
         self.kinds = SpanKind
-        self.in_context = set_span_in_context
         self.error = lambda code: Status(StatusCode.ERROR, code)
+        self.new_child = _child_maker(self)
         self.trace_url = config.trace_url
         self.trace_ids: OrderedDict[str, str] | None = OrderedDict() if config.trace_url else None
 
@@ -127,10 +127,71 @@ class Tracing:
         self.provider.shutdown()
 
 
+def _child_maker(tracing: Tracing):
+    """``new_child(parent_span, name, kind, attributes)``: a started child span of this process's own span.
+
+    The tracer's ``start_span`` looks the parent up in a context, asks the sampler, builds the sampling
+    result and goes through the provider's list of processors: several µs of the event loop per span.
+    A child of a span of ours needs none of it (parent-based sampling: sampled exactly when its parent
+    is), so it is made as the tracer makes it, with the same resource, scope, limits and ids, and handed
+    to the one processor straight away. An SDK without that constructor gets the tracer's way."""
+    from opentelemetry.sdk.trace import _Span
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    tracer, processor = tracing.tracer, tracing.processor
+    new_span_id = tracer.id_generator.generate_span_id
+    resource, limits = tracer.resource, tracer._span_limits
+    scope, info = tracer._instrumentation_scope, tracer.instrumentation_info
+    sampler, internal = tracer.sampler, tracing.kinds.INTERNAL
+
+    def by_the_tracer(parent, name, kind=internal, attributes=None):
+        return tracer.start_span(name, context=set_span_in_context(parent), kind=kind, attributes=attributes)
+
+    def new_child(parent, name, kind=internal, attributes=None):
+        context = parent.get_span_context()
+        if not context.trace_flags.sampled:  # not recorded, but its id is sent upstream
+            return NonRecordingSpan(SpanContext(context.trace_id, new_span_id(), False, context.trace_flags,
+                                                context.trace_state))
+        span = _Span(name, SpanContext(context.trace_id, new_span_id(), False, context.trace_flags,
+                                       context.trace_state),
+                     context, sampler, None, resource, attributes, None, (), kind, processor, info,
+                     limits=limits, instrumentation_scope=scope)
+        span.start()
+        return span
+
+    try:  # the constructor's arguments as this SDK has them (a span started, never ended: never sent)
+        new_child(NonRecordingSpan(SpanContext(1, 1, False, TraceFlags(TraceFlags.SAMPLED))), "probe")
+    except Exception:  # an SDK whose private constructor differs
+        return by_the_tracer
+    return new_child
+
+
+class _Admission:
+    """``with trace.admission():`` the admission span, ended on the way out (an exception recorded on it, as
+    the SDK's ``use_span`` does), without making it the current span: nothing under it starts spans."""
+
+    __slots__ = ("trace", "span")
+
+    def __init__(self, trace: "RequestTrace"):
+        self.trace = trace
+        self.span = None
+
+    def __enter__(self):
+        self.span = self.trace.child("kilnproxy.admission")
+        return self.span
+
+    def __exit__(self, kind, exc, tb) -> None:
+        span = self.span
+        if exc is not None and span.is_recording():
+            span.record_exception(exc)
+            span.set_status(self.trace.tracing.error(f"{kind.__name__}: {exc}"))
+        span.end()
+
+
 class RequestTrace:
     """One request's spans; the request path calls it at each part (``kilnproxy.proxy``)."""
 
-    __slots__ = ("tracing", "span", "context", "operation", "_attempt", "_stream")
+    __slots__ = ("tracing", "span", "operation", "_attempt", "_stream")
 
     def __init__(self, tracing: Tracing, parent, endpoint: str, call):
         self.tracing = tracing
@@ -138,7 +199,6 @@ class RequestTrace:
         self.span = tracing.tracer.start_span(self.operation, context=parent, kind=tracing.kinds.SERVER, attributes={
             "gen_ai.operation.name": self.operation, "kilnproxy.org": call.org,
             "kilnproxy.generation_id": call.generation_id})
-        self.context = tracing.in_context(self.span)
         self._attempt = None
         self._stream = None
         ids = tracing.trace_ids
@@ -154,23 +214,27 @@ class RequestTrace:
         return format(context.trace_id, "032x") if context.trace_flags.sampled else None
 
     def child(self, name: str, kind=None, attributes=None):
-        return self.tracing.tracer.start_span(name, context=self.context, kind=kind or self.tracing.kinds.INTERNAL,
-                                              attributes=attributes)
+        return self.tracing.new_child(self.span, name, kind or self.tracing.kinds.INTERNAL, attributes)
 
-    def admission(self):
+    def admission(self) -> _Admission:
         """A context manager around the slot and hold."""
-        return self.tracing.tracer.start_as_current_span("kilnproxy.admission", context=self.context,
-                                                         end_on_exit=True)
+        return _Admission(self)
 
     def model(self, requested: str) -> None:
         self.span.set_attribute("gen_ai.request.model", requested)
         self.span.update_name(f"{self.operation} {requested}")
 
     def attempt(self, base_url: str, headers: dict) -> dict:
-        """An upstream attempt begins: its span, and the headers that carry it upstream."""
-        self._attempt = self.child("kilnproxy.upstream", self.tracing.kinds.CLIENT, {"server.address": base_url})
+        """An upstream attempt begins: its span, and the headers that carry it upstream (W3C trace context,
+        written as the SDK's propagator writes it)."""
+        span = self._attempt = self.child("kilnproxy.upstream", self.tracing.kinds.CLIENT,
+                                          {"server.address": base_url})
+        context = span.get_span_context()
         carrier = dict(headers)
-        self.tracing.propagator.inject(carrier, context=self.tracing.in_context(self._attempt))
+        if context.is_valid:
+            carrier["traceparent"] = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+            if context.trace_state:
+                carrier["tracestate"] = context.trace_state.to_header()
         return carrier
 
     def attempt_done(self, status: int | None, problem: str | None = None) -> None:
