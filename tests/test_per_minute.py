@@ -121,3 +121,20 @@ async def test_two_replica_processes_share_an_orgs_requests_per_minute(tmp_path,
         assert sorted(statuses) == [200] * 5 + [429] * 11
     finally:
         await stop_all(a, b)
+
+
+def test_a_long_window_is_compacted_and_settles_what_is_still_in_it():
+    now = [0.0]
+    windows = MinuteWindows(clock=lambda: now[0])
+    bounds = [("org:acme", None, None)]
+    for i in range(6000):  # 6000 admissions over 180 s, each checked first as the gateway does
+        now[0] = i * 0.03
+        assert windows.full(bounds) is None
+        windows.take(f"g{i}", 10, ["org:acme"])
+    window = windows._windows["org:acme"]
+    assert window.dropped > 0 and len(window.times) < 6000  # what left the window was let go
+    windows.settle("g10", 1)  # left the window long ago: nothing changes
+    windows.settle("g5999", 4)
+    assert windows.usage("org:acme") == (2000, 2000 * 10 - 6)  # the last 60 s: admissions 4000-5999
+    windows.settle("g5998", 0)
+    assert windows.usage("org:acme") == (2000, 2000 * 10 - 16)

@@ -1,67 +1,76 @@
 """Per-minute limits in one process: the admissions of the last 60 seconds of each org and key.
 
 A request admitted under a ``requests_per_minute`` or ``tokens_per_minute``
-bound leaves an ``Entry`` in the window of its org and of its key: it counts
-as one request and as the tokens reserved for it (its prompt estimate plus
+bound takes a place in the window of its org and of its key: it counts as one
+request and as the tokens reserved for it (its prompt estimate plus
 ``max_tokens``, or the context window) until its row settles them to the real
-count. An entry leaves the windows 60 seconds after its admission, so the
-bounds hold over any 60 seconds, not per calendar minute. Each window keeps
-running totals: a check costs no walk over its entries.
+count. A place leaves the window 60 seconds after its admission, so the bounds
+hold over any 60 seconds, not per calendar minute. Each window keeps running
+totals: a check costs no walk over its places.
+
+A busy org has a minute of admissions in its window (tens of thousands): they
+are kept as plain numbers in two lists, not as objects, so that they cost the
+garbage collector nothing to walk.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 WINDOW_SECONDS = 60.0
 
 
-class Entry:
-    __slots__ = ("at", "tokens", "windows")
-
-    def __init__(self, at: float, tokens: int):
-        self.at = at
-        self.tokens = tokens
-        self.windows: list[Window] = []
-
-
 class Window:
-    __slots__ = ("entries", "requests", "tokens")
+    __slots__ = ("times", "tokens", "head", "dropped", "requests", "total")
 
     def __init__(self) -> None:
-        self.entries: deque[Entry] = deque()
+        self.times: list[float] = []  # admission times, oldest first, from ``head`` on
+        self.tokens: list[int] = []
+        self.head = 0  # the first place still in the window
+        self.dropped = 0  # places compacted away before ``times[0]``: a place's number is dropped + index
         self.requests = 0
-        self.tokens = 0
+        self.total = 0  # tokens
 
     def trim(self, now: float) -> None:
-        entries, start = self.entries, now - WINDOW_SECONDS
-        while entries and entries[0].at <= start:
-            entry = entries.popleft()
-            self.requests -= 1
-            self.tokens -= entry.tokens
-            entry.windows.remove(self)
+        times, start, head = self.times, now - WINDOW_SECONDS, self.head
+        while head < len(times) and times[head] <= start:
+            self.total -= self.tokens[head]
+            head += 1
+        self.requests -= head - self.head
+        self.head = head
+        if head > 1024 and head * 2 > len(times):  # compact: drop what has left the window
+            del times[:head], self.tokens[:head]
+            self.dropped += head
+            self.head = 0
 
     def full(self, requests_per_minute: int | None, tokens_per_minute: int | None) -> bool:
         """The next admission would pass a bound: as many requests as allowed already, or the tokens
         used and reserved by the others at or above the bound (so a minute overruns by one request)."""
         return (requests_per_minute is not None and self.requests >= requests_per_minute
-                or tokens_per_minute is not None and self.tokens >= tokens_per_minute)
+                or tokens_per_minute is not None and self.total >= tokens_per_minute)
 
-    def add(self, entry: Entry) -> None:
-        self.entries.append(entry)
+    def add(self, at: float, tokens: int) -> int:
+        """A new place; returns its number."""
+        self.times.append(at)
+        self.tokens.append(tokens)
         self.requests += 1
-        self.tokens += entry.tokens
-        entry.windows.append(self)
+        self.total += tokens
+        return self.dropped + len(self.times) - 1
+
+    def settle(self, place: int, tokens: int) -> None:
+        index = place - self.dropped
+        if index >= self.head:  # still in the window
+            self.total += tokens - self.tokens[index]
+            self.tokens[index] = tokens
 
 
 class MinuteWindows:
-    """The windows of every org and key with a per-minute bound, and the entries not yet settled."""
+    """The windows of every org and key with a per-minute bound, and the places not yet settled."""
 
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
         self._windows: dict[str, Window] = {}
-        self._open: dict[str, Entry] = {}  # generation id -> its entry, until its row settles it
+        self._open: dict[str, tuple] = {}  # generation id -> ((window, place), ...), until its row settles
 
     def full(self, bounds: list[tuple[str, int | None, int | None]]) -> str | None:
         """The first of ``(window name, requests_per_minute, tokens_per_minute)`` that is full, or None."""
@@ -75,24 +84,20 @@ class MinuteWindows:
         return None
 
     def take(self, generation_id: str, tokens: int, names: list[str]) -> None:
-        entry = Entry(self.clock(), tokens)
+        now = self.clock()
+        places = []
         for name in names:
             window = self._windows.get(name)
             if window is None:
                 window = self._windows[name] = Window()
-            window.add(entry)
-        self._open[generation_id] = entry
+            places.append((window, window.add(now, tokens)))
+        self._open[generation_id] = tuple(places)
 
     def settle(self, generation_id: str, tokens: int) -> None:
         """The request's row: its real token count replaces what was reserved (in the windows it
         is still in)."""
-        entry = self._open.pop(generation_id, None)
-        if entry is None:
-            return
-        delta = tokens - entry.tokens
-        entry.tokens = tokens
-        for window in entry.windows:
-            window.tokens += delta
+        for window, place in self._open.pop(generation_id, ()):
+            window.settle(place, tokens)
 
     def usage(self, name: str) -> tuple[int, int]:
         """``(requests, tokens)`` of the window ``name`` over the last 60 s (metrics, tests)."""
@@ -100,4 +105,4 @@ class MinuteWindows:
         if window is None:
             return 0, 0
         window.trim(self.clock())
-        return window.requests, window.tokens
+        return window.requests, window.total
