@@ -57,8 +57,6 @@ DECLARE
     v_count INTEGER;
     v_held DOUBLE PRECISION;
     v_key_used DOUBLE PRECISION;
-    v_minute_requests BIGINT;
-    v_minute_tokens BIGINT;
     v_per_minute BOOLEAN;
 BEGIN
     SET LOCAL synchronous_commit = off;
@@ -76,11 +74,12 @@ BEGIN
          WHERE k.org = h.org AND r.seen_at > now() - make_interval(secs => p_timeout);
         v_key_used := 0;
         IF h.key_limit IS NOT NULL THEN
-            SELECT coalesce(sum(u.cost), 0) INTO v_key_used
-              FROM usage_events u WHERE u.key_id = h.key_id AND u.created_at >= h.key_since;
-            v_key_used := v_key_used + coalesce((
-                SELECT sum(k.amount) FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
-                 WHERE k.key_id = h.key_id AND r.seen_at > now() - make_interval(secs => p_timeout)), 0);
+            -- one statement, one snapshot: a request settled meanwhile is a row or a hold, never neither
+            SELECT coalesce((SELECT sum(u.cost) FROM usage_events u
+                              WHERE u.key_id = h.key_id AND u.created_at >= h.key_since), 0)
+                 + coalesce((SELECT sum(k.amount) FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
+                              WHERE k.key_id = h.key_id AND r.seen_at > now() - make_interval(secs => p_timeout)), 0)
+              INTO v_key_used;
         END IF;
         v_per_minute := coalesce(h.org_rpm, h.org_tpm, h.key_rpm, h.key_tpm) IS NOT NULL;
         r_id := h.id;

@@ -119,12 +119,13 @@ BEGIN
     ELSE
         r_verdict := 'ok';
         IF h.key_limit IS NOT NULL THEN
-            SELECT coalesce(sum(u.cost), 0) INTO v_key_used
-              FROM usage_events u WHERE u.key_id = h.key_id AND u.created_at >= h.key_since;
-            v_key_used := v_key_used + coalesce((
-                SELECT sum(k.amount) FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
-                 WHERE k.key_id = h.key_id AND k.id <> h.id
-                   AND r.seen_at > now() - make_interval(secs => p_timeout)), 0);
+            -- one statement, one snapshot: a request settled meanwhile is a row or a hold, never neither
+            SELECT coalesce((SELECT sum(u.cost) FROM usage_events u
+                              WHERE u.key_id = h.key_id AND u.created_at >= h.key_since), 0)
+                 + coalesce((SELECT sum(k.amount) FROM kiln_holds k JOIN kiln_replicas r ON r.id = k.replica
+                              WHERE k.key_id = h.key_id AND k.id <> h.id
+                                AND r.seen_at > now() - make_interval(secs => p_timeout)), 0)
+              INTO v_key_used;
             IF h.key_limit - v_key_used <= 0 THEN
                 r_verdict := 'key_limit_exceeded';
             END IF;
