@@ -176,6 +176,10 @@ async def test_sighup_raising_max_in_flight_serves_the_queue(tmp_path):
             async with s.get(f"{mock.url}/mock/wait", params={"hangups": 1}) as resp:
                 assert (await resp.json())["hangups"] == 1
         await gw.wait_for("stderr", "config reloaded")
+        deadline = asyncio.get_running_loop().time() + 20
+        while len(gw.rows()) < 4:  # the left stream's row is committed just after its upstream is hung up on
+            assert asyncio.get_running_loop().time() < deadline, gw.rows()
+            await asyncio.sleep(0.02)
     finally:
         await gw.stop()
         await mock.stop()
