@@ -132,7 +132,7 @@ async def test_a_missed_first_byte_with_no_fallback_is_504(harness, hung):
 
 
 async def test_a_stream_past_request_timeout_ends_with_an_error_event(harness):
-    async with harness(configure=lambda c: c["models"][0].update(request_timeout=0.3)) as h:
+    async with harness(configure=lambda c: c["models"][0].update(request_timeout=1.0)) as h:  # room for 2 words
         async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 6,
                                               "mock": {"fail": "stall", "after": 2}}) as resp:
             assert resp.status == 200
