@@ -116,3 +116,32 @@ async def test_an_expired_key_finishes_its_stream_and_is_refused_after(harness):
         async with h.post("/v1/completions", completion_body(), key=secret) as resp:
             assert resp.status == 401
         assert [r["status"] for r in await h.rows(key_id=key["id"])] == [200]
+
+
+async def test_a_runtime_secret_is_nowhere_in_postgresql_files_the_spool_or_the_logs(
+        tmp_path, mock_url, pg_url, postgres):
+    a, b = await two_replicas(tmp_path, mock_url, pg_url, log={"access": True, "bodies": True})
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{a.url}/admin/v1/keys", json={"org": "acme", "name": "leaky"}) as resp:
+                created = await resp.json()
+            secret, key_id = created["key"], created["data"]["id"]
+            await within(PROPAGATION, lambda: _key_seen(s, b.url, secret))
+            for url in (a.url, b.url):
+                assert await status_of(s, url, secret) == 200
+            async with s.delete(f"{a.url}/admin/v1/keys/{key_id}") as resp:
+                assert resp.status == 200
+        async with Ledger(pg_url) as db:
+            await _rows(db, 2, key_id)
+        postgres.psql("CHECKPOINT")  # the tables on disk as well as in the WAL
+    finally:
+        await stop_all(a, b)
+    logs = "\n".join(line for p in (a, b) for lines in p.lines.values() for line in lines)
+    assert key_id in logs  # the access log was written, with the key's id
+    files = [p for root in (postgres.data, tmp_path) for p in root.rglob("*") if p.is_file()] + [postgres.log]
+    assert any(p.name.startswith("spool") for p in files)
+    assert any(key_id.encode() in p.read_bytes() for p in files if "pg_wal" in p.parts)  # the scan sees the key
+    for text in (secret, secret[8:]):
+        assert text not in logs
+        for path in files:
+            assert text.encode() not in path.read_bytes(), path
