@@ -134,6 +134,8 @@ async def test_a_runtime_secret_is_nowhere_in_postgresql_files_the_spool_or_the_
         async with Ledger(pg_url) as db:
             await _rows(db, 2, key_id)
         postgres.psql("CHECKPOINT")  # the tables on disk as well as in the WAL
+        for replica in (a, b):  # the access log's line of each request (written out in batches)
+            await replica.wait_for("stdout", key_id)
     finally:
         await stop_all(a, b)
     logs = "\n".join(line for p in (a, b) for lines in p.lines.values() for line in lines)
