@@ -20,7 +20,7 @@ from .deadlines import DeadlinePassed
 from .framed_relay import FramedRelay
 from .gateway import Gateway
 from .request_record import RequestRecord
-from .stream import SSE_HEADERS, KeepAlive, ShuttingDown, _drain
+from .stream import SSE_HEADERS, KeepAlive, ShuttingDown, end_stream, start_stream
 from .stream_errors import StreamPluginError
 
 
@@ -30,21 +30,12 @@ async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record
     """``first``: the stream's first bytes when they were read already (to meet a first-byte deadline)."""
     response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
     relay = FramedRelay(call, record, gw.hooks.transform_event)
-    tap = record.tap
-    await response.prepare(request)
-    record.responded = True
-    if record.trace is not None:
-        record.trace.stream_started()
-    keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
+    keepalive = await start_stream(request, gw, record, response)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive, first)
-        keepalive.cancel()
-        await gw.submit(record)
-        if tap is not None and tail:
-            tap.client_write(tail)
-        await response.write_eof(tail)
-        if relay.finished and not upstream.content.at_eof():
-            await _drain(upstream)
+        if record.tap is not None and tail:
+            record.tap.client_write(tail)
+        await end_stream(gw, record, response, keepalive, tail, upstream if relay.finished else None)
     except ConnectionResetError:
         record.disconnected = True
     finally:

@@ -53,23 +53,36 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
         relay = EventRelay(call, route, record, gw.hooks.transform_event)
     else:  # the inspector's capture: the same relay and response, recording what passes
         response, relay = record.tap.stream(record, route, gw.hooks.transform_event, {**SSE_HEADERS, **headers})
-    await response.prepare(request)
-    record.responded = True
-    if record.trace is not None:
-        record.trace.stream_started()
-    keepalive = KeepAlive(response, gw.config.server.keepalive_seconds)
+    keepalive = await start_stream(request, gw, record, response)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive, first)
-        keepalive.cancel()
-        await gw.submit(record)
-        await response.write_eof(tail)  # with the end of the chunked body: one write
-        if relay.clean_end and not upstream.content.at_eof():
-            await _drain(upstream)
+        await end_stream(gw, record, response, keepalive, tail, upstream if relay.clean_end else None)
     except ConnectionResetError:  # the client went away; the caller records it
         record.disconnected = True
     finally:
         keepalive.cancel()
     return response
+
+
+async def start_stream(request: web.BaseRequest, gw: Gateway, record: RequestRecord,
+                       response: web.StreamResponse) -> "KeepAlive":
+    """Send the status line and headers (from here an error can only be an event); the keepalive."""
+    await response.prepare(request)
+    record.responded = True
+    if record.trace is not None:
+        record.trace.stream_started()
+    return KeepAlive(response, gw.config.server.keepalive_seconds)
+
+
+async def end_stream(gw: Gateway, record: RequestRecord, response: web.StreamResponse, keepalive: "KeepAlive",
+                     tail: bytes, finished: aiohttp.ClientResponse | None) -> None:
+    """The row committed, then ``tail`` with the end of the chunked body (one write); an upstream that
+    ``finished`` its answer is read to its end, so that its connection goes back to the pool."""
+    keepalive.cancel()
+    await gw.submit(record)
+    await response.write_eof(tail)
+    if finished is not None and not finished.content.at_eof():
+        await _drain(finished)
 
 
 async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: EventRelay,
