@@ -29,9 +29,32 @@ TIGHT_LIMIT = 3
 PRICING = {"prompt": 0.5, "completion": 1.5, "cached_prompt": 0.25}  # USD per million tokens
 
 
-def gateway_toml(llama_url: str, db: Path, upstream_model: str = LLAMA_ALIAS) -> str:
+def model_toml(model_id: str, upstream: str, upstream_model: str, endpoints: list[str] = ENDPOINTS,
+               extra: str = "") -> str:
+    """One ``[[models]]`` table at the e2e prices; ``upstream``: a TOML value (a quoted URL or a table),
+    ``extra``: more lines of the table (``queue_timeout = 120``)."""
+    return textwrap.dedent(f"""\
+        [[models]]
+        id = "{model_id}"
+        upstreams = [{upstream}]
+        upstream_model = "{upstream_model}"
+        context_window = {N_CTX_PER_SLOT}
+        endpoints = {orjson.dumps(endpoints).decode()}
+        {extra}
+        [models.pricing]
+        prompt = {PRICING["prompt"]}
+        completion = {PRICING["completion"]}
+        cached_prompt = {PRICING["cached_prompt"]}
+
+        """)
+
+
+def gateway_toml(llama_url: str, db: Path, upstream_model: str = LLAMA_ALIAS, models: str | None = None) -> str:
     """The e2e gateway: ``MODEL`` served by the llama.cpp at ``llama_url`` (as ``upstream_model``), on
-    every endpoint (the stack's llama.cpp answers embeddings with a 501: only ``embedder`` serves them)."""
+    every endpoint (the stack's llama.cpp answers embeddings with a 501: only ``embedder`` serves them);
+    or the ``[[models]]`` tables given."""
+    if models is None:
+        models = model_toml(MODEL, f'"{llama_url}/v1"', upstream_model)
     return textwrap.dedent(f"""\
         [server]
         host = "127.0.0.1"
@@ -40,17 +63,7 @@ def gateway_toml(llama_url: str, db: Path, upstream_model: str = LLAMA_ALIAS) ->
         [storage]
         path = "{db}"
 
-        [[models]]
-        id = "{MODEL}"
-        upstreams = ["{llama_url}/v1"]
-        upstream_model = "{upstream_model}"
-        context_window = {N_CTX_PER_SLOT}
-        endpoints = {orjson.dumps(ENDPOINTS).decode()}
-        [models.pricing]
-        prompt = {PRICING["prompt"]}
-        completion = {PRICING["completion"]}
-        cached_prompt = {PRICING["cached_prompt"]}
-
+        """) + models + textwrap.dedent(f"""\
         [[orgs]]
         id = "acme"
         credits = 100.0

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import math
 import signal
-import textwrap
 
 import aiohttp
 import anthropic
@@ -28,35 +27,21 @@ import pytest
 
 from kilnproxy.testing import usage_rows
 
-from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
+from .stack import LLAMA_ALIAS, GatewayProcess, LlamaServer
 from .support import (
     EMBED_ALIAS,
     GENERATION_HEADER,
     KEY,
-    PRICING,
     expected_cost,
+    gateway_toml,
     llama_metric,
+    model_toml,
     wait_llama_idle,
 )
 
 MODEL = "gemma-apis"  # the stack's llama.cpp: completions, responses, messages (and embeddings, which it refuses)
 EMBED_MODEL = "gemma-embed"  # the embeddings server
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def model_toml(model_id: str, url: str, alias: str, endpoints: list[str]) -> str:
-    return f"""
-        [[models]]
-        id = "{model_id}"
-        upstreams = ["{url}/v1"]
-        upstream_model = "{alias}"
-        context_window = {N_CTX_PER_SLOT}
-        endpoints = {orjson.dumps(endpoints).decode()}
-        [models.pricing]
-        prompt = {PRICING["prompt"]}
-        completion = {PRICING["completion"]}
-        cached_prompt = {PRICING["cached_prompt"]}
-        """
 
 
 class Apis:
@@ -79,31 +64,9 @@ def apis(stack, embedder, tmp_path_factory):
     gateway = None
     try:
         config = workdir / "kilnproxy.toml"
-        config.write_text(textwrap.dedent(f"""\
-            [server]
-            host = "127.0.0.1"
-            port = 0
-
-            [storage]
-            path = "{workdir / 'usage.db'}"
-
-            [[orgs]]
-            id = "acme"
-            credits = 100.0
-            max_in_flight = 16
-
-            [[keys]]
-            key = "{KEY}"
-            org = "acme"
-            id = "acme-key"
-
-            [plugins]
-            modules = []
-            entry_points = false
-            """) + textwrap.dedent(model_toml(
-                MODEL, stack.llama_url, LLAMA_ALIAS,
-                ["completions", "chat/completions", "embeddings", "responses", "messages"]))
-            + textwrap.dedent(model_toml(EMBED_MODEL, embedder.url, EMBED_ALIAS, ["embeddings"])))
+        config.write_text(gateway_toml(stack.llama_url, workdir / "usage.db", models=(
+            model_toml(MODEL, f'"{stack.llama_url}/v1"', LLAMA_ALIAS)
+            + model_toml(EMBED_MODEL, f'"{embedder.url}/v1"', EMBED_ALIAS, ["embeddings"]))))
         gateway = GatewayProcess(workdir, ["--config", str(config)], name="kilnproxy-apis")
         yield Apis(stack, embedder, gateway, workdir / "usage.db")
     finally:

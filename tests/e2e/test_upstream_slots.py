@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import textwrap
 
 import aiohttp
 import orjson
@@ -26,14 +25,15 @@ import pytest
 
 from kilnproxy.testing import usage_rows
 
-from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, N_PARALLEL, GatewayProcess
+from .stack import LLAMA_ALIAS, N_PARALLEL, GatewayProcess
 from .support import (
     GENERATION_HEADER,
     KEY,
-    PRICING,
     expected_cost,
+    gateway_toml,
     llama_busy_slots,
     llama_metric,
+    model_toml,
     wait_llama_idle,
 )
 
@@ -47,39 +47,9 @@ def slotted(stack, tmp_path_factory):
     """A gateway whose only model sends at most N_PARALLEL requests at once to the stack's llama.cpp."""
     workdir = tmp_path_factory.mktemp("slots")
     config = workdir / "kilnproxy.toml"
-    config.write_text(textwrap.dedent(f"""\
-        [server]
-        host = "127.0.0.1"
-        port = 0
-
-        [storage]
-        path = "{workdir / 'usage.db'}"
-
-        [[models]]
-        id = "{MODEL}"
-        upstreams = [{{url = "{stack.llama_url}/v1", max_in_flight = {N_PARALLEL}}}]
-        upstream_model = "{LLAMA_ALIAS}"
-        context_window = {N_CTX_PER_SLOT}
-        queue_timeout = 120
-        [models.pricing]
-        prompt = {PRICING["prompt"]}
-        completion = {PRICING["completion"]}
-        cached_prompt = {PRICING["cached_prompt"]}
-
-        [[orgs]]
-        id = "acme"
-        credits = 100.0
-        max_in_flight = 16
-
-        [[keys]]
-        key = "{KEY}"
-        org = "acme"
-        id = "acme-key"
-
-        [plugins]
-        modules = []
-        entry_points = false
-        """))
+    slots = f'{{url = "{stack.llama_url}/v1", max_in_flight = {N_PARALLEL}}}'
+    config.write_text(gateway_toml(stack.llama_url, workdir / "usage.db", models=model_toml(
+        MODEL, slots, LLAMA_ALIAS, ["completions", "chat/completions"], extra="queue_timeout = 120")))
     gateway = GatewayProcess(workdir, ["--config", str(config)], name="kilnproxy-slots")
     try:
         yield gateway, workdir / "usage.db"
