@@ -355,3 +355,20 @@ async def test_idle_connections_are_closed_after_the_keepalive_timeout():
             assert not any(pool.open for pool in up.pools.values())
         finally:
             up.close()
+
+
+async def test_an_answer_followed_by_bytes_nobody_asked_for_is_not_reused():
+    async def two_answers(reader, writer, n, body):
+        writer.write(answer(b'{"n":%d}' % n) + answer(b'{"stray":1}'))
+
+    async with Server(two_answers) as server:
+        up = client()
+        target = RequestTarget(server.url(), ROUTE_HEADERS)
+        try:
+            for _ in range(2):
+                resp = await up.post(target, None, b"{}")
+                assert await resp.read() == b'{"n":1}'
+                resp.release()
+        finally:
+            up.close()
+        assert server.connections == 2

@@ -138,6 +138,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.response is None:  # a second answer after the one asked for: never reuse the connection
+            self.hang_up()
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_list.append((name, value))
 
