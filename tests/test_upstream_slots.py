@@ -198,11 +198,12 @@ async def test_idle_upstream_connections_close_before_the_servers_do(harness, ev
     try:
         async with harness(configure=lambda c: c["models"][0].update(upstreams=[url]),
                            overrides={"server": {"upstream_keepalive_timeout": 0.1}}) as h:
-            connector = h.gw.session.connector
+            pools = h.gw.upstream_client.pools
             for _ in range(5):
                 async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
                     assert resp.status == 200
-                await eventually(lambda: not connector._conns)  # the gateway dropped its idle connection
+                # the gateway dropped its idle connection
+                await eventually(lambda: not any(pool.open for pool in pools.values()))
             ports = [r["port"] for r in runner.app[LOG]]
             assert len(set(ports)) == 5
     finally:

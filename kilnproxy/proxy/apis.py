@@ -122,7 +122,7 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         route = rules.check_model(body, key, gw.routes)
         rules.check_endpoint(route, "messages")
         body["model"] = route.model.upstream_model
-        upstream, resp, _ = await route.open(gw.session, endpoint, orjson.dumps(body),
+        upstream, resp, _ = await route.open(gw.upstream_client, endpoint, orjson.dumps(body),
                                              headers=_upstream_headers(request))  # a free slot, or 503 at once
         try:
             raw = await read_upstream(resp)

@@ -16,6 +16,7 @@ import asyncio
 import aiohttp
 
 from ..errors import GatewayError
+from .upstream_response import UpstreamResponse
 
 
 class DeadlinePassed(aiohttp.ClientError):
@@ -53,7 +54,7 @@ def deadline_of(admitted: float, seconds: float | None) -> float | None:
     return None if seconds is None else admitted + seconds
 
 
-def watch(resp: aiohttp.ClientResponse, deadline: float | None) -> asyncio.TimerHandle | None:
+def watch(resp: UpstreamResponse, deadline: float | None) -> asyncio.TimerHandle | None:
     """End ``resp``'s body with ``DeadlinePassed`` at ``deadline``; cancel the handle once done with it."""
     if deadline is None:
         return None
@@ -61,6 +62,6 @@ def watch(resp: aiohttp.ClientResponse, deadline: float | None) -> asyncio.Timer
     return loop.call_at(deadline, _expire, resp)
 
 
-def _expire(resp: aiohttp.ClientResponse) -> None:
+def _expire(resp: UpstreamResponse) -> None:
     if not resp.content.is_eof():
         resp.content.set_exception(DeadlinePassed())

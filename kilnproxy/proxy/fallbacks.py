@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple
 
-import aiohttp
 import orjson
 
 from ..config import KeyConfig
@@ -34,12 +33,13 @@ from .deadlines import RequestTimedOut, deadline_of, request_deadline_passed
 from .gateway import Gateway
 from .request_record import RequestRecord
 from .upstream import Route, Upstream, cannot_take
+from .upstream_response import UpstreamResponse
 
 
 class Opened(NamedTuple):
     route: Route  # the model that serves
     upstream: Upstream
-    resp: aiohttp.ClientResponse
+    resp: UpstreamResponse
     first: bytes | None  # a stream's first bytes, when read to meet first_byte_timeout
     deadline: float | None  # loop time when request_timeout ends the answer
 
@@ -85,12 +85,12 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
     if deadline is not None:
         queue_deadline = min(queue_deadline, deadline)
     if deadline is None:
-        upstream, resp, first = await route.open(gw.session, call.endpoint, payload, call.stream, queue_deadline,
+        upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream, queue_deadline,
                                                  headers, record.trace)
         return Opened(route, upstream, resp, first, None)
     try:
         async with asyncio.timeout_at(deadline):
-            upstream, resp, first = await route.open(gw.session, call.endpoint, payload, call.stream,
+            upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream,
                                                      queue_deadline, headers, record.trace)
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None

@@ -29,6 +29,8 @@ from .auth import KeyRing
 from .request_record import RequestRecord
 from .tenants import Tenants
 from .upstream import Route, client_session, routes_from
+from .upstream_client import UpstreamClient
+from .upstream_response import UpstreamResponse
 
 log = logging.getLogger("kilnproxy")
 
@@ -52,14 +54,15 @@ class Gateway:
         self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
         self.admission: Admission = admission or LocalAdmission(self.credits)
         self._settled = getattr(self.admission, "settled", None)  # optional: see Admission.settled
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # off the request path: health checks, discovery, plugins
+        self.upstream_client: UpstreamClient | None = None  # the model requests (kilnproxy.proxy.upstream_client)
         self.tenancy: TenancyStore | None = None  # orgs, keys and grants made at runtime, once started
         self.tenants: Tenants | None = None
         self.started_at = int(time.time())
         # Called with (row, record) once per request, where its row is built (metrics, access log).
         self.row_observers: tuple = ()
         # Upstream responses being relayed, so a shutdown can end them (kilnproxy.ops.lifecycle).
-        self.open_upstreams: set[aiohttp.ClientResponse] = set()
+        self.open_upstreams: set[UpstreamResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
         self.tracer = None  # kilnproxy.ops.tracing's Tracing when [tracing] is on: ``begin`` a request's trace,
         # ``link(generation_id)`` its trace id and URL for the inspector (or None)
@@ -76,6 +79,7 @@ class Gateway:
         self.credits.load(await self.ledger.spent_by_org())
         await self._open_tenancy()
         self.session = client_session(self.config.server)
+        self.upstream_client = UpstreamClient(self.config.server)
         if self.hooks.record_usage:
             self._usage_queue = asyncio.Queue()
             self._usage_task = asyncio.create_task(self._notify_usage(), name="kilnproxy-record-usage")
@@ -127,6 +131,9 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
             self.session = None
+        if self.upstream_client is not None:
+            self.upstream_client.close()
+            self.upstream_client = None
 
     def plugin_settings(self, name: str) -> Mapping[str, Any]:
         """The ``[plugins.settings.<name>]`` table (empty when absent)."""

@@ -3,8 +3,9 @@
 ``Route`` holds what the request path needs to know of one catalog model.
 ``Route.open(...)`` takes a slot on the least busy upstream that is not
 marked down (waiting up to the model's ``queue_timeout`` when every slot is
-busy, ``kilnproxy.proxy.upstream_slots``), sends the body and returns the
-``aiohttp.ClientResponse`` once its status line and headers have arrived (and,
+busy, ``kilnproxy.proxy.upstream_slots``), sends the body with the gateway's
+``UpstreamClient`` (``kilnproxy.proxy.upstream_client``) and returns the
+``UpstreamResponse`` once its status line and headers have arrived (and,
 with a ``first_byte_timeout``, a stream's first bytes). An upstream that
 refuses the connection, times out, misses its first byte, or answers 429 or
 5xx before sending anything is skipped and the next one tried; refusals,
@@ -23,11 +24,12 @@ from typing import Mapping
 
 import aiohttp
 import orjson
-from aiohttp.payload import BytesPayload
 
 from ..config import ModelConfig, ServerConfig
 from ..errors import GatewayError, UpstreamFailure, no_backend_available
 from .deadlines import first_byte_missed
+from .upstream_client import RequestTarget, UpstreamClient
+from .upstream_response import UpstreamResponse
 from .upstream_slots import SlotPool, UpstreamBusy, take_slot, upstream_busy
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
@@ -106,6 +108,7 @@ class Route:
             if token:
                 self.headers["Authorization"] = f"Bearer {token}"
         self._turn = 0
+        self._targets: dict[tuple[str, str], RequestTarget] = {}  # (base URL, endpoint) -> its request head
         # Byte patterns for rewriting `model` in streamed chunks without parsing them.
         self.model_bytes = b'"model":' + orjson.dumps(model.id)
         self.upstream_model_bytes = b'"model":' + orjson.dumps(model.upstream_model)
@@ -124,15 +127,14 @@ class Route:
         rotated = ups[self._turn:] + ups[:self._turn]
         return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.slots.load())
 
-    async def open(self, session: aiohttp.ClientSession, endpoint: str, body: bytes, stream: bool = False,
+    async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
-                   trace=None) -> tuple[Upstream, aiohttp.ClientResponse, bytes | None]:
-        """Send ``body`` (with ``headers`` besides the route's own) on a slot of one of the upstreams;
-        returns the upstream, its response and, when the model has a ``first_byte_timeout`` and the
-        answer is a stream, its first bytes (else None). The caller must release the response and
-        call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the headers
-        that carry the trace."""
-        sent = self.headers if not headers else {**headers, **self.headers}
+                   trace=None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
+        """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
+        upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
+        and the answer is a stream, its first bytes (else None). The caller must release the response
+        and call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the
+        headers that carry the trace."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
@@ -146,9 +148,9 @@ class Route:
             upstream = next(u for u in candidates if u.slots is pool)
             tried.append(upstream)
             upstream.in_flight += 1
-            attempt_headers = sent if trace is None else trace.attempt(upstream.base_url, sent)
+            extra = headers if trace is None else trace.attempt(upstream.base_url, headers or {})
             try:
-                resp, first = await self._attempt(session, upstream, endpoint, body, stream, attempt_headers)
+                resp, first = await self._attempt(client, self._target(upstream, endpoint), body, stream, extra)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
                 upstream.release()
                 upstream.failed()
@@ -173,15 +175,23 @@ class Route:
             resp.close()
             problem = UpstreamFailure(f"{upstream.base_url} answered HTTP {status}")
 
-    async def _attempt(self, session: aiohttp.ClientSession, upstream: Upstream, endpoint: str, body: bytes,
-                       stream: bool, headers: Mapping[str, str]) -> tuple[aiohttp.ClientResponse, bytes | None]:
+    def _target(self, upstream: Upstream, endpoint: str) -> RequestTarget:
+        """The request head for ``endpoint`` on ``upstream``, built at its first use."""
+        key = (upstream.base_url, endpoint)
+        target = self._targets.get(key)
+        if target is None:
+            target = self._targets[key] = RequestTarget(upstream.urls[endpoint], self.headers)
+        return target
+
+    async def _attempt(self, client: UpstreamClient, target: RequestTarget, body: bytes, stream: bool,
+                       headers: Mapping[str, str] | None) -> tuple[UpstreamResponse, bytes | None]:
         seconds = self.model.first_byte_timeout
         if seconds is None:
-            return await _post(session, upstream.urls[endpoint], body, headers), None
+            return await client.post(target, headers, body), None
         deadline = asyncio.timeout(seconds)
         try:
             async with deadline:
-                resp = await _post(session, upstream.urls[endpoint], body, headers)
+                resp = await client.post(target, headers, body)
                 try:
                     if stream and resp.status == 200:
                         return resp, await resp.content.readany()
@@ -193,20 +203,6 @@ class Route:
             if deadline.expired():
                 raise first_byte_missed(self.id, seconds) from None
             raise
-
-
-async def _post(session: aiohttp.ClientSession, url: str, body: bytes,
-                headers: Mapping[str, str]) -> aiohttp.ClientResponse:
-    """POST ``body``; sent again, once, when the server hung up before answering anything.
-
-    A model server may close a kept-alive connection just as it is taken from the pool (llama.cpp
-    closes it right after each streamed answer, without saying so): the request then never reached
-    it, and the second try goes out on another connection. A server that fails twice in a row fails.
-    """
-    try:  # a BytesPayload: aiohttp then skips its search of the payload registry
-        return await session.post(url, data=BytesPayload(body), headers=headers)
-    except aiohttp.ServerDisconnectedError:
-        return await session.post(url, data=BytesPayload(body), headers=headers)
 
 
 def _describe(exc: BaseException) -> str:
@@ -259,8 +255,9 @@ def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]
 
 
 def client_session(server: ServerConfig) -> aiohttp.ClientSession:
-    """The one upstream session of a gateway: no total timeout (streams can last
-    hours), connect and idle limits from the config, no cap on connections."""
+    """The gateway's aiohttp session for what is off the request path (health checks, model
+    discovery, plugins): no total timeout, connect and idle limits from the config, no cap on
+    connections. Model requests go through ``UpstreamClient``."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=server.upstream_connect_timeout,
                                     sock_read=server.upstream_idle_timeout)
     # Idle pooled connections are closed before the model servers close them (vLLM: 5 s), so a request
