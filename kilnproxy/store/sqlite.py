@@ -74,6 +74,7 @@ def _insert_rows(n: int) -> str:
 
 _values = itemgetter(*COLUMNS)  # row dict -> tuple in column order
 
+
 class SQLiteLedger(GroupCommitted):
     """Rows are committed on the loop's thread (``self.here``) on a plain ``sqlite3`` connection,
     handed to the writer thread (``self.rows``, aiosqlite) whenever that could wait or fsync."""
@@ -90,6 +91,7 @@ class SQLiteLedger(GroupCommitted):
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
         self.here = LoopCommits(self._insert_here, self.rows, self._committed, self._writer_must_commit)
         self.commit_failures = 0
+        self._last_here = False  # whether the last commit was the loop's (else the writer's)
 
     async def open(self) -> None:
         try:
@@ -124,8 +126,6 @@ class SQLiteLedger(GroupCommitted):
     @property
     def last_commit_seconds(self) -> float:
         return self.here.last_commit_seconds if self._last_here else self.rows.last_batch_seconds
-
-    _last_here = False  # whether the last commit was the loop's (else the writer's)
 
     def stats(self) -> dict[str, float]:
         """``GroupCommitted.stats`` over both threads' commits, and the rows the loop handed to the writer."""
