@@ -7,7 +7,8 @@
   liveness and the rows kept locally while PostgreSQL is out of reach;
 * ``limits``, ``minute_windows``: admission (in-flight slots, credit and key-limit holds,
   per-minute windows) and credits;
-* ``batches``, ``checkpoint``: group commit and SQLite's background checkpoints;
+* ``batches``, ``loop_commits``, ``checkpoint``: group commit (by a writer task, or on the event
+  loop's thread for SQLite) and SQLite's background checkpoints;
 * ``reads``: the ledger as the commands read it;
 * ``tenancy``, ``tenancy_sql``, ``key_usage``, ``tenancy_validation``: orgs, keys and
   credit grants made at runtime, on either store, and the admin bodies' checks;

@@ -84,6 +84,12 @@ class Checkpointer:
         wal, uncopied = self._sizes()
         return wal > 2 * self.max_wal_bytes or (wal > self.max_wal_bytes and uncopied <= RESTART_COPY_BYTES)
 
+    def wal_starts_over(self) -> bool:
+        """True when the next commit would write the WAL from its first frame (empty, or every
+        frame copied back): SQLite fsyncs the WAL header it then writes, even at
+        ``synchronous=NORMAL``, so that commit is not one for the event loop's thread."""
+        return self._sizes()[1] == 0
+
     def _sizes(self) -> tuple[int, int]:
         """(bytes of frames in the WAL, bytes of them not yet copied into the database)."""
         try:

@@ -4,9 +4,11 @@
 ``kilnproxy.store.postgres.PostgresStore`` the one of several replicas.
 
 The request path calls ``submit(row)``, which never blocks and never raises:
-the row goes on a queue and a future is returned. One writer task
-(``kilnproxy.store.batches``) takes everything queued, inserts it in one
-transaction and resolves the futures.
+the row goes on a queue and a future is returned. Everything queued is
+inserted in one transaction and the futures resolved: on SQLite, by the event
+loop's own thread once per loop iteration (``kilnproxy.store.loop_commits``;
+a commit there is a WAL append that never waits for a lock nor fsyncs), else,
+and on PostgreSQL always, by one writer task (``kilnproxy.store.batches``).
 The request awaits its future before the response ends, so a response a client
 saw end always has its row on disk (WAL, ``synchronous=NORMAL``: a committed
 transaction survives the gateway being killed; only a power cut could lose the

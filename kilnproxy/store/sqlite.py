@@ -1,5 +1,6 @@
 """``SQLiteLedger``: the usage ledger of one gateway process, one SQLite row per request
-(the ``Ledger`` contract of ``kilnproxy.store.ledger``), written by group commit in WAL mode."""
+(the ``Ledger`` contract of ``kilnproxy.store.ledger``), written by group commit in WAL mode:
+on the event loop's thread when the file is free (``loop_commits``), else by the writer thread."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..usage import COLUMNS
 from .batches import Batches, GroupCommitted
 from .checkpoint import Checkpointer
 from .ledger import CommitListener
+from .loop_commits import LoopCommits
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -54,6 +56,11 @@ ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
     ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
 )
 
+# A new file's page size. Each commit appends every page it changed (the table's last leaf and one leaf
+# per index) to the WAL: 1 KiB pages make a one-row commit append about a third of what 4 KiB pages do
+# (bench/ledger_layout.py). SQLite fixes the size when a file is created; existing files keep theirs.
+NEW_FILE_PAGE_SIZE = 1024
+
 LOCK_WAIT_SECONDS = 2.0  # how long to wait for another program's lock on the file
 
 INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
@@ -67,7 +74,11 @@ def _insert_rows(n: int) -> str:
 
 _values = itemgetter(*COLUMNS)  # row dict -> tuple in column order
 
+
 class SQLiteLedger(GroupCommitted):
+    """Rows are committed on the loop's thread (``self.here``) on a plain ``sqlite3`` connection,
+    handed to the writer thread (``self.rows``, aiosqlite) whenever that could wait or fsync."""
+
     RETRY_SECONDS = 0.2
 
     def __init__(self, path: Path, on_commit: CommitListener | None = None,
@@ -76,22 +87,24 @@ class SQLiteLedger(GroupCommitted):
         self.on_commit = on_commit
         self.checkpointer = checkpointer or Checkpointer(self.path)
         self._db: aiosqlite.Connection | None = None
+        self._loop_db: sqlite3.Connection | None = None
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
+        self.here = LoopCommits(self._insert_here, self.rows, self._committed, self._writer_must_commit)
         self.commit_failures = 0
+        self._last_here = False  # whether the last commit was the loop's (else the writer's)
 
     async def open(self) -> None:
         try:
             # Checked with plain sqlite3 first: aiosqlite's thread outlives a failed connect.
             await asyncio.to_thread(prepare_file, self.path)
+            self._loop_db = await asyncio.to_thread(connect_for_the_loop, self.path)
             # autocommit: one INSERT of many rows is one transaction and one trip to the db thread
             self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
             for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0"):  # checkpoints: the Checkpointer's job
                 # fetchall: a statement left unfinished holds a read snapshot, and no checkpoint could end
                 await self._db.execute_fetchall(f"PRAGMA {pragma}")
         except (sqlite3.Error, OSError) as exc:
-            if self._db is not None:
-                await self._db.close()
-                self._db = None
+            await self._close_connections()
             raise StorageError(f"cannot open the usage database {str(self.path)!r} for writing: {exc}"
                                " (check [storage] path, its permissions, and that no other program"
                                " holds a lock on it)") from None
@@ -99,12 +112,48 @@ class SQLiteLedger(GroupCommitted):
         await self.checkpointer.start()
         self.rows.start()
 
+    def submit(self, row: dict[str, Any], tag: Any = None) -> asyncio.Future:
+        """Queue ``row`` for this loop iteration's commit; the future resolves once it is durable."""
+        return self.here.add(row, tag)
+
+    def queue_depth(self) -> int:
+        return self.here.queue_depth() + self.rows.queue_depth()
+
+    @property
+    def commits(self) -> int:
+        return self.here.commits + self.rows.batches
+
+    @property
+    def last_commit_seconds(self) -> float:
+        return self.here.last_commit_seconds if self._last_here else self.rows.last_batch_seconds
+
+    def stats(self) -> dict[str, float]:
+        """``GroupCommitted.stats`` over both threads' commits, and the rows the loop handed to the writer."""
+        return {"queue_depth": self.queue_depth(), "commits": self.commits,
+                "rows_committed": self.here.rows_committed + self.rows.items_done,
+                "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds,
+                "rows_handed_to_writer": self.here.rows_handed_off}
+
+    def _writer_must_commit(self) -> bool:
+        return self.checkpointer.over_bound() or self.checkpointer.wal_starts_over()
+
+    def _insert_here(self, rows: list[dict[str, Any]]) -> None:
+        """One transaction on the loop's connection; raises (rolled back) if it cannot commit now."""
+        self._last_here = True
+        try:
+            _insert_sync(self._loop_db, [_values(r) for r in rows])
+        except BaseException:
+            if self._loop_db.in_transaction:
+                self._loop_db.execute("ROLLBACK")
+            raise
+
     def _committed(self, batch: list[tuple[dict[str, Any], Any]]) -> None:
         self.checkpointer.committed()
         super()._committed(batch)
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Insert ``rows`` in one transaction, retried until it succeeds: no row is dropped."""
+        self._last_here = False
         if self.checkpointer.over_bound():
             await self._restart_wal()
         params = [_values(r) for r in rows]
@@ -144,9 +193,17 @@ class SQLiteLedger(GroupCommitted):
 
     async def close(self) -> None:
         """Commit everything queued, then close the database."""
+        self.here.flush()
         await self.rows.close()
         if self._db is not None:
             await self.checkpointer.stop()
+        await self._close_connections()
+
+    async def _close_connections(self) -> None:
+        if self._loop_db is not None:  # in a thread: the last connection closed checkpoints the WAL
+            await asyncio.to_thread(self._loop_db.close)
+            self._loop_db = None
+        if self._db is not None:
             await self._db.close()
             self._db = None
 
@@ -160,6 +217,31 @@ class SQLiteLedger(GroupCommitted):
         return dict(row) if row is not None else None
 
 
+def _insert_sync(db: sqlite3.Connection, values: list[tuple]) -> None:
+    """``values`` in one transaction on an autocommit ``sqlite3`` connection."""
+    if len(values) <= ROWS_PER_INSERT:
+        db.execute(_insert_rows(len(values)), [v for row in values for v in row])
+        return
+    db.execute("BEGIN IMMEDIATE")
+    for start in range(0, len(values), ROWS_PER_INSERT):
+        part = values[start:start + ROWS_PER_INSERT]
+        db.execute(_insert_rows(len(part)), [v for row in part for v in row])
+    db.execute("COMMIT")
+
+
+def connect_for_the_loop(path: Path) -> sqlite3.Connection:
+    """The connection the loop's thread commits on: never waits for a lock (busy_timeout 0),
+    never fsyncs at a commit (WAL, ``synchronous=NORMAL``), never checkpoints."""
+    db = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)
+    try:
+        for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0"):
+            db.execute(f"PRAGMA {pragma}").fetchall()
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 def _storable(value: Any) -> Any:
     return value if value is None or isinstance(value, (int, float, str)) else str(value)
 
@@ -170,6 +252,7 @@ def prepare_file(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
     try:
+        db.execute(f"PRAGMA page_size={NEW_FILE_PAGE_SIZE}")  # a no-op on a file that has pages already
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
         add_missing_columns(db)

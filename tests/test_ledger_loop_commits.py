@@ -1,0 +1,126 @@
+"""Rows are committed on the event loop's thread when the file is free, and handed to the writer
+thread whenever that could wait (a lock) or fsync (a WAL starting over): in order, each row once,
+and the request's future resolves only once its row is committed."""
+
+import asyncio
+import sqlite3
+import threading
+
+import pytest
+
+from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.usage import COLUMNS
+
+
+def row(i: int) -> dict:
+    values = dict.fromkeys(COLUMNS, 0)
+    values.update(id=f"gen-{i:024x}", created_at="2026-11-30T10:00:00.000+00:00", org="acme", key_id="acme-key",
+                  model="m", endpoint="completions", error_code=None, finish_reason="stop", requested_model="m")
+    return values
+
+
+def stored_ids(path) -> list[str]:
+    """Ids in the table, in the order they were inserted."""
+    db = sqlite3.connect(path)
+    try:
+        return [r[0] for r in db.execute("SELECT id FROM usage_events ORDER BY rowid")]
+    finally:
+        db.close()
+
+
+@pytest.fixture
+async def ledger(tmp_path):
+    ledger = SQLiteLedger(tmp_path / "usage.db")
+    await ledger.open()
+    await ledger.submit(row(0))  # an empty WAL: the first commit is the writer's (its header is fsynced)
+    try:
+        yield ledger
+    finally:
+        await ledger.close()
+
+
+async def test_rows_of_one_loop_iteration_are_committed_together_on_the_loops_thread(ledger):
+    threads = []
+    ledger._loop_db.set_trace_callback(lambda sql: threads.append(threading.get_ident()) if "INSERT" in sql else None)
+    handed, commits = ledger.stats()["rows_handed_to_writer"], ledger.here.commits
+    futures = [ledger.submit(row(i)) for i in (1, 2, 3)]
+    assert not any(f.done() for f in futures)  # committed at the flush, not in submit
+    await asyncio.gather(*futures)
+    assert ledger.here.commits == commits + 1 and ledger.here.rows_committed == 3
+    assert threads == [threading.get_ident()]  # one INSERT, on this (the loop's) thread
+    assert ledger.stats()["rows_handed_to_writer"] == handed
+    assert stored_ids(ledger.path) == [row(i)["id"] for i in range(4)]
+
+
+async def test_a_lock_held_by_another_program_hands_the_rows_to_the_writer(ledger, eventually):
+    """A real write lock (``BEGIN IMMEDIATE`` on another connection): the loop does not wait for it,
+    the writer retries, the rows wait for their commit, and each is stored once, in order."""
+    handed = ledger.stats()["rows_handed_to_writer"]
+    holder = sqlite3.connect(ledger.path, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        futures = [ledger.submit(row(i)) for i in (1, 2)]
+        await eventually(lambda: ledger.commit_failures >= 1)  # the writer met the lock
+        assert ledger.stats()["rows_handed_to_writer"] == handed + 2
+        assert not any(f.done() for f in futures)
+        later = ledger.submit(row(3))  # the lock is still held: it follows the others
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+    await asyncio.gather(*futures, later)
+    assert stored_ids(ledger.path) == [row(i)["id"] for i in range(4)]
+    loop_commits = ledger.here.commits
+    await ledger.submit(row(4))  # the file is free again: back on the loop
+    assert ledger.here.commits == loop_commits + 1
+    assert stored_ids(ledger.path) == [row(i)["id"] for i in range(5)]
+
+
+async def test_rows_submitted_while_the_writer_holds_rows_follow_them(ledger, monkeypatch):
+    """Order: once a row is with the writer, later rows go there too, even with the file free."""
+    release = asyncio.Event()
+    commit = ledger._commit
+
+    async def held_commit(rows):
+        await release.wait()
+        await commit(rows)
+
+    ledger.rows._process = held_commit
+    handed = ledger.stats()["rows_handed_to_writer"]
+    monkeypatch.setattr(ledger.here, "_must_hand_off", lambda: True)
+    first = ledger.submit(row(1))
+    await asyncio.sleep(0)  # one loop iteration: its flush hands it to the writer
+    monkeypatch.undo()
+    second = ledger.submit(row(2))
+    await asyncio.sleep(0)
+    assert ledger.stats()["rows_handed_to_writer"] == handed + 2  # not committed on the loop ahead of the first
+    assert not first.done() and not second.done()
+    release.set()
+    await asyncio.gather(first, second)
+    assert stored_ids(ledger.path) == [row(i)["id"] for i in range(3)]
+
+
+async def test_the_commit_that_would_start_the_wal_over_is_the_writers(ledger):
+    """Every frame copied back: the next commit writes the WAL's header again, and SQLite fsyncs it."""
+    await ledger.submit(row(1))
+    handed = ledger.stats()["rows_handed_to_writer"]
+    other = sqlite3.connect(ledger.path, isolation_level=None)
+    try:
+        (busy, frames, copied), = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+    finally:
+        other.close()
+    assert busy == 0 and frames == copied > 0
+    await ledger.submit(row(2))
+    assert ledger.stats()["rows_handed_to_writer"] == handed + 1
+    commits = ledger.here.commits
+    await ledger.submit(row(3))  # the WAL has frames to copy again: on the loop
+    assert ledger.here.commits == commits + 1
+    assert stored_ids(ledger.path) == [row(i)["id"] for i in range(4)]
+
+
+async def test_close_commits_rows_submitted_in_the_same_iteration(tmp_path):
+    ledger = SQLiteLedger(tmp_path / "usage.db")
+    await ledger.open()
+    futures = [ledger.submit(row(i)) for i in range(3)]
+    await ledger.close()
+    assert all(f.done() and f.exception() is None for f in futures)
+    assert stored_ids(tmp_path / "usage.db") == [row(i)["id"] for i in range(3)]
