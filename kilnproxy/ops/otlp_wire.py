@@ -47,27 +47,35 @@ def varint(n: int) -> bytes:
 def field(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field: its tag, the payload's length, the payload."""
     n = len(payload)
-    return tag + (_BYTE[n] if n < 0x80 else varint(n)) + payload
+    if n < 0x80:
+        return tag + _BYTE[n] + payload
+    if n < 0x4000:
+        return tag + bytes(((n & 0x7F) | 0x80, n >> 7)) + payload
+    return tag + varint(n) + payload
+
+
+_NAMES: dict[str, bytes] = {}
 
 
 _KEYS: dict[str, bytes] = {}
-_SEEN: dict[tuple, bytes] = {}  # recent (tag, key, value) -> bytes, for the values that repeat
-SEEN_AT_MOST = 4096             # entries; cleared when full (a new model name, org, status...)
+# recent (tag, key, value) -> bytes, one table a type (True and 1 are equal keys), for the values that repeat
+_SEEN: dict[type, dict[tuple, bytes]] = {str: {}, int: {}, bool: {}}
+SEEN_AT_MOST = 4096  # entries a table; cleared when full (a new model name, org, token count...)
 
 
 def attribute(tag: bytes, key: str, value) -> bytes:
     """A ``KeyValue`` as the field ``tag`` (``b"J"``: a span's attributes, ``b"\\x1a"``: an event's,
     ``b"\\n"``: a resource's). ``value``: str, bool, int or float; ``None`` is written as an empty value."""
-    kind = type(value)
-    if kind is str or kind is bool:
-        seen = (tag, key, value)
-        encoded = _SEEN.get(seen)
-        if encoded is None:
-            if len(_SEEN) >= SEEN_AT_MOST:
-                _SEEN.clear()
-            encoded = _SEEN[seen] = _attribute(tag, key, value)
-        return encoded
-    return _attribute(tag, key, value)
+    seen = _SEEN.get(type(value))
+    if seen is None:
+        return _attribute(tag, key, value)
+    entry = (tag, key, value)
+    encoded = seen.get(entry)
+    if encoded is None:
+        if len(seen) >= SEEN_AT_MOST:
+            seen.clear()
+        encoded = seen[entry] = _attribute(tag, key, value)
+    return encoded
 
 
 def unique(tag: bytes, key: str, value: str) -> bytes:
@@ -122,9 +130,13 @@ def span(trace_id: bytes, span_id: bytes, parent_id: bytes | None, trace_state: 
          start_ns: int, end_ns: int, attrs: bytes, events: bytes, status_bytes: bytes, flags: int) -> bytes:
     """One span as a ``ScopeSpans.spans`` field. ``attrs``, ``events``, ``status_bytes``: already encoded
     (``attribute``, ``event``, ``status``); ``trace_state``: the encoded field 3, or ``b""``."""
-    encoded_name = name.encode()
+    name_field = _NAMES.get(name)
+    if name_field is None:
+        name_field = field(b"*", name.encode())
+        if len(_NAMES) < SEEN_AT_MOST:
+            _NAMES[name] = name_field
     body = b"".join((b"\n\x10", trace_id, b"\x12\x08", span_id, trace_state,
-                     b'"\x08' + parent_id if parent_id else b"", field(b"*", encoded_name), b"0", _BYTE[kind],
+                     b'"\x08' + parent_id if parent_id else b"", name_field, b"0", _BYTE[kind],
                      _TIMES(0x39, start_ns, 0x41, end_ns), attrs, events, status_bytes,
                      _FLAGS(0x85, 0x01, flags)))
     return field(b"\x12", body)
