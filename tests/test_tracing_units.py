@@ -304,3 +304,10 @@ def test_the_sender_gives_up_within_its_timeout_and_at_once_when_stopping(collec
     with pytest.raises(ExportFailed):
         send(b"x")
     assert len(collector.got) == 3
+
+
+def test_the_resource_is_the_services_with_otel_resource_attributes(monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod, team=ml%20ops,service.name=not-this")
+    found = tracing_module.resource("gw")
+    assert found["service.name"] == "gw" and found["deployment.environment"] == "prod" and found["team"] == "ml ops"
+    assert found["telemetry.sdk.language"] == "python"

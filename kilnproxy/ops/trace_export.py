@@ -207,7 +207,12 @@ class SpanQueue:
                 batch = []
                 for _ in range(min(len(queue), self.batch_size)):
                     batch.append(queue.popleft())
-                self.exporter.export(self.frame(batch), len(batch))
+                try:
+                    body = self.frame(batch)
+                except Exception as exc:  # a bug: the batch goes, the thread stays
+                    self.exporter.drop(len(batch), f"{type(exc).__name__}: {exc}")
+                    continue
+                self.exporter.export(body, len(batch))
             for done in flushed:
                 done.set()
             if self.stopping.is_set():
