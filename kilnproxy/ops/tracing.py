@@ -215,37 +215,12 @@ class Unsampled:
         pass
 
 
-class _Admission:
-    """``with trace.admission():`` the admission span, ended on the way out (an exception recorded on it as
-    an ``exception`` event with an error status, as the SDK's ``use_span`` does)."""
-
-    __slots__ = ("trace", "start")
-
-    def __init__(self, trace: "RequestTrace"):
-        self.trace = trace
-        self.start = 0
-
-    def __enter__(self) -> None:
-        self.start = time_ns()
-
-    def __exit__(self, kind, exc, tb) -> None:
-        events, status = b"", _NO_STATUS
-        if exc is not None:
-            module, name = kind.__module__, kind.__qualname__
-            events = wire.event("exception", time_ns(), {
-                "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
-                "exception.message": str(exc),
-                "exception.stacktrace": "".join(traceback.format_exception(exc)), "exception.escaped": "False"})
-            status = wire.status(f"{kind.__name__}: {exc}")
-        self.trace.child("kilnproxy.admission", wire.INTERNAL, _new_span_id(), self.start, b"", events, status)
-
-
 class RequestTrace:
     """One sampled request's spans; the request path calls it at each part (``kilnproxy.proxy``). Each child
     span is encoded and queued when it ends; the request's own span when the row is committed."""
 
-    __slots__ = ("tracing", "trace", "span_id", "parent_id", "state", "state_field", "start", "operation",
-                 "name", "head", "requested", "events", "_attempt", "_stream")
+    __slots__ = ("tracing", "trace", "span_id", "parent_id", "state", "state_field", "prefix", "start", "operation",
+                 "name", "head", "requested", "events", "_attempt", "_stream", "_admitted", "_ending")
 
     def __init__(self, tracing: Tracing, trace_id: bytes, parent_id: bytes | None, state: str, endpoint: str,
                  call):
@@ -256,6 +231,7 @@ class RequestTrace:
         self.parent_id = parent_id
         self.state = state
         self.state_field = wire.field(b"\x1a", state.encode()) if state else b""
+        self.prefix = wire.span_prefix(trace_id, self.state_field, self.span_id)
         self.operation = self.name = operation = OPERATIONS.get(endpoint, endpoint)
         self.head = b"".join((_ATTRIBUTE(b"J", "gen_ai.operation.name", operation),
                               _ATTRIBUTE(b"J", "kilnproxy.org", call.org),
@@ -264,6 +240,8 @@ class RequestTrace:
         self.events = b""
         self._attempt = None
         self._stream = None
+        self._admitted = 0
+        self._ending = None
 
     @property
     def trace_id(self) -> str:
@@ -273,12 +251,26 @@ class RequestTrace:
     def child(self, name: str, kind: int, span_id: bytes, start: int, attrs: bytes, events: bytes = b"",
               status: bytes = _NO_STATUS) -> None:
         """A child span that ended now: encoded and queued."""
-        self.tracing.add(wire.span(self.trace, span_id, self.span_id, self.state_field, name, kind, start,
-                                   time_ns(), attrs, events, status, wire.FLAGS_LOCAL))
+        self.tracing.add(wire.child_span(self.prefix, span_id, name, kind, start, time_ns(), attrs, events, status))
 
-    def admission(self) -> _Admission:
-        """A context manager around the slot and hold."""
-        return _Admission(self)
+    def admission(self) -> "RequestTrace":
+        """A context manager around the slot and hold: the admission span, ended on the way out (an exception
+        recorded on it as an ``exception`` event with an error status, as the SDK's ``use_span`` does)."""
+        return self
+
+    def __enter__(self) -> None:
+        self._admitted = time_ns()
+
+    def __exit__(self, kind, exc, tb) -> None:
+        events, status = b"", _NO_STATUS
+        if exc is not None:
+            module, name = kind.__module__, kind.__qualname__
+            events = wire.event("exception", time_ns(), {
+                "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
+                "exception.message": str(exc),
+                "exception.stacktrace": "".join(traceback.format_exception(exc)), "exception.escaped": "False"})
+            status = wire.status(f"{kind.__name__}: {exc}")
+        self.child("kilnproxy.admission", wire.INTERNAL, _new_span_id(), self._admitted, b"", events, status)
 
     def model(self, requested: str) -> None:
         self.requested = _ATTRIBUTE(b"J", "gen_ai.request.model", requested)
@@ -339,16 +331,16 @@ class RequestTrace:
             attrs.append(_ATTRIBUTE(b"J", "error.type", row["error_code"]))
             if row["status"] >= 500 or row["status"] == 200:  # a server fault, or a stream that ended in one
                 outcome = wire.status(row["error_code"])
-        commit_id, commit_start = _new_span_id(), time_ns()
-
-        def done(_future) -> None:
-            self.child("kilnproxy.usage_commit", wire.INTERNAL, commit_id, commit_start, b"")
-            self.tracing.add(wire.span(
-                self.trace, self.span_id, self.parent_id, self.state_field, self.name, wire.SERVER, self.start,
-                time_ns(), b"".join(attrs), self.events, outcome,
-                wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
-
+        self._ending = (_new_span_id(), time_ns(), b"".join(attrs), outcome)
         if committed is None or committed.done():
-            done(None)
+            self._committed(None)
         else:
-            committed.add_done_callback(done)
+            committed.add_done_callback(self._committed)
+
+    def _committed(self, _future) -> None:
+        """The row is committed: the commit's span and the request's end."""
+        commit_id, commit_start, attrs, outcome = self._ending
+        self.child("kilnproxy.usage_commit", wire.INTERNAL, commit_id, commit_start, b"")
+        self.tracing.add(wire.span(
+            self.trace, self.span_id, self.parent_id, self.state_field, self.name, wire.SERVER, self.start,
+            time_ns(), attrs, self.events, outcome, wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
