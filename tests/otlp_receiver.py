@@ -1,6 +1,7 @@
 """A real OTLP/HTTP trace receiver for tests: ``POST /v1/traces`` with a protobuf
-``ExportTraceServiceRequest``, decoded with ``opentelemetry-proto``; ``spans`` keeps each span
-as a plain dict (ids in hex, attributes as Python values)."""
+``ExportTraceServiceRequest``, decoded with ``opentelemetry-proto`` (``decode``: the gateway writes
+the protobuf by hand, the official messages prove it); ``spans`` keeps each span as a plain dict
+(ids in hex, attributes as Python values)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,26 @@ def _attributes(items) -> dict:
     return {kv.key: _value(kv.value) for kv in items}
 
 
+def decode(body: bytes) -> list[dict]:
+    """The spans of one export, each a plain dict (decoded with the official messages)."""
+    message = ExportTraceServiceRequest()
+    message.ParseFromString(body)
+    spans = []
+    for resource_spans in message.resource_spans:
+        resource = _attributes(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                spans.append({
+                    "name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
+                    "parent_span_id": span.parent_span_id.hex(), "kind": span.kind,
+                    "attributes": _attributes(span.attributes), "status": span.status.code,
+                    "status_message": span.status.message, "trace_state": span.trace_state,
+                    "flags": span.flags, "start": span.start_time_unix_nano, "end": span.end_time_unix_nano,
+                    "events": [(e.name, _attributes(e.attributes)) for e in span.events],
+                    "service": resource.get("service.name"), "resource": resource, "scope": scope_spans.scope.name})
+    return spans
+
+
 class Receiver:
     def __init__(self):
         self.spans: list[dict] = []
@@ -40,19 +61,8 @@ class Receiver:
 
     async def export(self, request: web.Request) -> web.Response:
         assert request.headers["Content-Type"] == "application/x-protobuf"
-        message = ExportTraceServiceRequest()
-        message.ParseFromString(await request.read())
         self.requests.append(dict(request.headers))
-        for resource_spans in message.resource_spans:
-            resource = _attributes(resource_spans.resource.attributes)
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    self.spans.append({
-                        "name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                        "parent_span_id": span.parent_span_id.hex(), "kind": span.kind,
-                        "attributes": _attributes(span.attributes), "status": span.status.code,
-                        "events": [(e.name, _attributes(e.attributes)) for e in span.events],
-                        "service": resource.get("service.name"), "scope": scope_spans.scope.name})
+        self.spans.extend(decode(await request.read()))
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
                             content_type="application/x-protobuf")
 

@@ -124,7 +124,7 @@ async def test_an_unreachable_endpoint_costs_requests_nothing_and_is_said_once_a
     caplog.set_level(logging.INFO)
     async with harness(overrides={"tracing": tracing}) as h:
         tracer = h.gw.tracer
-        assert tracer.processor._batch_processor._queue.maxlen == 40  # the SDK's queue: memory bounded
+        assert tracer.processor.max_queue_size == 40  # the queue of encoded spans: memory bounded
         for _ in range(15):  # 15 x 8 requests of 4 spans each: far more than the queue holds
             answers = await asyncio.gather(*(h.post("/v1/completions", json={
                 "model": MODEL, "prompt": "hi", "max_tokens": 2}) for _ in range(8)))

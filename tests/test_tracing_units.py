@@ -1,20 +1,26 @@
-"""The tracing parts on their own, with the OpenTelemetry SDK's in-memory exporter: sampling, the
-inspector's links, the bounded queue and the once-a-minute report of dropped spans."""
+"""The tracing parts on their own, each export decoded with the official ``opentelemetry-proto``
+messages (``otlp_receiver.decode``): the span tree, sampling, W3C trace context, the inspector's
+links, the bounded queue, the once-a-minute report of dropped spans and the OTLP/HTTP sender."""
 
 import logging
+import os
 import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
-from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otlp_receiver import decode
 
 from kilnproxy.config_types import TracingConfig
+from kilnproxy.ops import otlp_wire as wire
 from kilnproxy.ops import tracing as tracing_module
-from kilnproxy.ops.trace_export import QuietExporter
+from kilnproxy.ops.trace_context import Sampler, parent, trace_state
+from kilnproxy.ops.trace_export import ExportFailed, OtlpHttp, QuietExporter
 from kilnproxy.ops.tracing import Tracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
 
 
 def call(n: int = 0):
@@ -26,18 +32,35 @@ def row(n: int = 0, **extra):
             "disconnected": 0, "error_code": None, **extra}
 
 
+class Memory:
+    """A sender that keeps what it is given, decoded."""
+
+    def __init__(self):
+        self.spans: list[dict] = []
+        self.bodies = 0
+
+    def __call__(self, body: bytes) -> None:
+        self.bodies += 1
+        self.spans.extend(decode(body))
+
+
 @pytest.fixture
 def memory():
-    return InMemorySpanExporter()
+    return Memory()
 
 
 def tracing_with(memory, **config) -> Tracing:
-    return Tracing(TracingConfig(enabled=True, **config), exporter=memory)
+    return Tracing(TracingConfig(enabled=True, **config), send=memory)
 
 
 def finished(t: Tracing, memory) -> list:
-    t.processor.force_flush()
-    return memory.get_finished_spans()
+    assert t.processor.flush(5)
+    return memory.spans
+
+
+def one_span(name: str) -> bytes:
+    return wire.span(os.urandom(16), os.urandom(8), None, b"", name, wire.INTERNAL, 1, 2, b"", b"", wire.status(None),
+                     wire.FLAGS_LOCAL)
 
 
 def test_a_request_is_a_server_span_with_its_children_ending_at_the_commit(memory):
@@ -51,12 +74,49 @@ def test_a_request_is_a_server_span_with_its_children_ending_at_the_commit(memor
     assert headers["traceparent"].startswith(f"00-{trace.trace_id}-") and headers["Authorization"] == "x"
     trace.attempt_done(503)
     trace.end(row(), None)
-    spans = {s.name: s for s in finished(t, memory)}
+    spans = {s["name"]: s for s in finished(t, memory)}
     assert sorted(spans) == ["chat m", "kilnproxy.admission", "kilnproxy.upstream", "kilnproxy.usage_commit"]
-    assert spans["kilnproxy.upstream"].attributes["error.type"] == "503"
+    assert spans["kilnproxy.upstream"]["attributes"]["error.type"] == "503"
     root = spans["chat m"]
-    assert root.attributes["gen_ai.usage.input_tokens"] == 3 and root.attributes["kilnproxy.cost_usd"] == 0.5
-    assert all(s.parent.span_id == root.context.span_id for s in spans.values() if s is not root)
+    assert root["attributes"]["gen_ai.usage.input_tokens"] == 3 and root["attributes"]["kilnproxy.cost_usd"] == 0.5
+    assert all(s["parent_span_id"] == root["span_id"] for s in spans.values() if s is not root)
+    # what the SDK wrote too: flags saying the parent is local, unset status, the resource and scope
+    assert root["parent_span_id"] == "" and {s["flags"] for s in spans.values()} == {0x100}
+    assert spans["kilnproxy.upstream"]["status_message"] == "HTTP 503" and root["status"] == 0
+    assert all(s["start"] <= s["end"] for s in spans.values()) and root["start"] <= spans["kilnproxy.admission"]["start"]
+    assert root["resource"]["service.name"] == "kilnproxy" and root["resource"]["telemetry.sdk.language"] == "python"
+    assert root["scope"] == "kilnproxy"
+    t.close()
+
+
+def test_a_clients_trace_is_continued_with_its_tracestate(memory):
+    t = tracing_with(memory)
+    trace = t.begin({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01", "tracestate": "vendor=1, other=x "},
+                    "completions", call())
+    sent = trace.attempt("http://up/v1", {})
+    assert sent["tracestate"] == "vendor=1,other=x" and sent["traceparent"].endswith("-01")
+    trace.attempt_done(200)
+    trace.end(row(), None)
+    spans = {s["name"]: s for s in finished(t, memory)}
+    root = spans["text_completion"]
+    assert (root["trace_id"], root["parent_span_id"], root["flags"]) == (TRACE_ID, CLIENT_SPAN, 0x300)
+    assert {s["trace_state"] for s in spans.values()} == {"vendor=1,other=x"}
+    assert sent["traceparent"] == f"00-{TRACE_ID}-{spans['kilnproxy.upstream']['span_id']}-01"
+    t.close()
+
+
+def test_an_exception_in_admission_is_an_event_and_an_error_status(memory):
+    t = tracing_with(memory)
+    trace = t.begin({}, "completions", call())
+    with pytest.raises(TimeoutError):
+        with trace.admission():
+            raise TimeoutError("no slot")
+    trace.end(row(), None)
+    admission = {s["name"]: s for s in finished(t, memory)}["kilnproxy.admission"]
+    assert (admission["status"], admission["status_message"]) == (2, "TimeoutError: no slot")
+    [(name, attributes)] = admission["events"]
+    assert name == "exception" and attributes["exception.type"] == "TimeoutError"
+    assert attributes["exception.message"] == "no slot" and "TimeoutError: no slot" in attributes["exception.stacktrace"]
     t.close()
 
 
@@ -68,10 +128,45 @@ def test_sampling_follows_the_ratio_and_the_clients_flag(memory):
     sampled = t.begin({"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"}, "completions", call(2))
     assert sampled.trace_id == TRACE_ID
     sampled.end(row(2), None)
-    assert {s.context.trace_id for s in finished(t, memory)} == {int(TRACE_ID, 16)}
+    assert {s["trace_id"] for s in finished(t, memory)} == {TRACE_ID}
     assert t.link("gen-1") is None
     assert t.link("gen-2") == {"trace_id": TRACE_ID, "url": f"https://traces.example/{TRACE_ID}"}
     t.close()
+
+
+def test_an_unsampled_request_still_passes_its_trace_upstream(memory):
+    t = tracing_with(memory, sample_ratio=1.0)
+    trace = t.begin({"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-00", "tracestate": "vendor=1"}, "completions",
+                    call())
+    sent = trace.attempt("http://up/v1", {"a": "b"})
+    assert sent["traceparent"].startswith(f"00-{TRACE_ID}-") and sent["traceparent"].endswith("-00")
+    assert sent["traceparent"][36:52] != CLIENT_SPAN and sent["tracestate"] == "vendor=1" and sent["a"] == "b"
+    with trace.admission():
+        trace.attempt_done(200)
+    trace.end(row(), None)
+    assert finished(t, memory) == [] and memory.bodies == 0
+    t.close()
+
+
+def test_the_ratio_is_on_the_low_64_bits_of_the_trace_id():
+    half = Sampler(0.5)
+    assert half.new_trace(0) and half.new_trace((1 << 100) + (1 << 63) - 1) and not half.new_trace(1 << 63)
+    assert not Sampler(0.0).new_trace(0) and Sampler(1.0).new_trace((1 << 64) - 1)
+
+
+@pytest.mark.parametrize("header", [
+    "00-not-a-trace-01", f"00-{TRACE_ID}-{CLIENT_SPAN}-01-extra", f"ff-{TRACE_ID}-{CLIENT_SPAN}-01",
+    f"00-{'0' * 32}-{CLIENT_SPAN}-01", f"00-{TRACE_ID}-{'0' * 16}-01", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-01", ""])
+def test_a_malformed_traceparent_is_no_parent(header):
+    assert parent({"traceparent": header}) is None
+
+
+def test_a_later_version_may_carry_more_fields_and_a_bad_tracestate_is_dropped():
+    found = parent({"traceparent": f"01-{TRACE_ID}-{CLIENT_SPAN}-03-more", "tracestate": "a=1,a=2"})
+    assert (found.trace_id.hex(), found.span_id.hex(), found.sampled, found.trace_state) == (
+        TRACE_ID, CLIENT_SPAN, True, "")
+    assert trace_state("a=1,,b@v=x y") == "a=1,b@v=x y" and trace_state("A=1") == ""
+    assert trace_state(",".join(f"k{n}=v" for n in range(33))) == ""
 
 
 def test_the_links_kept_are_bounded(memory, monkeypatch):
@@ -87,37 +182,36 @@ def test_the_links_kept_are_bounded(memory, monkeypatch):
 def test_the_queue_holds_at_most_max_queue_size_spans_and_counts_the_rest(caplog):
     entered, release = threading.Event(), threading.Event()
 
-    class Stuck(InMemorySpanExporter):
-        def export(self, spans):
+    class Stuck(Memory):
+        def __call__(self, body):
             entered.set()
             release.wait(10)
-            return super().export(spans)
+            return super().__call__(body)
 
     memory = Stuck()
     t = tracing_with(memory, max_queue_size=4)
-    for n in range(4):  # a full batch: the processor's thread takes it and is stuck exporting it
-        t.tracer.start_span(f"s{n}").end()
+    for n in range(4):  # a full batch: the queue's thread takes it and is stuck exporting it
+        t.processor.add(one_span(f"s{n}"))
     assert entered.wait(5)
     for n in range(10):
-        t.tracer.start_span(f"late{n}").end()
+        t.processor.add(one_span(f"late{n}"))
     assert t.processor.queued() == 4 and t.exporter.dropped == 6
     assert [r.getMessage() for r in caplog.records if "span(s) dropped" in r.getMessage()] == [
         "tracing: 1 span(s) dropped, http://127.0.0.1:4318/v1/traces does not take them (the queue of spans to "
         "send is full (4)); 1 dropped in all. Requests are not affected; this is said at most once a minute"]
     release.set()
     t.close()
-    assert len(memory.get_finished_spans()) == 8  # the first batch and the last four queued
+    assert len(memory.spans) == 8  # the first batch and the last four queued
+    assert [s["name"] for s in memory.spans[4:]] == [f"late{n}" for n in range(6, 10)]  # the oldest went
 
 
 class Failing:
     def __init__(self):
         self.ok = False
 
-    def export(self, spans):
-        return SpanExportResult.SUCCESS if self.ok else SpanExportResult.FAILURE
-
-    def shutdown(self):
-        pass
+    def __call__(self, body):
+        if not self.ok:
+            raise ExportFailed("ConnectionRefusedError: [Errno 111] Connection refused")
 
 
 def test_failed_exports_are_reported_once_a_minute_and_the_recovery_once(caplog):
@@ -130,29 +224,90 @@ def test_failed_exports_are_reported_once_a_minute_and_the_recovery_once(caplog)
         return [r.getMessage() for r in caplog.records if r.name == "kilnproxy"]
 
     for _ in range(3):  # three batches in half a minute: one line
-        assert quiet.export([object()] * 5) is SpanExportResult.FAILURE
+        assert quiet.export(b"", 5) is False
         now[0] += 10
     assert len(lines()) == 1 and lines()[0].startswith("tracing: 5 span(s) dropped, http://collector:4318")
+    assert "(ConnectionRefusedError: [Errno 111] Connection refused)" in lines()[0]
     now[0] += 35  # a minute after the first line: the next one counts what was dropped since
-    quiet.export([object()] * 2)
+    quiet.export(b"", 2)
     assert len(lines()) == 2 and lines()[1].startswith("tracing: 12 span(s) dropped") and "17 dropped in all" \
         in lines()[1]
-    quiet.export([object()])
+    quiet.export(b"", 1)
     inner.ok = True
-    assert quiet.export([object()] * 4) is SpanExportResult.SUCCESS
+    assert quiet.export(b"", 4) is True
     assert lines()[2] == "tracing: spans reach http://collector:4318/v1/traces again (1 more dropped since the " \
                          "last report)"
-    quiet.export([object()])
+    quiet.export(b"", 1)
     assert len(lines()) == 3 and (quiet.exported, quiet.dropped, quiet.failed_exports) == (5, 18, 5)
     inner.ok = False
-    quiet.export([object()])  # failing again: said at once
+    quiet.export(b"", 1)  # failing again: said at once
     assert len(lines()) == 4
 
 
 def test_an_exporter_that_raises_drops_its_batch():
-    class Raising(Failing):
-        def export(self, spans):
-            raise RuntimeError("boom")
+    def raising(body):
+        raise RuntimeError("boom")
 
-    quiet = QuietExporter(Raising(), "http://collector/v1/traces")
-    assert quiet.export([object()]) is SpanExportResult.FAILURE and quiet.dropped == 1
+    quiet = QuietExporter(raising, "http://collector/v1/traces")
+    assert quiet.export(b"", 1) is False and quiet.dropped == 1
+
+
+@pytest.fixture
+def collector():
+    """A plain HTTP server answering each POST with the next of ``answers`` (200 when none is left)."""
+    got, answers = [], []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            got.append((self.path, dict(self.headers), self.rfile.read(int(self.headers["Content-Length"]))))
+            status = answers.pop(0) if answers else 200
+            self.send_response(status)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"nope")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_port}/v1/traces", got=got, answers=answers)
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_sender_posts_protobuf_with_the_headers_and_retries_a_503(collector):
+    send = OtlpHttp(collector.url, {"x-api-key": "s3cret"}, 5.0, threading.Event())
+    collector.answers.extend([503])
+    started = time.monotonic()
+    send(b"batch")
+    assert 0.7 < time.monotonic() - started < 3  # one retry, after about a second
+    assert [(path, body) for path, _, body in collector.got] == [("/v1/traces", b"batch")] * 2
+    headers = collector.got[0][1]
+    assert headers["Content-Type"] == "application/x-protobuf" and headers["x-api-key"] == "s3cret"
+    collector.answers.extend([400])
+    with pytest.raises(ExportFailed, match="HTTP 400: nope"):  # not retried
+        send(b"bad")
+    assert len(collector.got) == 3
+    send.close()
+
+
+def test_the_sender_gives_up_within_its_timeout_and_at_once_when_stopping(collector):
+    stopping = threading.Event()
+    send = OtlpHttp(collector.url, {}, 1.5, stopping)
+    collector.answers.extend([503] * 10)
+    started = time.monotonic()
+    with pytest.raises(ExportFailed, match="HTTP 503"):
+        send(b"x")
+    assert time.monotonic() - started < 2.5 and len(collector.got) == 2  # a retry after ~1 s; not after 2 more
+    stopping.set()
+    with pytest.raises(ExportFailed):
+        send(b"x")
+    assert len(collector.got) == 3
+
+
+def test_the_resource_is_the_services_with_otel_resource_attributes(monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod, team=ml%20ops,service.name=not-this")
+    found = tracing_module.resource("gw")
+    assert found["service.name"] == "gw" and found["deployment.environment"] == "prod" and found["team"] == "ml ops"
+    assert found["telemetry.sdk.language"] == "python"

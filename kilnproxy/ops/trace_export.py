@@ -1,79 +1,50 @@
 """Sending spans without letting a tracing backend that is away cost the gateway anything.
 
-Imported by ``kilnproxy.ops.tracing`` only when ``[tracing] enabled = true``
-(it needs the OpenTelemetry SDK, the ``tracing`` extra).
-
-* ``QuietExporter`` wraps the OTLP/HTTP exporter. An export that fails (a
-  refused connection, a timeout, a 4xx/5xx, after the SDK's own retries within
-  ``[tracing] timeout``) drops its spans; the gateway's log gets at most one
-  line a minute saying how many spans were dropped and why, and one line when
-  the endpoint takes spans again. The SDK's own lines about failed exports
-  (one or more per batch and per retry) are kept out of the log
-  (``silence_sdk``): our line quotes the first and last of them.
-* ``BoundedProcessor``: the SDK's batch processor, whose queue holds at most
-  ``[tracing] max_queue_size`` spans (the SDK drops the oldest beyond that);
-  such drops are counted and reported the same way. Exports run on the
-  processor's own thread: requests never wait for the backend.
+* ``SpanQueue`` (``Tracing.processor``): the spans that ended, already encoded (``otlp_wire``),
+  wait in a queue of at most ``[tracing] max_queue_size``; beyond it the oldest is dropped and
+  counted. The event loop only appends (a deque: no lock); a thread of the queue's own sends them
+  in batches of up to 512 (``ExportTraceServiceRequest`` bytes: the batch's spans joined behind
+  the resource and scope encoded at start-up), when a batch is full or every ``DELAY`` seconds.
+  Requests never wait for the backend.
+* ``OtlpHttp``: one POST of a batch to ``endpoint`` (``application/x-protobuf``, the
+  ``headers_env`` headers), on a kept-alive connection. A refused connection, a timeout, 408,
+  429, 502, 503 or 504 is retried after 1 s, 2 s, 4 s... (±20 %) while ``[tracing] timeout``
+  allows from the export's start, and no more once the gateway is stopping.
+* ``QuietExporter`` (``Tracing.exporter``): an export that fails drops its spans; the gateway's
+  log gets at most one line a minute saying how many spans were dropped and why, and one line
+  when the endpoint takes spans again. ``exported``/``dropped`` feed ``/metrics``.
 """
 
 from __future__ import annotations
 
-import inspect
+import http.client
 import logging
+import random
 import threading
 import time
-from typing import Callable, Sequence
-
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from collections import deque
+from typing import Callable
+from urllib.parse import urlsplit
 
 log = logging.getLogger("kilnproxy")
 
 REPORT_EVERY = 60.0  # seconds between two log lines about dropped spans
-SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.exporter.otlp.common.http",
-               "opentelemetry.sdk._shared_internal")
+DELAY = 5.0          # seconds a span waits at most for a batch to fill
+BATCH = 512          # spans in one export, at most
+RETRY_STATUSES = frozenset((408, 429, 502, 503, 504))
 
 
-class _SdkLines(logging.Filter):
-    """Drops the SDK's log records about exporting; ``take()`` gives the first and last since the last call
-    (the first names the cause, e.g. a refused connection; the last the outcome)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first: str | None = None
-        self.last: str | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a record whose arguments do not format: keep its template
-            message = str(record.msg)
-        if self.first is None:
-            self.first = message
-        self.last = message
-        return False
-
-    def take(self) -> str | None:
-        first, last, self.first, self.last = self.first, self.last, None, None
-        return last if first == last else f"{last} First: {first}"
+class ExportFailed(Exception):
+    """An export the endpoint did not take; the message says why."""
 
 
-SDK_LINES = _SdkLines()
+class QuietExporter:
+    """Sends batches with ``send(body)`` (raising ``ExportFailed``), counts what is sent and dropped, and
+    says so at most once a minute."""
 
-
-def silence_sdk() -> None:
-    """Keep the SDK's export-path log lines out of the log (idempotent; process-wide)."""
-    for name in SDK_LOGGERS:
-        logger = logging.getLogger(name)
-        if SDK_LINES not in logger.filters:
-            logger.addFilter(SDK_LINES)
-
-
-class QuietExporter(SpanExporter):
-    """An exporter that drops what it cannot send, counts it, and says so at most once a minute."""
-
-    def __init__(self, inner: SpanExporter, endpoint: str, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, send: Callable[[bytes], None], endpoint: str, *, clock: Callable[[], float] = time.monotonic,
                  every: float = REPORT_EVERY):
-        self.inner = inner
+        self.send = send
         self.endpoint = endpoint
         self.clock = clock
         self.every = every
@@ -85,21 +56,16 @@ class QuietExporter(SpanExporter):
         self._failing = False
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence) -> SpanExportResult:
-        SDK_LINES.take()
+    def export(self, body: bytes, spans: int) -> bool:
+        """Send one batch of ``spans`` spans; ``False`` when it was dropped. Never raises."""
         try:
-            result = self.inner.export(spans)
-        except Exception as exc:  # an exporter must not raise; one that does drops the batch
-            SDK_LINES.take()
-            result, why = SpanExportResult.FAILURE, f"{type(exc).__name__}: {exc}"
-        else:
-            why = SDK_LINES.take() or "the export failed"
-        if result is SpanExportResult.SUCCESS:
-            self.sent(len(spans))
-        else:
+            self.send(body)
+        except Exception as exc:  # ExportFailed, or a bug in a sender: the batch is dropped either way
             self.failed_exports += 1
-            self.drop(len(spans), why)
-        return result
+            self.drop(spans, str(exc) if isinstance(exc, ExportFailed) else f"{type(exc).__name__}: {exc}")
+            return False
+        self.sent(spans)
+        return True
 
     def sent(self, n: int) -> None:
         with self._lock:
@@ -125,52 +91,129 @@ class QuietExporter(SpanExporter):
                     "Requests are not affected; this is said at most once a minute", lost, self.endpoint, why,
                     self.dropped)
 
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
+class OtlpHttp:
+    """``send(body)``: POST one ``ExportTraceServiceRequest``, retried within ``timeout`` seconds."""
 
+    def __init__(self, endpoint: str, headers: dict[str, str], timeout: float, stopping: threading.Event):
+        url = urlsplit(endpoint)
+        self.connection_class = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        self.host, self.port = url.hostname, url.port
+        self.path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+        self.headers = {"Content-Type": "application/x-protobuf", "User-Agent": "kilnproxy-otlp", **headers}
+        self.timeout = timeout
+        self.stopping = stopping
+        self.connection: http.client.HTTPConnection | None = None
 
-class BoundedProcessor(BatchSpanProcessor):
-    """The SDK's batch processor, its queue bounded by ``max_queue_size``; overflows are reported."""
+    def __call__(self, body: bytes) -> None:
+        deadline = time.monotonic() + self.timeout
+        backoff = 1.0
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status, answer = self._post(body, max(left, 0.001))
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
+                self.close()
+                why, retry = f"{type(exc).__name__}: {exc}", True
+            else:
+                if 200 <= status < 300:
+                    return
+                why, retry = f"HTTP {status}" + (f": {answer}" if answer else ""), status in RETRY_STATUSES
+            wait = backoff * random.uniform(0.8, 1.2)
+            if not retry or time.monotonic() + wait >= deadline or self.stopping.wait(wait):
+                raise ExportFailed(why)
+            backoff *= 2
 
-    def __init__(self, exporter: QuietExporter, max_queue_size: int):
-        super().__init__(exporter, max_queue_size=max_queue_size,
-                         max_export_batch_size=min(512, max_queue_size))
-        self.quiet = exporter
-        self.max_queue_size = max_queue_size
-        batch = self._batch_processor
-        self._queue = getattr(batch, "_queue", None)  # the SDK's deque(maxlen=max_queue_size)
-        self._batch_size = getattr(batch, "_max_export_batch_size", 0)
-        if not hasattr(batch, "_shutdown") or not hasattr(batch, "emit"):
-            self._queue = None  # an SDK built otherwise: its own on_end, with no count of overflows
-
-    def shutdown(self, timeout_millis: float = 30000) -> None:
-        """Export what is queued for ``timeout_millis`` at most, then stop the exporter (which ends its
-        retries at once): an endpoint that is away does not hold a gateway's shutdown up."""
-        batch = self._batch_processor
-        if "timeout_millis" in inspect.signature(batch.shutdown).parameters:
-            batch.shutdown(timeout_millis=timeout_millis)
+    def _post(self, body: bytes, timeout: float) -> tuple[int, str]:
+        connection = self.connection
+        if connection is None:
+            connection = self.connection = self.connection_class(self.host, self.port, timeout=timeout)
         else:
-            super().shutdown()
+            connection.timeout = timeout
+            if connection.sock is not None:
+                connection.sock.settimeout(timeout)
+        connection.request("POST", self.path, body, self.headers)
+        response = connection.getresponse()
+        answer = response.read()
+        if response.will_close:
+            self.close()
+        text = "" if 200 <= response.status < 300 else answer[:200].decode("utf-8", "replace").strip()
+        return response.status, text
 
-    def queued(self) -> int:
-        return len(self._queue) if self._queue is not None else 0
+    def close(self) -> None:
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            connection.close()
 
-    def on_end(self, span) -> None:
-        """Queue an ended span: on the event loop, once per span, so the common case (sampled, the queue
-        neither full nor a batch long) is one append; the rest goes the SDK's way (``emit``: dropping the
-        oldest of a full queue, waking the exporter's thread for a full batch, refusing after shutdown)."""
-        queue = self._queue
-        if queue is None:
-            return super().on_end(span)
-        if not span.context.trace_flags.sampled:
-            return
+
+class SpanQueue:
+    """The encoded spans waiting for their export, and the thread that sends them (``Tracing.processor``)."""
+
+    def __init__(self, exporter: QuietExporter, frame: Callable[[list[bytes]], bytes], max_queue_size: int, *,
+                 delay: float = DELAY, stopping: threading.Event | None = None):
+        self.exporter = exporter
+        self.frame = frame
+        self.max_queue_size = max_queue_size
+        self.batch_size = min(BATCH, max_queue_size)
+        self.delay = delay
+        self.queue: deque[bytes] = deque()
+        self.stopping = stopping or threading.Event()
+        self._wake = threading.Event()
+        self._flushed: list[threading.Event] = []
+        self._full = f"the queue of spans to send is full ({max_queue_size})"
+        self._thread = threading.Thread(target=self._run, name="kilnproxy-trace-export", daemon=True)
+        self._thread.start()
+
+    def add(self, span: bytes) -> None:
+        """Queue one ended span (on the event loop: an append, most of the time)."""
+        queue = self.queue
         queued = len(queue)
         if queued >= self.max_queue_size:
-            self.quiet.drop(1, f"the queue of spans to send is full ({self.max_queue_size})")
-        elif queued + 1 < self._batch_size and not self._batch_processor._shutdown:
-            queue.appendleft(span)
-            return
-        self._batch_processor.emit(span)
+            try:
+                queue.popleft()  # the oldest goes
+            except IndexError:  # the thread took them all meanwhile
+                pass
+            self.exporter.drop(1, self._full)
+        queue.append(span)
+        if queued + 1 == self.batch_size:
+            self._wake.set()
+
+    def queued(self) -> int:
+        return len(self.queue)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Send what is queued now; ``True`` when done within ``timeout``."""
+        done = threading.Event()
+        self._flushed.append(done)
+        self._wake.set()
+        return done.wait(timeout)
+
+    def shutdown(self, timeout: float) -> None:
+        """Send what is queued for ``timeout`` seconds at most, then stop (an export's retries end at once)."""
+        self.stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        queue, wake = self.queue, self._wake
+        while True:
+            timed_out = False
+            if len(queue) < self.batch_size and not self.stopping.is_set():
+                timed_out = not wake.wait(self.delay)
+            wake.clear()
+            flushed, self._flushed = self._flushed, []
+            everything = timed_out or flushed or self.stopping.is_set()  # else full batches only
+            while len(queue) >= self.batch_size or (everything and queue):
+                batch = []
+                for _ in range(min(len(queue), self.batch_size)):
+                    batch.append(queue.popleft())
+                try:
+                    body = self.frame(batch)
+                except Exception as exc:  # a bug: the batch goes, the thread stays
+                    self.exporter.drop(len(batch), f"{type(exc).__name__}: {exc}")
+                    continue
+                self.exporter.export(body, len(batch))
+            for done in flushed:
+                done.set()
+            if self.stopping.is_set():
+                return

@@ -1,12 +1,17 @@
-"""OpenTelemetry traces of the completion requests (``[tracing]``; the ``tracing`` extra).
+"""OpenTelemetry traces of the completion requests (``[tracing]``; no dependency).
 
 ``install(app)`` does nothing unless ``[tracing] enabled = true``; then it
-imports the OpenTelemetry SDK, builds a tracer provider that sends spans in
-batches over OTLP/HTTP (``endpoint``, headers from ``headers_env``), sampled
-at ``sample_ratio`` for traces that start here and as the client said for
-the others, and hands the request path a ``Tracing`` object
-(``Gateway.tracer``). With tracing off, the request path checks
-``gw.tracer is None`` once per request and pays nothing else.
+hands the request path a ``Tracing`` object (``Gateway.tracer``) that sends
+spans in batches over OTLP/HTTP (``endpoint``, headers from ``headers_env``),
+sampled at ``sample_ratio`` for traces that start here and as the client
+said for the others (``trace_context``). With tracing off, the request path
+checks ``gw.tracer is None`` once per request and pays nothing else.
+
+The spans are not the OpenTelemetry SDK's: its span objects, their garbage
+and its protobuf encoder cost more than the request itself. A span here is a
+few fields of ``RequestTrace`` while it runs, and the bytes of its OTLP
+protobuf (``otlp_wire``) once it ends; an unsampled request is an id to pass
+upstream and nothing else.
 
 One span per completion request, named ``"{gen_ai.operation.name}
 {gen_ai.request.model}"`` (``chat qwen3-32b``, ``text_completion qwen3-32b``),
@@ -32,7 +37,7 @@ Spans are ended and handed to the exporter as soon as their part ends, so
 nothing of a stream's spans outlives the stream.
 
 Spans wait for their export in a queue of at most ``max_queue_size`` and are
-sent from the SDK's own thread; an endpoint that is away costs requests
+sent from a thread of their own; an endpoint that is away costs requests
 nothing, its spans are dropped and said so once a minute
 (``kilnproxy.ops.trace_export``).
 
@@ -46,12 +51,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
+import traceback
 from collections import OrderedDict
+from random import getrandbits
+from time import time_ns
+from urllib.parse import unquote
 
 from aiohttp import web
 
+from .. import __version__
 from ..config_types import TracingConfig
 from ..proxy.gateway import GATEWAY
+from . import otlp_wire as wire
+from .trace_context import Sampler, parent
+from .trace_export import OtlpHttp, QuietExporter, SpanQueue
 
 log = logging.getLogger("kilnproxy")
 
@@ -60,6 +75,8 @@ KEEP_LINKS = 10_000  # requests whose trace id is kept for the inspector's link 
 # gen_ai.operation.name of each endpoint (the GenAI semantic conventions' names)
 OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings",
               "responses": "chat", "messages": "chat"}
+
+_ATTRIBUTE, _UNIQUE, _NO_STATUS = wire.attribute, wire.unique, wire.status(None)
 
 
 def install(app: web.Application) -> None:
@@ -77,40 +94,54 @@ def install(app: web.Application) -> None:
     app.cleanup_ctx.append(lifetime)
 
 
+def resource(service_name: str) -> dict[str, str]:
+    """The resource of every span: as the SDK's (``OTEL_RESOURCE_ATTRIBUTES`` read), ``service_name``'s name."""
+    found: dict[str, str] = {"telemetry.sdk.language": "python", "telemetry.sdk.name": "kilnproxy",
+                             "telemetry.sdk.version": __version__}
+    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, eq, value = item.partition("=")
+        if eq and key.strip():
+            found[key.strip()] = unquote(value.strip())
+    found["service.name"] = service_name
+    return found
+
+
 class Tracing:
-    """The tracer provider of one gateway, and where each request's trace starts."""
+    """Where each request's trace starts, and the queue its spans go to.
 
-    def __init__(self, config: TracingConfig, exporter=None):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    ``send``: what posts one encoded batch (``OtlpHttp`` to ``endpoint`` unless a test gives its own)."""
 
-        self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}),
-                                       sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
-        from .trace_export import BoundedProcessor, QuietExporter, silence_sdk
-
-        if exporter is None:
-            exporter = OTLPSpanExporter(endpoint=config.endpoint, headers=dict(config.headers),
-                                        timeout=config.timeout)
-        silence_sdk()
+    def __init__(self, config: TracingConfig, send=None):
+        self.sampler = Sampler(config.sample_ratio)
+        self.framing = wire.Framing(resource(config.service_name), "kilnproxy")
         self.timeout = config.timeout
-        self.exporter = QuietExporter(exporter, config.endpoint)
-        self.processor = BoundedProcessor(self.exporter, config.max_queue_size)
-        self.provider.add_span_processor(self.processor)
-        self.tracer = self.provider.get_tracer("kilnproxy")
-        self.propagator = TraceContextTextMapPropagator()
-        self.kinds = SpanKind
-        self.error = lambda code: Status(StatusCode.ERROR, code)
-        self.new_child = _child_maker(self)
+        stopping = threading.Event()
+        self.sender = send if send is not None else OtlpHttp(config.endpoint, dict(config.headers), config.timeout,
+                                                              stopping)
+        self.exporter = QuietExporter(self.sender, config.endpoint)
+        self.processor = SpanQueue(self.exporter, self.framing.request, config.max_queue_size, stopping=stopping)
+        self.add = self.processor.add
         self.trace_url = config.trace_url
         self.trace_ids: OrderedDict[str, str] | None = OrderedDict() if config.trace_url else None
 
-    def begin(self, headers, endpoint: str, call) -> "RequestTrace":
-        """The request's span, a child of the client's ``traceparent`` when it sent a valid one."""
-        return RequestTrace(self, self.propagator.extract(headers), endpoint, call)
+    def begin(self, headers, endpoint: str, call) -> "RequestTrace | Unsampled":
+        """The request's trace, a child of the client's ``traceparent`` when it sent a valid one."""
+        client = parent(headers)
+        if client is None:
+            number = getrandbits(128) or 1
+            trace_id, parent_id, state = number.to_bytes(16, "big"), None, ""
+            sampled = self.sampler.new_trace(number)
+        else:
+            trace_id, parent_id, sampled, state = client
+        if not sampled:
+            return Unsampled(trace_id, state)
+        trace = RequestTrace(self, trace_id, parent_id, state, endpoint, call)
+        ids = self.trace_ids
+        if ids is not None:
+            ids[call.generation_id] = trace_id.hex()
+            if len(ids) > KEEP_LINKS:
+                ids.popitem(last=False)
+        return trace
 
     def link(self, generation_id: str) -> dict | None:
         """``{"trace_id", "url"}`` of a request this process traced (``trace_url`` set, sampled, among
@@ -121,165 +152,195 @@ class Tracing:
         return {"trace_id": trace_id, "url": self.trace_url.replace("{trace_id}", trace_id)}
 
     def close(self) -> None:
-        """Send what is still queued (``timeout`` and one export at most: an endpoint that is away does
-        not hold the shutdown up), then stop the exporter's thread."""
-        self.processor.shutdown(timeout_millis=self.timeout * 1000)
-        self.provider.shutdown()
+        """Send what is still queued (``timeout`` at most: an endpoint that is away does not hold the shutdown
+        up, its retries end at once), then stop the exporter's thread."""
+        self.processor.shutdown(self.timeout)
+        close = getattr(self.sender, "close", None)
+        if close is not None:
+            close()
 
 
-def _child_maker(tracing: Tracing):
-    """``new_child(parent_span, name, kind, attributes)``: a started child span of this process's own span.
-
-    The tracer's ``start_span`` looks the parent up in a context, asks the sampler, builds the sampling
-    result and goes through the provider's list of processors: several µs of the event loop per span.
-    A child of a span of ours needs none of it (parent-based sampling: sampled exactly when its parent
-    is), so it is made as the tracer makes it, with the same resource, scope, limits and ids, and handed
-    to the one processor straight away. An SDK without that constructor gets the tracer's way."""
-    from opentelemetry.sdk.trace import _Span
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
-
-    tracer, processor = tracing.tracer, tracing.processor
-    new_span_id = tracer.id_generator.generate_span_id
-    resource, limits = tracer.resource, tracer._span_limits
-    scope, info = tracer._instrumentation_scope, tracer.instrumentation_info
-    sampler, internal = tracer.sampler, tracing.kinds.INTERNAL
-
-    def by_the_tracer(parent, name, kind=internal, attributes=None):
-        return tracer.start_span(name, context=set_span_in_context(parent), kind=kind, attributes=attributes)
-
-    def new_child(parent, name, kind=internal, attributes=None):
-        context = parent.get_span_context()
-        if not context.trace_flags.sampled:  # not recorded, but its id is sent upstream
-            return NonRecordingSpan(SpanContext(context.trace_id, new_span_id(), False, context.trace_flags,
-                                                context.trace_state))
-        span = _Span(name, SpanContext(context.trace_id, new_span_id(), False, context.trace_flags,
-                                       context.trace_state),
-                     context, sampler, None, resource, attributes, None, (), kind, processor, info,
-                     limits=limits, instrumentation_scope=scope)
-        span.start()
-        return span
-
-    try:  # the constructor's arguments as this SDK has them (a span started, never ended: never sent)
-        new_child(NonRecordingSpan(SpanContext(1, 1, False, TraceFlags(TraceFlags.SAMPLED))), "probe")
-    except Exception:  # an SDK whose private constructor differs
-        return by_the_tracer
-    return new_child
+def _new_span_id() -> bytes:
+    return (getrandbits(64) or 1).to_bytes(8, "big")
 
 
-class _Admission:
-    """``with trace.admission():`` the admission span, ended on the way out (an exception recorded on it, as
-    the SDK's ``use_span`` does), without making it the current span: nothing under it starts spans."""
+def _traceparent(trace_id: bytes, span_id: bytes, sampled: bool) -> str:
+    return f"00-{trace_id.hex()}-{span_id.hex()}-{'01' if sampled else '00'}"
 
-    __slots__ = ("trace", "span")
 
-    def __init__(self, trace: "RequestTrace"):
-        self.trace = trace
-        self.span = None
+class Unsampled:
+    """A request whose spans are not recorded: its trace still goes upstream (flags ``00``), as the SDK's
+    non-recording spans pass it on."""
 
-    def __enter__(self):
-        self.span = self.trace.child("kilnproxy.admission")
-        return self.span
+    __slots__ = ("_trace_id", "_state")
+
+    trace_id = None  # nothing sent: no link
+
+    def __init__(self, trace_id: bytes, state: str):
+        self._trace_id = trace_id
+        self._state = state
+
+    def admission(self) -> "Unsampled":
+        return self
+
+    def __enter__(self) -> None:
+        return None
 
     def __exit__(self, kind, exc, tb) -> None:
-        span = self.span
-        if exc is not None and span.is_recording():
-            span.record_exception(exc)
-            span.set_status(self.trace.tracing.error(f"{kind.__name__}: {exc}"))
-        span.end()
+        return None
+
+    def attempt(self, base_url: str, headers: dict) -> dict:
+        carrier = dict(headers)
+        carrier["traceparent"] = _traceparent(self._trace_id, _new_span_id(), False)
+        if self._state:
+            carrier["tracestate"] = self._state
+        return carrier
+
+    def model(self, requested: str) -> None:
+        pass
+
+    def attempt_done(self, status: int | None, problem: str | None = None) -> None:
+        pass
+
+    def first_token(self, ttft_ms: float) -> None:
+        pass
+
+    def stream_started(self) -> None:
+        pass
+
+    def stream_ended(self, disconnected: bool) -> None:
+        pass
+
+    def end(self, row: dict, committed) -> None:
+        pass
 
 
 class RequestTrace:
-    """One request's spans; the request path calls it at each part (``kilnproxy.proxy``)."""
+    """One sampled request's spans; the request path calls it at each part (``kilnproxy.proxy``). Each child
+    span is encoded and queued when it ends; the request's own span when the row is committed."""
 
-    __slots__ = ("tracing", "span", "operation", "_attempt", "_stream")
+    __slots__ = ("tracing", "trace", "span_id", "parent_id", "state", "state_field", "prefix", "start", "operation",
+                 "name", "head", "requested", "events", "_attempt", "_stream", "_admitted", "_ending")
 
-    def __init__(self, tracing: Tracing, parent, endpoint: str, call):
+    def __init__(self, tracing: Tracing, trace_id: bytes, parent_id: bytes | None, state: str, endpoint: str,
+                 call):
+        self.start = time_ns()
         self.tracing = tracing
-        self.operation = OPERATIONS.get(endpoint, endpoint)
-        self.span = tracing.tracer.start_span(self.operation, context=parent, kind=tracing.kinds.SERVER, attributes={
-            "gen_ai.operation.name": self.operation, "kilnproxy.org": call.org,
-            "kilnproxy.generation_id": call.generation_id})
+        self.trace = trace_id
+        self.span_id = _new_span_id()
+        self.parent_id = parent_id
+        self.state = state
+        self.state_field = wire.field(b"\x1a", state.encode()) if state else b""
+        self.prefix = wire.span_prefix(trace_id, self.state_field, self.span_id)
+        self.operation = self.name = operation = OPERATIONS.get(endpoint, endpoint)
+        self.head = b"".join((_ATTRIBUTE(b"J", "gen_ai.operation.name", operation),
+                              _ATTRIBUTE(b"J", "kilnproxy.org", call.org),
+                              _UNIQUE(b"J", "kilnproxy.generation_id", call.generation_id)))
+        self.requested = b""
+        self.events = b""
         self._attempt = None
         self._stream = None
-        ids = tracing.trace_ids
-        if ids is not None and (trace_id := self.trace_id) is not None:
-            ids[call.generation_id] = trace_id
-            if len(ids) > KEEP_LINKS:
-                ids.popitem(last=False)
+        self._admitted = 0
+        self._ending = None
 
     @property
-    def trace_id(self) -> str | None:
-        """The trace's id in hex, when this request's spans are sampled (sent); else ``None``."""
-        context = self.span.get_span_context()
-        return format(context.trace_id, "032x") if context.trace_flags.sampled else None
+    def trace_id(self) -> str:
+        """The trace's id in hex (this request's spans are sampled: sent)."""
+        return self.trace.hex()
 
-    def child(self, name: str, kind=None, attributes=None):
-        return self.tracing.new_child(self.span, name, kind or self.tracing.kinds.INTERNAL, attributes)
+    def child(self, name: str, kind: int, span_id: bytes, start: int, attrs: bytes, events: bytes = b"",
+              status: bytes = _NO_STATUS) -> None:
+        """A child span that ended now: encoded and queued."""
+        self.tracing.add(wire.child_span(self.prefix, span_id, name, kind, start, time_ns(), attrs, events, status))
 
-    def admission(self) -> _Admission:
-        """A context manager around the slot and hold."""
-        return _Admission(self)
+    def admission(self) -> "RequestTrace":
+        """A context manager around the slot and hold: the admission span, ended on the way out (an exception
+        recorded on it as an ``exception`` event with an error status, as the SDK's ``use_span`` does)."""
+        return self
+
+    def __enter__(self) -> None:
+        self._admitted = time_ns()
+
+    def __exit__(self, kind, exc, tb) -> None:
+        events, status = b"", _NO_STATUS
+        if exc is not None:
+            module, name = kind.__module__, kind.__qualname__
+            events = wire.event("exception", time_ns(), {
+                "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
+                "exception.message": str(exc),
+                "exception.stacktrace": "".join(traceback.format_exception(exc)), "exception.escaped": "False"})
+            status = wire.status(f"{kind.__name__}: {exc}")
+        self.child("kilnproxy.admission", wire.INTERNAL, _new_span_id(), self._admitted, b"", events, status)
 
     def model(self, requested: str) -> None:
-        self.span.set_attribute("gen_ai.request.model", requested)
-        self.span.update_name(f"{self.operation} {requested}")
+        self.requested = _ATTRIBUTE(b"J", "gen_ai.request.model", requested)
+        self.name = f"{self.operation} {requested}"
 
     def attempt(self, base_url: str, headers: dict) -> dict:
         """An upstream attempt begins: its span, and the headers that carry it upstream (W3C trace context,
         written as the SDK's propagator writes it)."""
-        span = self._attempt = self.child("kilnproxy.upstream", self.tracing.kinds.CLIENT,
-                                          {"server.address": base_url})
-        context = span.get_span_context()
+        span_id = _new_span_id()
+        self._attempt = (span_id, time_ns(), base_url)
         carrier = dict(headers)
-        if context.is_valid:
-            carrier["traceparent"] = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
-            if context.trace_state:
-                carrier["tracestate"] = context.trace_state.to_header()
+        carrier["traceparent"] = _traceparent(self.trace, span_id, True)
+        if self.state:
+            carrier["tracestate"] = self.state
         return carrier
 
     def attempt_done(self, status: int | None, problem: str | None = None) -> None:
-        span, self._attempt = self._attempt, None
-        if span is None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is None:
             return
+        span_id, start, base_url = attempt
+        attrs = _ATTRIBUTE(b"J", "server.address", base_url)
         if status is not None:
-            span.set_attribute("http.response.status_code", status)
+            attrs += _ATTRIBUTE(b"J", "http.response.status_code", status)
+        outcome = _NO_STATUS
         if problem is not None or (status is not None and status >= 500):
-            span.set_attribute("error.type", problem or str(status))
-            span.set_status(self.tracing.error(problem or f"HTTP {status}"))
-        span.end()
+            attrs += _ATTRIBUTE(b"J", "error.type", problem or str(status))
+            outcome = wire.status(problem or f"HTTP {status}")
+        self.child("kilnproxy.upstream", wire.CLIENT, span_id, start, attrs, b"", outcome)
 
     def first_token(self, ttft_ms: float) -> None:
-        self.span.add_event("gen_ai.first_token", {"kilnproxy.ttft_ms": ttft_ms})
+        self.events += wire.event("gen_ai.first_token", time_ns(), {"kilnproxy.ttft_ms": ttft_ms})
 
     def stream_started(self) -> None:
-        self._stream = self.child("kilnproxy.stream")
+        self._stream = (_new_span_id(), time_ns())
 
     def stream_ended(self, disconnected: bool) -> None:
-        span, self._stream = self._stream, None
-        if span is not None:
-            span.set_attribute("kilnproxy.disconnected", disconnected)
-            span.end()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            self.child("kilnproxy.stream", wire.INTERNAL, stream[0], stream[1],
+                       _ATTRIBUTE(b"J", "kilnproxy.disconnected", disconnected))
 
     def end(self, row: dict, committed) -> None:
         """The row is submitted: record it on the span, which ends with the row's commit."""
         self.attempt_done(None, "cancelled")
-        self.stream_ended(bool(row["disconnected"]))
-        span = self.span
-        span.set_attributes({
-            "gen_ai.response.model": row["model"] or "", "gen_ai.usage.input_tokens": row["prompt_tokens"],
-            "gen_ai.usage.output_tokens": row["completion_tokens"], "kilnproxy.cost_usd": row["cost"],
-            "http.response.status_code": row["status"], "kilnproxy.disconnected": bool(row["disconnected"])})
+        disconnected = bool(row["disconnected"])
+        self.stream_ended(disconnected)
+        attrs = [self.head, self.requested]
+        for key, value in (("gen_ai.response.model", row["model"] or ""),
+                           ("gen_ai.usage.input_tokens", row["prompt_tokens"]),
+                           ("gen_ai.usage.output_tokens", row["completion_tokens"]),
+                           ("kilnproxy.cost_usd", row["cost"]), ("http.response.status_code", row["status"]),
+                           ("kilnproxy.disconnected", disconnected)):
+            if value is not None:  # the SDK drops an attribute without a value
+                attrs.append(_ATTRIBUTE(b"J", key, value))
+        outcome = _NO_STATUS
         if row["error_code"] is not None:
-            span.set_attribute("error.type", row["error_code"])
+            attrs.append(_ATTRIBUTE(b"J", "error.type", row["error_code"]))
             if row["status"] >= 500 or row["status"] == 200:  # a server fault, or a stream that ended in one
-                span.set_status(self.tracing.error(row["error_code"]))
-        commit = self.child("kilnproxy.usage_commit")
-
-        def done(_future) -> None:
-            commit.end()
-            span.end()
-
+                outcome = wire.status(row["error_code"])
+        self._ending = (_new_span_id(), time_ns(), b"".join(attrs), outcome)
         if committed is None or committed.done():
-            done(None)
+            self._committed(None)
         else:
-            committed.add_done_callback(done)
+            committed.add_done_callback(self._committed)
+
+    def _committed(self, _future) -> None:
+        """The row is committed: the commit's span and the request's end."""
+        commit_id, commit_start, attrs, outcome = self._ending
+        self.child("kilnproxy.usage_commit", wire.INTERNAL, commit_id, commit_start, b"")
+        self.tracing.add(wire.span(
+            self.trace, self.span_id, self.parent_id, self.state_field, self.name, wire.SERVER, self.start,
+            time_ns(), attrs, self.events, outcome, wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))

@@ -1,0 +1,177 @@
+"""The OTLP trace protobuf (``opentelemetry/proto/trace/v1``), written by hand: no dependency.
+
+Only what kilnproxy sends is here. A span is encoded once, when it ends, into the bytes of one
+``ScopeSpans.spans`` field (``span``); a batch of them becomes an ``ExportTraceServiceRequest``
+with ``Framing.request``, its resource and scope encoded once at start-up. Field numbers and wire
+types are the proto's (tests decode what this writes with the official ``opentelemetry-proto``):
+
+* ``ExportTraceServiceRequest``: 1 resource_spans;
+* ``ResourceSpans``: 1 resource (``Resource``: 1 attributes), 2 scope_spans;
+* ``ScopeSpans``: 1 scope (``InstrumentationScope``: 1 name, 2 version), 2 spans;
+* ``Span``: 1 trace_id, 2 span_id, 3 trace_state, 4 parent_span_id, 5 name, 6 kind,
+  7 start_time_unix_nano (fixed64), 8 end_time_unix_nano (fixed64), 9 attributes, 11 events,
+  15 status, 16 flags (fixed32);
+* ``Event``: 1 time_unix_nano (fixed64), 2 name, 3 attributes;
+* ``Status``: 2 message, 3 code; ``KeyValue``: 1 key, 2 value;
+  ``AnyValue``: 1 string, 2 bool, 3 int (int64), 4 double.
+"""
+
+from __future__ import annotations
+
+import struct
+
+SERVER, CLIENT, INTERNAL = 2, 3, 1  # Span.SpanKind
+STATUS_ERROR = 2                    # Status.StatusCode
+FLAGS_LOCAL = 0x100                 # SpanFlags: the parent's is_remote is known, and it is local
+FLAGS_REMOTE = 0x300                # ... and it is remote (the client's traceparent)
+
+_BYTE = [bytes((n,)) for n in range(256)]
+_U64 = (1 << 64) - 1
+_DOUBLE = struct.Struct("<d").pack
+_TIMES = struct.Struct("<BQBQ").pack    # the start and end times, with their tags (0x39, 0x41)
+_FLAGS = struct.Struct("<BBI").pack     # field 16, fixed32: a two-byte tag
+_EVENT_TIME = struct.Struct("<BQ").pack
+
+
+def varint(n: int) -> bytes:
+    if n < 0x80:
+        return _BYTE[n]
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: its tag, the payload's length, the payload."""
+    n = len(payload)
+    if n < 0x80:
+        return tag + _BYTE[n] + payload
+    if n < 0x4000:
+        return tag + bytes(((n & 0x7F) | 0x80, n >> 7)) + payload
+    return tag + varint(n) + payload
+
+
+_NAMES: dict[str, bytes] = {}
+
+
+_KEYS: dict[str, bytes] = {}
+# recent (tag, key, value) -> bytes, one table a type (True and 1 are equal keys), for the values that repeat
+_SEEN: dict[type, dict[tuple, bytes]] = {str: {}, int: {}, bool: {}}
+SEEN_AT_MOST = 4096  # entries a table; cleared when full (a new model name, org, token count...)
+
+
+def attribute(tag: bytes, key: str, value) -> bytes:
+    """A ``KeyValue`` as the field ``tag`` (``b"J"``: a span's attributes, ``b"\\x1a"``: an event's,
+    ``b"\\n"``: a resource's). ``value``: str, bool, int or float; ``None`` is written as an empty value."""
+    seen = _SEEN.get(type(value))
+    if seen is None:
+        return _attribute(tag, key, value)
+    entry = (tag, key, value)
+    encoded = seen.get(entry)
+    if encoded is None:
+        if len(seen) >= SEEN_AT_MOST:
+            seen.clear()
+        encoded = seen[entry] = _attribute(tag, key, value)
+    return encoded
+
+
+def unique(tag: bytes, key: str, value: str) -> bytes:
+    """``attribute`` of a string seen once (an id): not kept among the values that repeat."""
+    return _attribute(tag, key, value)
+
+
+def _attribute(tag: bytes, key: str, value) -> bytes:
+    head = _KEYS.get(key)
+    if head is None:
+        head = _KEYS[key] = field(b"\n", key.encode()) + b"\x12"
+    kind = type(value)
+    if kind is str:
+        encoded = value.encode()
+        n = len(encoded)
+        if n + len(head) < 0x7C:  # every length one byte
+            return tag + _BYTE[len(head) + n + 3] + head + _BYTE[n + 2] + b"\n" + _BYTE[n] + encoded
+        any_value = field(b"\n", encoded)
+    elif kind is bool:
+        any_value = b"\x10\x01" if value else b"\x10\x00"
+    elif kind is int:
+        any_value = b"\x18" + (_BYTE[value] if 0 <= value < 0x80 else varint(value & _U64))
+    elif kind is float:
+        any_value = b"!" + _DOUBLE(value)
+    elif value is None:
+        any_value = b""
+    else:
+        return attribute(tag, key, str(value))
+    n = len(any_value)
+    if n + len(head) < 0x7F:
+        return tag + _BYTE[len(head) + n + 1] + head + _BYTE[n] + any_value
+    return field(tag, head + varint(n) + any_value)
+
+
+def attributes(tag: bytes, items: dict) -> bytes:
+    return b"".join([attribute(tag, k, v) for k, v in items.items()])
+
+
+def event(name: str, time_ns: int, items: dict) -> bytes:
+    """A span's event (field 11)."""
+    return field(b"Z", _EVENT_TIME(0x09, time_ns) + field(b"\x12", name.encode()) + attributes(b"\x1a", items))
+
+
+def status(message: str | None) -> bytes:
+    """A span's status (field 15): unset, or an error with its description."""
+    if message is None:
+        return b"z\x00"
+    return field(b"z", field(b"\x12", message.encode()) + b"\x18\x02")
+
+
+def span(trace_id: bytes, span_id: bytes, parent_id: bytes | None, trace_state: bytes, name: str, kind: int,
+         start_ns: int, end_ns: int, attrs: bytes, events: bytes, status_bytes: bytes, flags: int) -> bytes:
+    """One span as a ``ScopeSpans.spans`` field. ``attrs``, ``events``, ``status_bytes``: already encoded
+    (``attribute``, ``event``, ``status``); ``trace_state``: the encoded field 3, or ``b""``."""
+    name_field = _NAMES.get(name)
+    if name_field is None:
+        name_field = field(b"*", name.encode())
+        if len(_NAMES) < SEEN_AT_MOST:
+            _NAMES[name] = name_field
+    body = b"".join((b"\n\x10", trace_id, b"\x12\x08", span_id, trace_state,
+                     b'"\x08' + parent_id if parent_id else b"", name_field, b"0", _BYTE[kind],
+                     _TIMES(0x39, start_ns, 0x41, end_ns), attrs, events, status_bytes,
+                     _FLAGS(0x85, 0x01, flags)))
+    return field(b"\x12", body)
+
+
+def span_prefix(trace_id: bytes, trace_state: bytes, parent_id: bytes) -> bytes:
+    """The fields a request's child spans share (trace id, trace state, parent): encoded once a request, for
+    ``child_span``. Protobuf fields may come in any order; decoders take them all the same."""
+    return b"".join((b"\n\x10", trace_id, trace_state, b'"\x08', parent_id))
+
+
+_LOCAL = _FLAGS(0x85, 0x01, FLAGS_LOCAL)
+
+
+def child_span(prefix: bytes, span_id: bytes, name: str, kind: int, start_ns: int, end_ns: int, attrs: bytes,
+               events: bytes, status_bytes: bytes) -> bytes:
+    """``span`` of a span whose parent is local, from its request's ``span_prefix``."""
+    name_field = _NAMES.get(name)
+    if name_field is None:
+        name_field = field(b"*", name.encode())
+        if len(_NAMES) < SEEN_AT_MOST:
+            _NAMES[name] = name_field
+    return field(b"\x12", b"".join((prefix, b"\x12\x08", span_id, name_field, b"0", _BYTE[kind],
+                                    _TIMES(0x39, start_ns, 0x41, end_ns), attrs, events, status_bytes, _LOCAL)))
+
+
+class Framing:
+    """The envelope of a batch: one resource (its attributes, e.g. ``service.name``) and one scope."""
+
+    def __init__(self, resource: dict, scope_name: str, scope_version: str = ""):
+        self.resource = field(b"\n", attributes(b"\n", resource))
+        scope = field(b"\n", scope_name.encode()) + (field(b"\x12", scope_version.encode()) if scope_version else b"")
+        self.scope = field(b"\n", scope)
+
+    def request(self, spans: list[bytes]) -> bytes:
+        """An ``ExportTraceServiceRequest`` of these spans (each from ``span``)."""
+        scope_spans = field(b"\x12", self.scope + b"".join(spans))
+        return field(b"\n", self.resource + scope_spans)
