@@ -68,8 +68,9 @@ def startup(gateway):
     """Called once when the gateway starts, before it accepts requests.
 
     ``gateway`` is the running ``kilnproxy.proxy.gateway.Gateway``: the usage
-    database is open and ``gateway.session`` (the upstream
-    ``aiohttp.ClientSession``) exists. Use ``gateway.config`` (the parsed
+    database is open and ``gateway.session`` (an ``aiohttp.ClientSession``
+    for a plugin's own HTTP calls; requests to the model servers go through
+    the gateway's own client) exists. Use ``gateway.config`` (the parsed
     config; ``gateway.config.resolve(path)`` makes a path relative to the
     config file) and ``gateway.plugin_settings(name)``. Open connections or
     files here, and check your settings. May be ``async def``.

@@ -1,7 +1,8 @@
 """``Gateway``: everything one running gateway holds, built once at start-up.
 
-It owns the upstream session, the ledger, the in-flight counts, credits,
-routes and hooks, and it is what ``startup``/``shutdown`` plugins receive.
+It owns the upstream client (and an aiohttp session for health checks,
+discovery and plugins), the ledger, the in-flight counts, credits, routes and
+hooks, and it is what ``startup``/``shutdown`` plugins receive.
 The request path reaches it as ``request.app[GATEWAY]``.
 """
 
