@@ -69,5 +69,5 @@ class Pinned:
         if conn is not None:
             try:
                 await asyncio.wait_for(self.store.pool.release(conn), self.store.STATEMENT_TIMEOUT)
-            except Exception:
+            except (*self.store.UNREACHABLE, asyncpg.PostgresError):
                 conn.terminate()
