@@ -110,3 +110,25 @@ async def test_a_request_is_one_prepared_statement_per_round_trip(tmp_path, harn
             settled = await eventually(lambda: (s := steps("kiln_settle"))["execute"] >= requests and s)
             assert admitted == {"parse": 1, "bind": requests, "execute": requests}
             assert settled == {"parse": 1, "bind": requests, "execute": requests}
+
+
+async def test_connections_the_server_closed_while_idle_are_replaced_without_a_failed_request(
+        tmp_path, harness, eventually, postgres, pg_url):
+    """The admitter and the writer keep their connections: ended by the server while idle (a
+    restart, an idle timeout, ``pg_terminate_backend``), the next request goes on new ones, as it
+    would on the pool's."""
+    overrides = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}}
+    async with harness(overrides=overrides) as h:
+        store = h.gw.ledger
+        async with h.post("/v1/completions", completion_body()) as resp:
+            assert resp.status == 200
+        kept = (store.admitter.conn, store.writer.conn)
+        assert all(conn is not None for conn in kept)
+        pids = [conn.get_server_pid() for conn in kept]
+        postgres.psql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid IN ({pids[0]}, {pids[1]});")
+        await eventually(lambda: all(conn.is_closed() for conn in kept))
+        for _ in range(3):
+            async with h.post("/v1/completions", completion_body()) as resp:
+                assert resp.status == 200
+        assert store.available
+        assert len(await h.rows()) == 4

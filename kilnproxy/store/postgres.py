@@ -19,9 +19,9 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
   spool (``kilnproxy.store.spool``), flushed once the database answers again.
 
 Nothing holds a connection across a stream. The admitter and the writer each
-keep one connection of the pool for their statements (``kilnproxy.store.pinned``:
-a round trip costs no borrowing); every other statement borrows one from the
-pool and gives it back.
+keep a connection of their own for their statements (``kilnproxy.store.pinned``:
+a round trip costs no borrowing); every other statement borrows one from a
+small pool and gives it back.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ from .spool import Spool
 
 log = logging.getLogger("kilnproxy.ledger")
 
-POOL_SIZE = 5  # connections for the statements of requests and of the heartbeat, besides the two kept
-KEPT = 2  # by the admitter and by the writer (``Pinned``)
+POOL_SIZE = 5  # besides the admitter's and the writer's own connections (``Pinned``)
 STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
 CONNECT_TIMEOUT = 5.0
 FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
@@ -150,8 +149,8 @@ class PostgresStore(GroupCommitted):
         finally:
             await conn.close()
         self.pool = await asyncpg.create_pool(
-            self.url, min_size=1, max_size=POOL_SIZE + KEPT, timeout=CONNECT_TIMEOUT, reset=_nothing_to_reset,
-            server_settings={"application_name": f"kilnproxy {self.replica}"})
+            self.url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT, reset=_nothing_to_reset,
+            server_settings=self._session())
         await self.heartbeat.beat()
         try:
             self.spooled = await asyncio.to_thread(self.spool.open)
@@ -165,6 +164,13 @@ class PostgresStore(GroupCommitted):
         if self.spooled:
             log.warning("%d usage rows spooled by an earlier run; settling them now", self.spooled)
             await self.flush_spool()
+
+    def _session(self) -> dict[str, str]:
+        return {"application_name": f"kilnproxy {self.replica}"}
+
+    async def connect(self) -> asyncpg.Connection:
+        """A new connection of this replica, outside the pool (``Pinned``)."""
+        return await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT, server_settings=self._session())
 
     async def close(self) -> None:
         """Settle everything submitted (into the spool if the database is out of reach), then disconnect."""
@@ -353,7 +359,7 @@ class PostgresStore(GroupCommitted):
 
     async def expire_connections(self) -> None:
         """After a failure none of the connections is to be trusted: the pool's are replaced at their
-        next use, the kept ones at their next statement."""
+        next use, the admitter's and the writer's at their next statement."""
         await self.pool.expire_connections()
         self.writer.expire()
         self.admitter.expire()
