@@ -18,8 +18,10 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
   ``store_unavailable`` at once, and rows that cannot be settled go to the
   spool (``kilnproxy.store.spool``), flushed once the database answers again.
 
-Nothing holds a connection across a stream: each statement borrows one from
-a small pool and gives it back.
+Nothing holds a connection across a stream. The admitter and the writer each
+keep a connection of their own for their statements (``kilnproxy.store.pinned``:
+a round trip costs no borrowing); every other statement borrows one from a
+small pool and gives it back.
 """
 
 from __future__ import annotations
@@ -40,13 +42,14 @@ from ..errors import GatewayError, StorageError
 from ..usage import COLUMNS
 from .batches import Batches, GroupCommitted
 from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, per_minute_exceeded, rate_limited
+from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
 from .spool import Spool
 
 log = logging.getLogger("kilnproxy.ledger")
 
-POOL_SIZE = 5
+POOL_SIZE = 5  # besides the admitter's and the writer's own connections (``Pinned``)
 STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
 CONNECT_TIMEOUT = 5.0
 FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
@@ -55,6 +58,7 @@ FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
 UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
                asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
 
+ADMIT = "SELECT * FROM kiln_admit($1::jsonb, $2, $3)"
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
 SETTLE = "SELECT * FROM kiln_settle($1::jsonb, $2)"
 # The same, and in its transaction (so delivered at its commit, and only if it commits) one NOTIFY per
@@ -105,6 +109,7 @@ class PostgresStore(GroupCommitted):
     """``Ledger`` and ``Admission`` on PostgreSQL (see the module's docstring)."""
 
     STATEMENT_TIMEOUT = STATEMENT_TIMEOUT
+    UNREACHABLE = UNREACHABLE
 
     def __init__(self, config: Config, credits: Credits,
                  on_commit: Callable[[list[tuple[dict, Any]]], None] | None = None):
@@ -121,6 +126,8 @@ class PostgresStore(GroupCommitted):
         self.counts = Counts()  # this replica's requests in flight, for metrics
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
         self.admissions = Batches(self._admit, "kilnproxy-admitter")
+        self.writer = Pinned(self)  # the connection of ``rows``' task
+        self.admitter = Pinned(self)  # the connection of ``admissions``' task
         self._flushing = asyncio.Lock()
         self.spooled = 0
         self.commit_failures = 0
@@ -143,7 +150,7 @@ class PostgresStore(GroupCommitted):
             await conn.close()
         self.pool = await asyncpg.create_pool(
             self.url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT, reset=_nothing_to_reset,
-            server_settings={"application_name": f"kilnproxy {self.replica}"})
+            server_settings=self._session())
         await self.heartbeat.beat()
         try:
             self.spooled = await asyncio.to_thread(self.spool.open)
@@ -158,11 +165,20 @@ class PostgresStore(GroupCommitted):
             log.warning("%d usage rows spooled by an earlier run; settling them now", self.spooled)
             await self.flush_spool()
 
+    def _session(self) -> dict[str, str]:
+        return {"application_name": f"kilnproxy {self.replica}"}
+
+    async def connect(self) -> asyncpg.Connection:
+        """A new connection of this replica, outside the pool (``Pinned``)."""
+        return await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT, server_settings=self._session())
+
     async def close(self) -> None:
         """Settle everything submitted (into the spool if the database is out of reach), then disconnect."""
         await self.rows.close()
         await self.heartbeat.stop()
         await self.admissions.close()
+        await self.writer.close()
+        await self.admitter.close()
         if self.available:
             await self.flush_spool()
             await self.attempt("execute", "DELETE FROM kiln_replicas WHERE id = $1 AND NOT EXISTS"
@@ -204,8 +220,8 @@ class PostgresStore(GroupCommitted):
 
     async def _admit(self, holds: list[dict[str, Any]]) -> list[tuple[str, float]]:
         try:
-            verdicts = await self.run("fetch", "SELECT * FROM kiln_admit($1::jsonb, $2, $3)",
-                                      orjson.dumps(holds).decode(), self.replica, self.timeout)
+            verdicts = await self.admitter.run("fetch", ADMIT, orjson.dumps(holds).decode(), self.replica,
+                                               self.timeout)
         except UNREACHABLE as exc:
             self.lost(exc)
             raise store_unavailable() from None
@@ -254,20 +270,22 @@ class PostgresStore(GroupCommitted):
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Rows are durable once settled in PostgreSQL, or else in the spool."""
-        if not await self._settle(rows):
+        if not await self._settle(rows, self.writer.run):
             await self._spool(rows)
 
-    async def _settle(self, rows: list[dict[str, Any]]) -> bool:
-        """One ``kiln_settle`` transaction; False when it did not commit (the rows must be kept)."""
+    async def _settle(self, rows: list[dict[str, Any]], run=None) -> bool:
+        """One ``kiln_settle`` transaction (sent with ``run``, by default ``self.run``); False when it
+        did not commit (the rows must be kept)."""
         if not self.available:
             return False
+        run = run or self.run
         try:
             body = orjson.dumps(rows).decode()
             if self.tell_rows:
-                spent = await self.run("fetch", SETTLE_AND_TELL, body, self.replica, ROWS_CHANNEL,
-                                       row_notices(self.replica, [r["id"] for r in rows]))
+                spent = await run("fetch", SETTLE_AND_TELL, body, self.replica, ROWS_CHANNEL,
+                                  row_notices(self.replica, [r["id"] for r in rows]))
             else:
-                spent = await self.run("fetch", SETTLE, body, self.replica)
+                spent = await run("fetch", SETTLE, body, self.replica)
         except UNREACHABLE as exc:
             self.lost(exc)
             return False
@@ -338,6 +356,13 @@ class PostgresStore(GroupCommitted):
         except UNREACHABLE as exc:
             self.lost(exc)
             return None
+
+    async def expire_connections(self) -> None:
+        """After a failure none of the connections is to be trusted: the pool's are replaced at their
+        next use, the admitter's and the writer's at their next statement."""
+        await self.pool.expire_connections()
+        self.writer.expire()
+        self.admitter.expire()
 
     def reached(self) -> None:
         if not self.available:

@@ -24,7 +24,9 @@ for a whole batch of requests.
 
 Version 2 (``kilnproxy.store.postgres_v2``) adds runtime orgs, keys and grants,
 and makes ``kiln_admit`` hold keys' limits and check per-minute limits; version 3
-(``kilnproxy.store.postgres_v3``) the ``requested_model`` of fallbacks.
+(``kilnproxy.store.postgres_v3``) the ``requested_model`` of fallbacks; version 4
+(``kilnproxy.store.postgres_v4``) takes admission's and settlement's batches as
+arrays instead of JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 from ..errors import StorageError
 from .postgres_v2 import V2
 from .postgres_v3 import V3
+from .postgres_v4 import V4
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -216,7 +219,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4)
 
 
 async def migrate(conn) -> int:

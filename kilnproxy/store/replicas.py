@@ -57,7 +57,7 @@ class Heartbeat:
         """One heartbeat; marks the store reachable or not. Never raises for an unreachable database."""
         store = self.store
         if not store.available:
-            await store.pool.expire_connections()  # after a failure, none of them is to be trusted
+            await store.expire_connections()  # after a failure, none of them is to be trusted
         rows = await store.attempt("fetch", BEAT, store.replica)
         if rows is None:
             return
