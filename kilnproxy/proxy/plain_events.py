@@ -49,7 +49,7 @@ MODEL_KEY = b'"model":'
 class PlainRun:
     """The check for one stream; ``upstream``/``catalog`` are ``b'"model":"<name>"'``."""
 
-    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames")
+    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames", "prefix", "suffix", "needle", "framable")
 
     def __init__(self, upstream: bytes, catalog: bytes):
         self.upstream = upstream
@@ -57,6 +57,93 @@ class PlainRun:
         self.rename = upstream != catalog
         self.from_end = [False, False, False]  # per marker: the frame from the end matched last time
         self.frames = [(b"", b"")] * 6  # per marker and side: the last frame and the needle counted
+        self.prefix = self.suffix = self.needle = b""  # the stream's event frames (``take``)
+        # a frame ends or begins at one of ",{}": no name with those could be seen across its edge
+        self.framable = not (self.rename and any(c in name for c in b",{}" for name in (upstream, catalog)))
+
+    def take(self, head: bytes) -> tuple[int, bytes, int]:
+        """``(n, out, roles)``: ``head``'s ``n`` events when ``_event`` forwards each one as it is
+        (renamed), ``out`` the bytes to send, ``roles`` how many name a role (``ROLE``); n = 0 when
+        that is not shown. ``head`` is whole events, no CR.
+
+        First by the stream's frames (``_by_frames``: two passes over ``head``, the line count and
+        one split), else by ``count`` (a pass per check)."""
+        if head[:7] != b"data: {":
+            return 0, b"", 0
+        lines = head.count(b"\n")
+        if lines & 1:
+            return 0, b"", 0
+        n = lines >> 1
+        if n > 1 and self.framable:
+            framed = self._by_frames(head, n)
+            if framed is not None:
+                return n, framed[0], framed[1]
+        n = self.count(head)
+        if not n:
+            return 0, b"", 0
+        return n, self.renamed(head), head.count(ROLE) if ROLE in head else 0
+
+    def _by_frames(self, head: bytes, n: int) -> tuple[bytes, int] | None:
+        """Every event of ``head`` (``n`` one-line events, by the line count) starts with the stream's
+        ``prefix`` and ends with its ``suffix``: shown by one split at ``suffix + prefix``, which
+        holds one blank line, in ``n`` pieces. What differs from event to event (a token's text)
+        is then between those frames, and the rules are checked over the frames once and over
+        the joined middles (a few bytes an event) instead of the whole run. The frames end and
+        begin at one of ``,{}``, and no marker holds one of those, so no marker is cut by an edge
+        of a frame: each is in the prefix (then in every event), the suffix (likewise) or one
+        event's middle. The frames are taken from the first two events of a run whose frames do
+        not fit, and kept for the next runs. None when not shown."""
+        for fresh in (False, True):
+            if fresh and not self._frames_from(head):
+                return None
+            prefix, suffix = self.prefix, self.suffix
+            if not prefix or not head.startswith(prefix) or not head.endswith(suffix):
+                continue
+            pieces = head.split(self.needle)
+            if len(pieces) == n and len(pieces[0]) >= len(prefix) and len(pieces[-1]) >= len(suffix):
+                return self._checked(pieces, prefix, suffix)
+        return None
+
+    def _checked(self, pieces: list[bytes], prefix: bytes, suffix: bytes) -> tuple[bytes, int] | None:
+        joined = b",".join(pieces)  # the prefix, the middles (with a "," between) and the suffix
+        if ERROR in joined:
+            return None
+        for null, key in ((USAGE_NULL, USAGE), (FINISH_NULL, FINISH)):
+            if not (null in prefix or null in suffix) and key in joined:  # else every event has the null
+                return None
+        roles = len(pieces) if ROLE in prefix or ROLE in suffix else joined.count(ROLE)
+        if not self.rename:
+            return self.needle.join(pieces), roles
+        upstream, catalog = self.upstream, self.catalog
+        if catalog in joined or joined.count(upstream) != 1:  # once in every event: in a frame
+            return None
+        if upstream in prefix:
+            renamed = prefix.replace(upstream, catalog)
+            pieces[0] = renamed + pieces[0][len(prefix):]
+            return (suffix + renamed).join(pieces), roles
+        if upstream in suffix:
+            renamed = suffix.replace(upstream, catalog)
+            pieces[-1] = pieces[-1][:len(pieces[-1]) - len(suffix)] + renamed
+            return (renamed + prefix).join(pieces), roles
+        return None
+
+    def _frames_from(self, head: bytes) -> bool:
+        """The frames of ``head``'s first two events: their common start up to its last ``,`` or ``{``,
+        their common end from its first ``,`` or ``}``."""
+        eol = head.find(b"\n")
+        end = head.find(b"\n", eol + 2)
+        if head[eol + 1:eol + 2] != b"\n" or end < 0 or head[end + 1:end + 2] != b"\n":
+            return False
+        first, second = head[:eol + 2], head[eol + 2:end + 2]
+        same = _common_start(first, second)
+        cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
+        start = len(first) - _common_start(first[::-1], second[::-1])
+        ends = [i for i in (first.find(b",", start), first.find(b"}", start)) if i >= 0]
+        if cut < 7 or not ends or min(ends) < cut:
+            return False
+        self.prefix, self.suffix = first[:cut], first[min(ends):]
+        self.needle = self.suffix + self.prefix
+        return True
 
     def count(self, head: bytes) -> int:
         """The number of events in ``head`` if ``_event`` forwards each one as it is (renamed), else 0."""
@@ -127,3 +214,15 @@ class PlainRun:
 
     def renamed(self, head: bytes) -> bytes:
         return head.replace(self.upstream, self.catalog) if self.rename else head
+
+
+def _common_start(a: bytes, b: bytes) -> int:
+    """The length of the longest common start of ``a`` and ``b`` (a binary search: C-speed compares)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) >> 1
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
