@@ -203,7 +203,7 @@ def test_a_run_of_like_events_is_shown_plain_by_its_frames():
     words = b"\n\n".join(stream.split(b"\n\n")[:40]) + b"\n\n"
     plain = PlainRun(b'"model":"' + UPSTREAM_MODEL.encode() + b'"', b'"model":"test-model"')
     assert plain._by_frames(words, 40) is not None
-    assert plain.prefix.endswith(b",") and plain.suffix.endswith(b"}\n\n")
+    assert plain.prefix.startswith(b'{"id":') and plain.prefix.endswith(b",") and plain.suffix.endswith(b"}")
     assert plain.take(words) == (40, words.replace(UPSTREAM_MODEL.encode(), b"test-model"), 0)
 
 
@@ -293,3 +293,15 @@ def test_recorded_llamacpp_streams_relay_the_same(path, catalog_id, include_usag
             bulk, plain = run(relays[0], chunks, bulk=True), run(relays[1], chunks, bulk=False)
             assert bulk == plain, name
     assert bulk[2] in ("length", "stop") and bulk[4:6] == (True, True)  # a finish reason, [DONE]
+
+
+def test_frames_that_would_overlap_in_a_short_event_are_not_taken():
+    """Frames taken where two events differ by a key, then events without it: each holds the
+    prefix and the suffix only overlapping, so the frames do not show them plain; ``count`` decides."""
+    longer = event(model=UPSTREAM_MODEL, extra={"model": UPSTREAM_MODEL}, **TEXT)
+    shorter = event(model=UPSTREAM_MODEL, **TEXT)
+    plain = PlainRun(b'"model":"' + UPSTREAM_MODEL.encode() + b'"', b'"model":"test-model"')
+    plain.take(longer + shorter)
+    assert plain.prefix.endswith(b'7B",') and plain.suffix.startswith(b',"choices"')
+    assert plain._by_frames(shorter * 2, 2) is None
+    assert plain.take(shorter * 2) == (2, (shorter * 2).replace(UPSTREAM_MODEL.encode(), b"test-model"), 0)

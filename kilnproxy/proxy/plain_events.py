@@ -34,12 +34,14 @@ after it); when they do not, the check falls back to counting every
 from __future__ import annotations
 
 from itertools import repeat
+from operator import getitem
 
 # A chat stream's opening chunk names the role and carries no token: not counted
 # when the completion tokens must be counted from what was streamed.
 ROLE = b'"role":'
 
 EVENT = b"\n\ndata: {"
+EVENT_SEP = b"\n\ndata: "
 ERROR = b'"error"'
 USAGE, USAGE_NULL = b'"usage"', b'"usage":null'
 FINISH, FINISH_NULL = b'"finish_reason"', b'"finish_reason":null'
@@ -57,7 +59,7 @@ class PlainRun:
         self.rename = upstream != catalog
         self.from_end = [False, False, False]  # per marker: the frame from the end matched last time
         self.frames = [(b"", b"")] * 6  # per marker and side: the last frame and the needle counted
-        self.prefix = self.suffix = self.needle = b""  # the stream's event frames (``take``)
+        self.prefix = self.suffix = self.needle = b""  # the stream's event frames, without "data: " and "\n\n"
         # a frame ends or begins at one of ",{}": no name with those could be seen across its edge
         self.framable = not (self.rename and any(c in name for c in b",{}" for name in (upstream, catalog)))
 
@@ -66,8 +68,8 @@ class PlainRun:
         (renamed), ``out`` the bytes to send, ``roles`` how many name a role (``ROLE``); n = 0 when
         that is not shown. ``head`` is whole events, no CR.
 
-        First by the stream's frames (``_by_frames``: two passes over ``head``, the line count and
-        one split), else by ``count`` (a pass per check)."""
+        First by the stream's frames (``_by_frames``: the line count, one split and one count over
+        ``head``), else by ``count`` (a pass per check)."""
         if head[:7] != b"data: {":
             return 0, b"", 0
         lines = head.count(b"\n")
@@ -84,65 +86,60 @@ class PlainRun:
         return n, self.renamed(head), head.count(ROLE) if ROLE in head else 0
 
     def _by_frames(self, head: bytes, n: int) -> tuple[bytes, int] | None:
-        """Every event of ``head`` (``n`` one-line events, by the line count) starts with the stream's
-        ``prefix`` and ends with its ``suffix``: shown by one split at ``suffix + prefix``, which
-        holds one blank line, in ``n`` pieces. What differs from event to event (a token's text)
-        is then between those frames, and the rules are checked over the frames once and over
-        the joined middles (a few bytes an event) instead of the whole run. The frames end and
-        begin at one of ``,{}``, and no marker holds one of those, so no marker is cut by an edge
-        of a frame: each is in the prefix (then in every event), the suffix (likewise) or one
-        event's middle. The frames are taken from the first two events of a run whose frames do
-        not fit, and kept for the next runs. None when not shown."""
+        """Every one of ``head``'s ``n`` events (``data: `` lines by the line count) starts with the
+        stream's ``prefix`` and ends with its ``suffix``: shown by one split at the blank lines, and
+        one count of ``suffix`` + the next event's ``prefix`` across the events joined again. What
+        differs from event to event (a token's text) is then between those frames, and the rules
+        are checked over the frames once and over the events' middles joined (a few bytes an
+        event) rather than over the whole run. The frames end and begin at one of ``,{}``, no
+        marker holds one of those, and the middles are joined with ``,``: so no marker is cut by
+        an edge, and each is in the prefix (then in every event), the suffix (likewise) or one
+        event's middle. The frames are taken from the first two events of a run where the
+        stream's do not fit, and kept for the next runs. None when not shown."""
+        events = head[6:-2].split(EVENT_SEP)
+        if len(events) != n:
+            return None
+        lines = b"\n".join(events)
         for fresh in (False, True):
-            if fresh and not self._frames_from(head):
+            if fresh and not self._frames_from(events[0], events[1]):
                 return None
             prefix, suffix = self.prefix, self.suffix
-            if not prefix or not head.startswith(prefix) or not head.endswith(suffix):
-                continue
-            pieces = head.split(self.needle)
-            if len(pieces) == n and len(pieces[0]) >= len(prefix) and len(pieces[-1]) >= len(suffix):
-                return self._checked(pieces, prefix, suffix)
+            edge = len(prefix) + len(suffix)  # the first and last events hold both, not overlapping (the others:
+            if prefix and events[0].startswith(prefix) and events[-1].endswith(suffix) \
+                    and len(events[0]) >= edge and len(events[-1]) >= edge \
+                    and lines.count(self.needle) == n - 1:  # as the needles counted do not overlap)
+                return self._checked(head, events, prefix, suffix)
         return None
 
-    def _checked(self, pieces: list[bytes], prefix: bytes, suffix: bytes) -> tuple[bytes, int] | None:
-        joined = b",".join(pieces)  # the prefix, the middles (with a "," between) and the suffix
-        if ERROR in joined:
+    def _checked(self, head: bytes, events: list[bytes], prefix: bytes, suffix: bytes) -> tuple[bytes, int] | None:
+        middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
+        joined = b",".join(middles)
+        if ERROR in joined or ERROR in prefix or ERROR in suffix:
             return None
         for null, key in ((USAGE_NULL, USAGE), (FINISH_NULL, FINISH)):
-            if not (null in prefix or null in suffix) and key in joined:  # else every event has the null
-                return None
-        roles = len(pieces) if ROLE in prefix or ROLE in suffix else joined.count(ROLE)
+            if not (null in prefix or null in suffix) and (key in joined or key in prefix or key in suffix):
+                return None  # else every event holds the null, or none the key
+        roles = len(events) if ROLE in prefix or ROLE in suffix else joined.count(ROLE)
         if not self.rename:
-            return self.needle.join(pieces), roles
+            return head, roles
         upstream, catalog = self.upstream, self.catalog
-        if catalog in joined or joined.count(upstream) != 1:  # once in every event: in a frame
+        if catalog in joined or catalog in prefix or catalog in suffix or upstream in joined \
+                or prefix.count(upstream) + suffix.count(upstream) != 1:  # once in every event: in a frame
             return None
-        if upstream in prefix:
-            renamed = prefix.replace(upstream, catalog)
-            pieces[0] = renamed + pieces[0][len(prefix):]
-            return (suffix + renamed).join(pieces), roles
-        if upstream in suffix:
-            renamed = suffix.replace(upstream, catalog)
-            pieces[-1] = pieces[-1][:len(pieces[-1]) - len(suffix)] + renamed
-            return (renamed + prefix).join(pieces), roles
-        return None
+        prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
+        return b"".join((b"data: ", prefix, (suffix + EVENT_SEP + prefix).join(middles), suffix, b"\n\n")), roles
 
-    def _frames_from(self, head: bytes) -> bool:
-        """The frames of ``head``'s first two events: their common start up to its last ``,`` or ``{``,
-        their common end from its first ``,`` or ``}``."""
-        eol = head.find(b"\n")
-        end = head.find(b"\n", eol + 2)
-        if head[eol + 1:eol + 2] != b"\n" or end < 0 or head[end + 1:end + 2] != b"\n":
-            return False
-        first, second = head[:eol + 2], head[eol + 2:end + 2]
+    def _frames_from(self, first: bytes, second: bytes) -> bool:
+        """The frames of two events: their common start up to its last ``,`` or ``{``, their common
+        end from its first ``,`` or ``}``."""
         same = _common_start(first, second)
         cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
         start = len(first) - _common_start(first[::-1], second[::-1])
         ends = [i for i in (first.find(b",", start), first.find(b"}", start)) if i >= 0]
-        if cut < 7 or not ends or min(ends) < cut:
+        if not cut or not ends or min(ends) < cut:
             return False
         self.prefix, self.suffix = first[:cut], first[min(ends):]
-        self.needle = self.suffix + self.prefix
+        self.needle = self.suffix + b"\n" + self.prefix
         return True
 
     def count(self, head: bytes) -> int:
