@@ -22,6 +22,7 @@ from aiohttp import web
 
 from kilnproxy.answers import Answer
 from kilnproxy.ops.lifecycle import close_after_response
+from kilnproxy.testing import MODEL
 
 pytestmark = pytest.mark.asyncio
 
@@ -226,3 +227,20 @@ async def test_low_level_server_and_body_length():
     assert sent[0]._fallback is None and sent[0].keep_alive is True
     assert sent[0].body_length == sent[1].body_length == len(mine[0])
     assert sent[0].prepared and sent[0].status == 201 and sent[0].reason == "Created"
+
+
+async def test_the_gateway_registers_no_on_response_prepare_handler_and_answers_in_one_buffer(gw):
+    """What the one-buffer path relies on in the gateway: no handler may change an answer's headers
+    as it is prepared; a JSON answer and an error come with aiohttp's headers, in its order."""
+    assert not gw.gateway.app.on_response_prepare
+    port = int(gw.url.rsplit(":", 1)[1])
+    body = b'{"model":"%s","prompt":"Hi","max_tokens":2}' % MODEL.encode()
+    key = gw.headers()["Authorization"].encode()
+    answered, _ = await exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: " + key
+                                 + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    refused, _ = await exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    for got, status in ((answered[0], b"200 OK"), (refused[0], b"401 Unauthorized")):
+        lines = got.partition(b"\r\n\r\n")[0].split(b"\r\n")
+        assert lines[0] == b"HTTP/1.1 " + status
+        assert [line.split(b":")[0] for line in lines[1:]] == [
+            b"X-Neocloud-Generation-Id", b"Content-Type", b"Content-Length", b"Date", b"Server"][-len(lines) + 1:]
