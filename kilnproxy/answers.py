@@ -139,13 +139,14 @@ class Answer(web.StreamResponse):
                 or request.method == "CONNECT" and self._status < 300):
             return False
         for key, value in self._extra.items():
-            if (type(key) is not str or type(value) is not str or key.lower() in RESERVED
-                    or FORBIDDEN.search(key) or FORBIDDEN.search(value)):
+            if type(key) is not str or type(value) is not str or key.lower() in RESERVED \
+                    or not _plain(key) or not _plain(value):
                 return False
-        if FORBIDDEN.search(self._content_type_value):
+        if not _plain(self._content_type_value):
             return False
-        match_info = getattr(request, "match_info", None)  # a plain BaseRequest (the hot routes) has none
-        return match_info is None or not any(app.on_response_prepare for app in match_info.apps)
+        # a plain BaseRequest (the hot routes) sends no signal; a Request, its apps' on_response_prepare
+        return not isinstance(request, web.Request) or not any(app.on_response_prepare
+                                                               for app in request.match_info.apps)
 
     def _head(self) -> bytes:
         status_line = _STATUS_LINES.get(self._status)
@@ -161,6 +162,11 @@ class Answer(web.StreamResponse):
         if self._keep_alive is False:
             response.force_close()
         return response
+
+
+def _plain(text: str) -> bool:
+    """No character aiohttp refuses in a header (``isprintable`` first: it is quicker, and stricter)."""
+    return text.isprintable() or not FORBIDDEN.search(text)
 
 
 _PHRASES = {status.value: status.phrase for status in HTTPStatus}  # aiohttp's REASON_PHRASES
