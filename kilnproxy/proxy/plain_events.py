@@ -29,6 +29,15 @@ these bytes (vLLM's id, object, created and model before the text; llama.cpp's
 after it); when they do not, the check falls back to counting every
 ``"finish_reason"`` (``"usage"``) against every ``"finish_reason":null``
 (``"usage":null``), and to a split at the model's name. The frame checks also show the structure.
+
+``PlainRun.take(run)``, which the relay calls, tries a cheaper proof first: the
+stream's own frames, the bytes every event starts with (``{"id":...,"model":...,``)
+and ends with (``,"logprobs":null,"finish_reason":null}]}``), taken once from two
+events. The line count, one split at the blank lines and one count of
+"suffix, newline, prefix" over the events joined again show that every event is
+framed so; the rules are then checked once over the two frames and over the events'
+middles (the tokens: a few bytes an event), not over the whole run. When the frames
+do not fit, or their checks are not conclusive, ``count`` decides as above.
 """
 
 from __future__ import annotations
@@ -46,12 +55,14 @@ ERROR = b'"error"'
 USAGE, USAGE_NULL = b'"usage"', b'"usage":null'
 FINISH, FINISH_NULL = b'"finish_reason"', b'"finish_reason":null'
 MODEL_KEY = b'"model":'
+MAX_MISSES = 3
 
 
 class PlainRun:
     """The check for one stream; ``upstream``/``catalog`` are ``b'"model":"<name>"'``."""
 
-    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames", "prefix", "suffix", "needle", "framable")
+    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames", "prefix", "suffix", "needle", "framable",
+                 "misses")
 
     def __init__(self, upstream: bytes, catalog: bytes):
         self.upstream = upstream
@@ -62,6 +73,7 @@ class PlainRun:
         self.prefix = self.suffix = self.needle = b""  # the stream's event frames, without "data: " and "\n\n"
         # a frame ends or begins at one of ",{}": no name with those could be seen across its edge
         self.framable = not (self.rename and any(c in name for c in b",{}" for name in (upstream, catalog)))
+        self.misses = 0  # runs the frames did not show plain: after MAX_MISSES, a stream they do not suit
 
     def take(self, head: bytes) -> tuple[int, bytes, int]:
         """``(n, out, roles)``: ``head``'s ``n`` events when ``_event`` forwards each one as it is
@@ -80,6 +92,8 @@ class PlainRun:
             framed = self._by_frames(head, n)
             if framed is not None:
                 return n, framed[0], framed[1]
+            self.misses += 1
+            self.framable = self.misses < MAX_MISSES
         n = self.count(head)
         if not n:
             return 0, b"", 0
