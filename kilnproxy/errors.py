@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Mapping
 
 import orjson
-from aiohttp import web
+
+from .answers import Answer
 
 
 class KilnError(Exception):
@@ -65,14 +66,9 @@ class GatewayError(Exception):
             }
         }
 
-    def response(self, extra_headers: Mapping[str, str] | None = None) -> web.Response:
-        headers = {**self.headers, **(extra_headers or {})}
-        return web.Response(
-            status=self.status,
-            body=orjson.dumps(self.payload()),
-            content_type="application/json",
-            headers=headers,
-        )
+    def response(self, extra_headers: Mapping[str, str] | None = None) -> Answer:
+        headers = {**self.headers, **extra_headers} if extra_headers else self.headers
+        return Answer(orjson.dumps(self.payload()), self.status, headers=headers)
 
 
 class UpstreamFailure(Exception):
@@ -84,13 +80,8 @@ class UpstreamFailure(Exception):
         super().__init__(message)
         self.code = code
 
-    def response(self, extra_headers: Mapping[str, str] | None = None) -> web.Response:
-        return web.Response(
-            status=502,
-            text=f"Bad gateway: {self}\n",
-            content_type="text/plain",
-            headers=extra_headers,
-        )
+    def response(self, extra_headers: Mapping[str, str] | None = None) -> Answer:
+        return Answer(f"Bad gateway: {self}\n".encode(), 502, "text/plain; charset=utf-8", extra_headers)
 
 
 def invalid_api_key() -> GatewayError:

@@ -179,7 +179,32 @@ ODD_STREAMS = {
     "usage null and usage counts in one event": event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6
         + event(model=UPSTREAM_MODEL, usage=None, x={"usage": {"prompt_tokens": 1}}, **TEXT)
         + event(model=UPSTREAM_MODEL, usage=None, **TEXT) * 6,
+    # the frames of a run (PlainRun._by_frames): what differs between events is a token's text
+    "tokens that are markers": b"".join(event(model=UPSTREAM_MODEL, choices=[{"index": 0, "text": t, "finish_reason": None}])
+                                        for t in [" a", " b", "error", " c", "usage", "finish_reason", " d", "role", " e"]),
+    "tokens that are model names": b"".join(event(model=UPSTREAM_MODEL, choices=[{"index": 0, "text": t}])
+                                            for t in [" a", " b", "test-model", " c", UPSTREAM_MODEL, " d"]),
+    "tokens that hold frame edges": b"".join(event(model=UPSTREAM_MODEL, choices=[{"index": 0, "text": t}])
+                                             for t in [" a", ",", "},{", '","model":"x', "{", " b"]),
+    "an event of another shape mid-run": event(model=UPSTREAM_MODEL, **TEXT) * 5
+        + event(**TEXT, model=UPSTREAM_MODEL, created=1) + event(model=UPSTREAM_MODEL, **TEXT) * 5,
+    "the model in a text, once": event(model=UPSTREAM_MODEL, **TEXT) * 3
+        + event(choices=[{"index": 0, "text": '"model":"' + UPSTREAM_MODEL + '"'}]) + event(model=UPSTREAM_MODEL, **TEXT) * 3,
+    "no model, texts": b"".join(event(choices=[{"index": 0, "text": t}]) for t in " a b c d e f".split(" ")),
+    "usage null in the middle only": b"".join(event(model=UPSTREAM_MODEL, choices=[{"index": 0, "text": t}], usage=None, x=t)
+                                              for t in " a b c d e".split(" ")),
 }
+
+
+def test_a_run_of_like_events_is_shown_plain_by_its_frames():
+    """A vLLM run: the frames taken from its first two events, one split; the same bytes as a
+    rename of the whole run."""
+    stream = mock_stream("vllm", False)
+    words = b"\n\n".join(stream.split(b"\n\n")[:40]) + b"\n\n"
+    plain = PlainRun(b'"model":"' + UPSTREAM_MODEL.encode() + b'"', b'"model":"test-model"')
+    assert plain._by_frames(words, 40) is not None
+    assert plain.prefix.startswith(b'{"id":') and plain.prefix.endswith(b",") and plain.suffix.endswith(b"}")
+    assert plain.take(words) == (40, words.replace(UPSTREAM_MODEL.encode(), b"test-model"), 0)
 
 
 @pytest.mark.parametrize("name", list(ODD_STREAMS))
@@ -268,3 +293,15 @@ def test_recorded_llamacpp_streams_relay_the_same(path, catalog_id, include_usag
             bulk, plain = run(relays[0], chunks, bulk=True), run(relays[1], chunks, bulk=False)
             assert bulk == plain, name
     assert bulk[2] in ("length", "stop") and bulk[4:6] == (True, True)  # a finish reason, [DONE]
+
+
+def test_frames_that_would_overlap_in_a_short_event_are_not_taken():
+    """Frames taken where two events differ by a key, then events without it: each holds the
+    prefix and the suffix only overlapping, so the frames do not show them plain; ``count`` decides."""
+    longer = event(model=UPSTREAM_MODEL, extra={"model": UPSTREAM_MODEL}, **TEXT)
+    shorter = event(model=UPSTREAM_MODEL, **TEXT)
+    plain = PlainRun(b'"model":"' + UPSTREAM_MODEL.encode() + b'"', b'"model":"test-model"')
+    plain.take(longer + shorter)
+    assert plain.prefix.endswith(b'7B",') and plain.suffix.startswith(b',"choices"')
+    assert plain._by_frames(shorter * 2, 2) is None
+    assert plain.take(shorter * 2) == (2, (shorter * 2).replace(UPSTREAM_MODEL.encode(), b"test-model"), 0)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Mapping
 
 import orjson
-from aiohttp import web
 
+from ..answers import Answer
 from ..errors import GatewayError, UpstreamFailure
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -30,8 +30,7 @@ def anthropic_error(status: int, message: str) -> dict:
 
 
 def anthropic_error_response(err: GatewayError | UpstreamFailure,
-                             headers: Mapping[str, str] | None = None) -> web.Response:
+                             headers: Mapping[str, str] | None = None) -> Answer:
     message = err.message if isinstance(err, GatewayError) else f"Bad gateway: {err}"
     extra = dict(err.headers) if isinstance(err, GatewayError) else {}
-    return web.Response(status=err.status, body=orjson.dumps(anthropic_error(err.status, message)),
-                        content_type="application/json", headers={**extra, **(headers or {})})
+    return Answer(orjson.dumps(anthropic_error(err.status, message)), err.status, headers={**extra, **(headers or {})})

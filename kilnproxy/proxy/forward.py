@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from ..answers import Answer
 from ..config import KeyConfig
 from ..errors import UpstreamFailure
 from ..plugins.call import Call
@@ -57,7 +58,7 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyCon
 
 
 async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: RequestRecord,
-                       headers: dict) -> web.Response:
+                       headers: dict) -> Answer:
     """Upstream 400/422: the model server rejected the request; same status, same body."""
     raw = await read_upstream(resp)
     record.first_byte()
@@ -65,12 +66,11 @@ async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: Reques
     if record.tap is not None:
         record.tap.answer(raw, raw)
     await gw.submit(record)  # the row is on disk before the response ends
-    return web.Response(status=resp.status, body=raw, headers={
-        **headers, "Content-Type": resp.headers.get("Content-Type", "application/json")})
+    return Answer(raw, resp.status, resp.headers.get("Content-Type", "application/json"), headers)
 
 
 async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aiohttp.ClientResponse,
-                      headers: dict, api) -> web.Response:
+                      headers: dict, api) -> Answer:
     """A non-streamed answer: what the API reads of it (usage, finish reason), then the plugins'."""
     raw = await read_upstream(resp)
     record.first_byte()
@@ -85,7 +85,7 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
     if record.tap is not None:
         record.tap.answer(raw, out)
     await gw.submit(record)
-    return web.Response(body=out, content_type="application/json", headers=headers)
+    return Answer(out, headers=headers)
 
 
 async def read_upstream(resp: aiohttp.ClientResponse) -> bytes:

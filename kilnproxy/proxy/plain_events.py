@@ -29,27 +29,40 @@ these bytes (vLLM's id, object, created and model before the text; llama.cpp's
 after it); when they do not, the check falls back to counting every
 ``"finish_reason"`` (``"usage"``) against every ``"finish_reason":null``
 (``"usage":null``), and to a split at the model's name. The frame checks also show the structure.
+
+``PlainRun.take(run)``, which the relay calls, tries a cheaper proof first: the
+stream's own frames, the bytes every event starts with (``{"id":...,"model":...,``)
+and ends with (``,"logprobs":null,"finish_reason":null}]}``), taken once from two
+events. The line count, one split at the blank lines and one count of
+"suffix, newline, prefix" over the events joined again show that every event is
+framed so; the rules are then checked once over the two frames and over the events'
+middles (the tokens: a few bytes an event), not over the whole run. When the frames
+do not fit, or their checks are not conclusive, ``count`` decides as above.
 """
 
 from __future__ import annotations
 
 from itertools import repeat
+from operator import getitem
 
 # A chat stream's opening chunk names the role and carries no token: not counted
 # when the completion tokens must be counted from what was streamed.
 ROLE = b'"role":'
 
 EVENT = b"\n\ndata: {"
+EVENT_SEP = b"\n\ndata: "
 ERROR = b'"error"'
 USAGE, USAGE_NULL = b'"usage"', b'"usage":null'
 FINISH, FINISH_NULL = b'"finish_reason"', b'"finish_reason":null'
 MODEL_KEY = b'"model":'
+MAX_MISSES = 3
 
 
 class PlainRun:
     """The check for one stream; ``upstream``/``catalog`` are ``b'"model":"<name>"'``."""
 
-    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames")
+    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames", "prefix", "suffix", "needle", "framable",
+                 "misses")
 
     def __init__(self, upstream: bytes, catalog: bytes):
         self.upstream = upstream
@@ -57,6 +70,91 @@ class PlainRun:
         self.rename = upstream != catalog
         self.from_end = [False, False, False]  # per marker: the frame from the end matched last time
         self.frames = [(b"", b"")] * 6  # per marker and side: the last frame and the needle counted
+        self.prefix = self.suffix = self.needle = b""  # the stream's event frames, without "data: " and "\n\n"
+        # a frame ends or begins at one of ",{}": no name with those could be seen across its edge
+        self.framable = not (self.rename and any(c in name for c in b",{}" for name in (upstream, catalog)))
+        self.misses = 0  # runs the frames did not show plain: after MAX_MISSES, a stream they do not suit
+
+    def take(self, head: bytes) -> tuple[int, bytes, int]:
+        """``(n, out, roles)``: ``head``'s ``n`` events when ``_event`` forwards each one as it is
+        (renamed), ``out`` the bytes to send, ``roles`` how many name a role (``ROLE``); n = 0 when
+        that is not shown. ``head`` is whole events, no CR.
+
+        First by the stream's frames (``_by_frames``: the line count, one split and one count over
+        ``head``), else by ``count`` (a pass per check)."""
+        if head[:7] != b"data: {":
+            return 0, b"", 0
+        lines = head.count(b"\n")
+        if lines & 1:
+            return 0, b"", 0
+        n = lines >> 1
+        if n > 1 and self.framable:
+            framed = self._by_frames(head, n)
+            if framed is not None:
+                return n, framed[0], framed[1]
+            self.misses += 1
+            self.framable = self.misses < MAX_MISSES
+        n = self.count(head)
+        if not n:
+            return 0, b"", 0
+        return n, self.renamed(head), head.count(ROLE) if ROLE in head else 0
+
+    def _by_frames(self, head: bytes, n: int) -> tuple[bytes, int] | None:
+        """Every one of ``head``'s ``n`` events (``data: `` lines by the line count) starts with the
+        stream's ``prefix`` and ends with its ``suffix``: shown by one split at the blank lines, and
+        one count of ``suffix`` + the next event's ``prefix`` across the events joined again. What
+        differs from event to event (a token's text) is then between those frames, and the rules
+        are checked over the frames once and over the events' middles joined (a few bytes an
+        event) rather than over the whole run. The frames end and begin at one of ``,{}``, no
+        marker holds one of those, and the middles are joined with ``,``: so no marker is cut by
+        an edge, and each is in the prefix (then in every event), the suffix (likewise) or one
+        event's middle. The frames are taken from the first two events of a run where the
+        stream's do not fit, and kept for the next runs. None when not shown."""
+        events = head[6:-2].split(EVENT_SEP)
+        if len(events) != n:
+            return None
+        lines = b"\n".join(events)
+        for fresh in (False, True):
+            if fresh and not self._frames_from(events[0], events[1]):
+                return None
+            prefix, suffix = self.prefix, self.suffix
+            edge = len(prefix) + len(suffix)  # the first and last events hold both, not overlapping (the others:
+            if prefix and events[0].startswith(prefix) and events[-1].endswith(suffix) \
+                    and len(events[0]) >= edge and len(events[-1]) >= edge \
+                    and lines.count(self.needle) == n - 1:  # as the needles counted do not overlap)
+                return self._checked(head, events, prefix, suffix)
+        return None
+
+    def _checked(self, head: bytes, events: list[bytes], prefix: bytes, suffix: bytes) -> tuple[bytes, int] | None:
+        middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
+        joined = b",".join(middles)
+        if ERROR in joined or ERROR in prefix or ERROR in suffix:
+            return None
+        for null, key in ((USAGE_NULL, USAGE), (FINISH_NULL, FINISH)):
+            if not (null in prefix or null in suffix) and (key in joined or key in prefix or key in suffix):
+                return None  # else every event holds the null, or none the key
+        roles = len(events) if ROLE in prefix or ROLE in suffix else joined.count(ROLE)
+        if not self.rename:
+            return head, roles
+        upstream, catalog = self.upstream, self.catalog
+        if catalog in joined or catalog in prefix or catalog in suffix or upstream in joined \
+                or prefix.count(upstream) + suffix.count(upstream) != 1:  # once in every event: in a frame
+            return None
+        prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
+        return b"".join((b"data: ", prefix, (suffix + EVENT_SEP + prefix).join(middles), suffix, b"\n\n")), roles
+
+    def _frames_from(self, first: bytes, second: bytes) -> bool:
+        """The frames of two events: their common start up to its last ``,`` or ``{``, their common
+        end from its first ``,`` or ``}``."""
+        same = _common_start(first, second)
+        cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
+        start = len(first) - _common_start(first[::-1], second[::-1])
+        ends = [i for i in (first.find(b",", start), first.find(b"}", start)) if i >= 0]
+        if not cut or not ends or min(ends) < cut:
+            return False
+        self.prefix, self.suffix = first[:cut], first[min(ends):]
+        self.needle = self.suffix + b"\n" + self.prefix
+        return True
 
     def count(self, head: bytes) -> int:
         """The number of events in ``head`` if ``_event`` forwards each one as it is (renamed), else 0."""
@@ -127,3 +225,15 @@ class PlainRun:
 
     def renamed(self, head: bytes) -> bytes:
         return head.replace(self.upstream, self.catalog) if self.rename else head
+
+
+def _common_start(a: bytes, b: bytes) -> int:
+    """The length of the longest common start of ``a`` and ``b`` (a binary search: C-speed compares)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) >> 1
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

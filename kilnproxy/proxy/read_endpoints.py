@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from ..answers import Answer
 from ..config import KeyConfig, ModelConfig
 from ..errors import GatewayError, invalid_api_key, model_not_found
 from ..usage import round_usd
@@ -14,8 +15,8 @@ from .tenant_changes import answer_store_trouble
 from .tenant_views import gateway_view
 
 
-def json_response(data: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+def json_response(data: object, status: int = 200) -> Answer:
+    return Answer(orjson.dumps(data), status)
 
 
 def authorized_key(request: web.Request) -> KeyConfig:

@@ -123,9 +123,9 @@ class EventRelay:
         cut = self._tail_start(chunk)
         if cut:
             head = chunk if cut == len(chunk) else chunk[:cut]
-            n = self.plain.count(head)
-            if n:
-                out = self._forward(head, n)
+            n, out, roles = self.plain.take(head)
+            if n:  # n events unchanged (renamed), counted as ``_event`` counts them
+                self.record.streamed_chunks += n - roles
                 return out if head is chunk else out + self._events(chunk[cut:])
         return self._events(chunk)
 
@@ -134,11 +134,6 @@ class EventRelay:
         items = self.parser.feed(b"".join(self.rest)) if self.rest else []
         self.rest.clear()
         return self.feed(items + self.parser.close())
-
-    def _forward(self, head: bytes, n: int) -> bytes:
-        """``head``: ``n`` events that ``PlainRun`` found unchanged; counted as ``_event`` does."""
-        self.record.streamed_chunks += n - head.count(ROLE) if ROLE in head else n
-        return self.plain.renamed(head)
 
     def _tail_start(self, events: bytes) -> int:
         """Where the last events begin that carry a marker (at most ``TAIL_EVENTS`` of them; the

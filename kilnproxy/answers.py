@@ -1,0 +1,188 @@
+"""``Answer``: a whole non-streamed answer (status, headers, body), written to the client in one write.
+
+``web.Response`` builds a ``CIMultiDict`` of its headers, runs ``prepare``'s
+header rules (length, type, date, server, keep-alive), serialises the
+headers and writes them with the body. An ``Answer`` holds the same parts and,
+in the usual exchange, writes the bytes ``web.Response`` would write,
+pre-built in one buffer::
+
+    HTTP/1.1 <status> <reason>\\r\\n
+    <headers, in order>\\r\\n
+    Content-Type: <type>\\r\\n
+    Content-Length: <length of body>\\r\\n
+    Date: <this second, cached>\\r\\n
+    Server: <aiohttp's>\\r\\n
+    \\r\\n
+    <body>
+
+through the request's writer (``write_eof``: the writer counts the bytes for
+``output_size`` and the access log's ``body_length``, and waits for the
+transport to drain as it does for any answer). ``tests/test_answers.py``
+compares these bytes with ``web.Response``'s, header by header.
+
+The usual exchange is: HTTP/1.1, a connection the response keeps alive (so no
+``Connection`` header: the request did not ask to close and the shutdown's
+drain did not mark it, ``kilnproxy.ops.lifecycle.close_after_response``), a
+method and status that carry a body (not ``HEAD``, 1xx, 204, 304), headers
+of plain text that aiohttp leaves as they are (none of ``Content-Type``,
+``Content-Length``, ``Date``, ``Server``, ``Connection``,
+``Transfer-Encoding``), and no ``on_response_prepare`` handler in the request's
+apps (the gateway registers none; such a handler may change headers, which a
+pre-built buffer would ignore). Anything else is answered by a ``web.Response``
+built from the same parts, exactly as before, so its bytes, keep-alive and
+``Connection: close`` are aiohttp's own.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from http import HTTPStatus
+from typing import Mapping
+
+from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+
+# What aiohttp sets or reads itself when it prepares a response: such a header goes to web.Response.
+RESERVED = frozenset(("content-type", "content-length", "date", "server", "connection", "transfer-encoding"))
+# The characters aiohttp refuses in a header (http_writer's header-injection check).
+FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+JSON = "application/json"
+
+_STATUS_LINES: dict[int, bytes] = {}
+_date_second = -1
+_date_tail = b""
+
+
+class Answer(web.StreamResponse):
+    """``web.Response(status=status, body=body, headers={**headers, "Content-Type": content_type})``,
+    written as one pre-built buffer when the exchange allows it (see the module's docstring)."""
+
+    _reason: str | None = None  # set_status() with a reason of its own
+
+    def __init__(self, body: bytes, status: int = 200, content_type: str = JSON,
+                 headers: Mapping[str, str] | None = None):
+        # StreamResponse.__init__ is not called: its header multidict is built only if asked for
+        self._state = {}
+        self._status = status
+        self._body = body
+        self._content_type_value = content_type
+        self._extra = headers or {}
+        self._fallback: web.Response | None = None
+        self._sent = False
+
+    # -- what aiohttp and callers read ---------------------------------------
+
+    @property
+    def _headers(self):  # type: ignore[override]
+        """The headers as ``web.Response`` has them (rarely asked for). Asked before the answer is
+        sent, the answer becomes that ``web.Response``, so that a change to them is sent."""
+        if self._fallback is not None:
+            return self._fallback.headers
+        if self._sent or self._req is not None:
+            return self._response().headers
+        self._fallback = self._response()
+        return self._fallback.headers
+
+    @property
+    def reason(self) -> str:
+        return _PHRASES.get(self._status, "") if self._reason is None else self._reason
+
+    @property
+    def body(self) -> bytes:
+        return self._body
+
+    @property
+    def keep_alive(self) -> bool | None:
+        return self._fallback.keep_alive if self._fallback is not None else self._keep_alive
+
+    def force_close(self) -> None:
+        self._keep_alive = False
+        if self._fallback is not None:
+            self._fallback.force_close()
+
+    @property
+    def body_length(self) -> int:
+        return self._fallback.body_length if self._fallback is not None else self._body_length
+
+    @property
+    def prepared(self) -> bool:
+        return self._fallback.prepared if self._fallback is not None else self._sent or self._req is not None
+
+    # -- writing --------------------------------------------------------------
+
+    async def prepare(self, request: web.BaseRequest):
+        if self._fallback is None and self._req is None and not self._sent and self._one_write(request):
+            self._req = request
+            self._keep_alive = True
+            return request.writer
+        if self._fallback is None:
+            self._fallback = self._response()
+        return await self._fallback.prepare(request)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._fallback is not None:
+            return await self._fallback.write_eof(data)
+        if self._sent:
+            return
+        request = self._req
+        assert request is not None, "Response has not been started"
+        self._sent = True
+        self._req = None
+        writer = request.writer
+        await writer.write_eof(self._head() + self._body)
+        self._body_length = writer.output_size
+
+    def _one_write(self, request: web.BaseRequest) -> bool:
+        if (self._keep_alive is False or request.version != HttpVersion11 or not request.keep_alive
+                or request.method == "HEAD" or self._status < 200 or self._status in (204, 304)
+                or request.method == "CONNECT" and self._status < 300):
+            return False
+        for key, value in self._extra.items():
+            if type(key) is not str or type(value) is not str or key.lower() in RESERVED \
+                    or not _plain(key) or not _plain(value):
+                return False
+        if not _plain(self._content_type_value):
+            return False
+        # a plain BaseRequest (the hot routes) sends no signal; a Request, its apps' on_response_prepare
+        return not isinstance(request, web.Request) or not any(app.on_response_prepare
+                                                               for app in request.match_info.apps)
+
+    def _head(self) -> bytes:
+        status_line = _STATUS_LINES.get(self._status)
+        if status_line is None:
+            status_line = _STATUS_LINES[self._status] = f"HTTP/1.1 {self._status} {self.reason}\r\n".encode()
+        lines = "".join(f"{key}: {value}\r\n" for key, value in self._extra.items()) if self._extra else ""
+        return b"".join((status_line, (f"{lines}Content-Type: {self._content_type_value}\r\n"
+                                       f"Content-Length: {len(self._body)}\r\n").encode(), date_and_server()))
+
+    def _response(self) -> web.Response:
+        response = web.Response(status=self._status, reason=self._reason, body=self._body,
+                                headers={**self._extra, "Content-Type": self._content_type_value})
+        if self._keep_alive is False:
+            response.force_close()
+        return response
+
+
+def _plain(text: str) -> bool:
+    """No character aiohttp refuses in a header (``isprintable`` first: it is quicker, and stricter)."""
+    return text.isprintable() or not FORBIDDEN.search(text)
+
+
+_PHRASES = {status.value: status.phrase for status in HTTPStatus}  # aiohttp's REASON_PHRASES
+
+
+def date_and_server() -> bytes:
+    """``Date`` (this second, computed once a second as aiohttp does), ``Server`` and the blank line."""
+    global _date_second, _date_tail
+    now = int(time.time())
+    if now != _date_second:
+        year, month, day, hh, mm, ss, wd, *_ = time.gmtime(now)
+        date = "%s, %02d %3s %4d %02d:%02d:%02d GMT" % (_WEEKDAYS[wd], day, _MONTHS[month], year, hh, mm, ss)
+        _date_tail = f"Date: {date}\r\nServer: {SERVER_SOFTWARE}\r\n\r\n".encode()
+        _date_second = now
+    return _date_tail
+
+
+_WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("", "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
