@@ -163,6 +163,70 @@ def child_span(prefix: bytes, span_id: bytes, name: str, kind: int, start_ns: in
                                     _TIMES(0x39, start_ns, 0x41, end_ns), attrs, events, status_bytes, _LOCAL)))
 
 
+class Key:
+    """One span attribute's key (tag ``b"J"``), with the encoded ``KeyValue`` of its recent values: ``encode(value)``
+    is ``attribute(b"J", key, value)``, from a table of this key's own (no tuple, no type lookup a value)."""
+
+    __slots__ = ("key", "head", "seen", "double_head")
+
+    def __init__(self, key: str):
+        self.key = key
+        self.seen: dict = {}
+        head = self.head = field(b"\n", key.encode()) + b"\x12"
+        assert len(head) + 10 < 0x80, "a key of ours: short"
+        self.double_head = b"J" + _BYTE[len(head) + 10] + head + b"\x09!"  # a float: 9 bytes of AnyValue
+
+    def unique(self, value: str) -> bytes:
+        """``encode`` of a string seen once (an id): not kept."""
+        encoded = value.encode()
+        n = len(encoded)
+        head = self.head
+        if n + len(head) < 0x7C:  # every length one byte
+            return b"".join((b"J", _BYTE[len(head) + n + 3], head, _BYTE[n + 2], b"\n", _BYTE[n], encoded))
+        return _attribute(b"J", self.key, value)
+
+    def encode(self, value) -> bytes:
+        kind = type(value)
+        if kind is float:
+            return self.double_head + _DOUBLE(value)
+        if kind is not str and kind is not int:  # bool would share int's entries (True == 1)
+            return _attribute(b"J", self.key, value)
+        seen = self.seen
+        encoded = seen.get(value)
+        if encoded is None:
+            if len(seen) >= SEEN_AT_MOST:
+                seen.clear()
+            encoded = seen[value] = _attribute(b"J", self.key, value)
+        return encoded
+
+
+_ID_LEN = b"\x12\x08"
+_ID_TIMES = struct.Struct("<2s8sBQBQ").pack  # span id (field 2) and the start and end times
+
+
+class Child:
+    """The constant part of one kind of child span (its name and kind), for ``Child.encode``."""
+
+    __slots__ = ("middle",)
+
+    def __init__(self, name: str, kind: int):
+        self.middle = field(b"*", name.encode()) + b"0" + _BYTE[kind]
+
+    def encode(self, prefix: bytes, span_id: bytes, start_ns: int, end_ns: int, tail: bytes) -> bytes:
+        """``child_span`` of this name and kind; ``tail``: its attributes, events and status, already encoded.
+        One copy: the span's length is known before its bytes are joined."""
+        middle = self.middle
+        n = len(prefix) + 34 + len(middle) + len(tail)  # 28: the id and times, 6: the flags
+        if n < 0x80:
+            head = b"\x12" + _BYTE[n]
+        elif n < 0x4000:
+            head = bytes((0x12, (n & 0x7F) | 0x80, n >> 7))
+        else:
+            head = b"\x12" + varint(n)
+        return b"".join((head, prefix, _ID_TIMES(_ID_LEN, span_id, 0x39, start_ns, 0x41, end_ns), middle, tail,
+                         _LOCAL))
+
+
 class Framing:
     """The envelope of a batch: one resource (its attributes, e.g. ``service.name``) and one scope."""
 

@@ -50,6 +50,7 @@ another replica served has no link on this one.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import threading
@@ -76,7 +77,8 @@ KEEP_LINKS = 10_000  # requests whose trace id is kept for the inspector's link 
 OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings",
               "responses": "chat", "messages": "chat"}
 
-_ATTRIBUTE, _UNIQUE, _NO_STATUS = wire.attribute, wire.unique, wire.status(None)
+_ATTRIBUTE, _NO_STATUS = wire.attribute, wire.status(None)
+_ZERO_ID = bytes(8)
 
 
 def install(app: web.Application) -> None:
@@ -123,25 +125,42 @@ class Tracing:
         self.add = self.processor.add
         self.trace_url = config.trace_url
         self.trace_ids: OrderedDict[str, str] | None = OrderedDict() if config.trace_url else None
+        self.heads: dict[tuple[str, str], tuple[str, bytes]] = {}  # (endpoint, org) -> _head's
 
     def begin(self, headers, endpoint: str, call) -> "RequestTrace | Unsampled":
         """The request's trace, a child of the client's ``traceparent`` when it sent a valid one."""
+        number = getrandbits(448)  # the trace id and the request's span ids, drawn at once
+        ids = number.to_bytes(56, "big")
+        while _ZERO_ID in ids:  # no id may be all zeros (about 2**-58 of the draws)
+            number = getrandbits(448)
+            ids = number.to_bytes(56, "big")
         client = parent(headers)
         if client is None:
-            number = getrandbits(128) or 1
-            trace_id, parent_id, state = number.to_bytes(16, "big"), None, ""
-            sampled = self.sampler.new_trace(number)
+            trace_id, parent_id, state = ids[:16], None, ""
+            sampled = self.sampler.new_trace(number >> 320)
         else:
             trace_id, parent_id, sampled, state = client
         if not sampled:
             return Unsampled(trace_id, state)
-        trace = RequestTrace(self, trace_id, parent_id, state, endpoint, call)
+        head = self.heads.get((endpoint, call.org))
+        if head is None:
+            head = self._head(endpoint, call.org)
+        trace = RequestTrace(self, ids, trace_id, parent_id, state, head, call.generation_id)
         ids = self.trace_ids
         if ids is not None:
             ids[call.generation_id] = trace_id.hex()
             if len(ids) > KEEP_LINKS:
                 ids.popitem(last=False)
         return trace
+
+    def _head(self, endpoint: str, org: str) -> tuple[str, bytes]:
+        """The operation of ``endpoint`` and the encoded attributes every request of it and ``org`` has."""
+        if len(self.heads) >= wire.SEEN_AT_MOST:
+            self.heads.clear()
+        operation = OPERATIONS.get(endpoint, endpoint)
+        head = self.heads[(endpoint, org)] = (operation, _ATTRIBUTE(b"J", "gen_ai.operation.name", operation)
+                                              + _ATTRIBUTE(b"J", "kilnproxy.org", org))
+        return head
 
     def link(self, generation_id: str) -> dict | None:
         """``{"trace_id", "url"}`` of a request this process traced (``trace_url`` set, sampled, among
@@ -215,43 +234,58 @@ class Unsampled:
         pass
 
 
+_ADMISSION = wire.Child("kilnproxy.admission", wire.INTERNAL)
+_UPSTREAM = wire.Child("kilnproxy.upstream", wire.CLIENT)
+_STREAM = wire.Child("kilnproxy.stream", wire.INTERNAL)
+_COMMIT = wire.Child("kilnproxy.usage_commit", wire.INTERNAL)
+_GENERATION_ID = wire.Key("kilnproxy.generation_id")
+_SERVER_ADDRESS = wire.Key("server.address")
+_STATUS_CODE = wire.Key("http.response.status_code")
+_ERROR_TYPE = wire.Key("error.type")
+_RESPONSE_MODEL = wire.Key("gen_ai.response.model")
+_INPUT_TOKENS = wire.Key("gen_ai.usage.input_tokens")
+_OUTPUT_TOKENS = wire.Key("gen_ai.usage.output_tokens")
+_COST = wire.Key("kilnproxy.cost_usd")
+_DISCONNECTED = {flag: _ATTRIBUTE(b"J", "kilnproxy.disconnected", flag) for flag in (False, True)}
+
+
 class RequestTrace:
     """One sampled request's spans; the request path calls it at each part (``kilnproxy.proxy``). Each child
-    span is encoded and queued when it ends; the request's own span when the row is committed."""
+    span is encoded and queued when it ends; the request's own span when the row is committed.
 
-    __slots__ = ("tracing", "trace", "span_id", "parent_id", "state", "state_field", "prefix", "start", "operation",
-                 "name", "head", "requested", "events", "_attempt", "_stream", "_admitted", "_ending")
+    ``ids``: the trace id (16 bytes) then the span ids of the request, its admission, its usage commit, its
+    first upstream attempt and its stream (8 bytes each), drawn at once by ``Tracing.begin``."""
 
-    def __init__(self, tracing: Tracing, trace_id: bytes, parent_id: bytes | None, state: str, endpoint: str,
-                 call):
+    __slots__ = ("add", "trace", "ids", "parent_id", "state", "state_field", "prefix", "start", "operation", "name", "head",
+                 "requested", "events", "attempts", "attempt_id", "attempt_start", "attempt_url", "stream_start",
+                 "admitted", "ending", "end_attrs", "end_status")
+
+    def __init__(self, tracing: Tracing, ids: bytes, trace_id: bytes, parent_id: bytes | None, state: str,
+                 head: tuple[str, bytes], generation_id: str):
         self.start = time_ns()
-        self.tracing = tracing
+        self.add = tracing.add
         self.trace = trace_id
-        self.span_id = _new_span_id()
+        self.ids = ids
         self.parent_id = parent_id
         self.state = state
-        self.state_field = wire.field(b"\x1a", state.encode()) if state else b""
-        self.prefix = wire.span_prefix(trace_id, self.state_field, self.span_id)
-        self.operation = self.name = operation = OPERATIONS.get(endpoint, endpoint)
-        self.head = b"".join((_ATTRIBUTE(b"J", "gen_ai.operation.name", operation),
-                              _ATTRIBUTE(b"J", "kilnproxy.org", call.org),
-                              _UNIQUE(b"J", "kilnproxy.generation_id", call.generation_id)))
+        if state:
+            self.state_field = wire.field(b"\x1a", state.encode())
+            self.prefix = wire.span_prefix(trace_id, self.state_field, ids[16:24])
+        else:
+            self.state_field = b""
+            self.prefix = b"".join((b"\n\x10", trace_id, b'"\x08', ids[16:24]))  # span_prefix, no state
+        self.operation, constant = head
+        self.name = self.operation
+        self.head = constant + _GENERATION_ID.unique(generation_id)
         self.requested = b""
         self.events = b""
-        self._attempt = None
-        self._stream = None
-        self._admitted = 0
-        self._ending = None
+        self.attempts = 0
+        self.attempt_url = self.stream_start = None
 
     @property
     def trace_id(self) -> str:
         """The trace's id in hex (this request's spans are sampled: sent)."""
         return self.trace.hex()
-
-    def child(self, name: str, kind: int, span_id: bytes, start: int, attrs: bytes, events: bytes = b"",
-              status: bytes = _NO_STATUS) -> None:
-        """A child span that ended now: encoded and queued."""
-        self.tracing.add(wire.child_span(self.prefix, span_id, name, kind, start, time_ns(), attrs, events, status))
 
     def admission(self) -> "RequestTrace":
         """A context manager around the slot and hold: the admission span, ended on the way out (an exception
@@ -259,88 +293,116 @@ class RequestTrace:
         return self
 
     def __enter__(self) -> None:
-        self._admitted = time_ns()
+        self.admitted = time_ns()
 
     def __exit__(self, kind, exc, tb) -> None:
-        events, status = b"", _NO_STATUS
+        tail = _NO_STATUS
         if exc is not None:
             module, name = kind.__module__, kind.__qualname__
-            events = wire.event("exception", time_ns(), {
+            tail = wire.event("exception", time_ns(), {
                 "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
                 "exception.message": str(exc),
                 "exception.stacktrace": "".join(traceback.format_exception(exc)), "exception.escaped": "False"})
-            status = wire.status(f"{kind.__name__}: {exc}")
-        self.child("kilnproxy.admission", wire.INTERNAL, _new_span_id(), self._admitted, b"", events, status)
+            tail += wire.status(f"{kind.__name__}: {exc}")
+        self.add(_ADMISSION.encode(self.prefix, self.ids[24:32], self.admitted, time_ns(), tail))
 
     def model(self, requested: str) -> None:
-        self.requested = _ATTRIBUTE(b"J", "gen_ai.request.model", requested)
-        self.name = f"{self.operation} {requested}"
+        self.name, self.requested = _model(self.operation, requested)
 
     def attempt(self, base_url: str, headers: dict) -> dict:
         """An upstream attempt begins: its span, and the headers that carry it upstream (W3C trace context,
         written as the SDK's propagator writes it)."""
-        span_id = _new_span_id()
-        self._attempt = (span_id, time_ns(), base_url)
-        carrier = dict(headers)
-        carrier["traceparent"] = _traceparent(self.trace, span_id, True)
+        self.attempts += 1
+        span_id = self.attempt_id = self.ids[40:48] if self.attempts == 1 else _new_span_id()
+        self.attempt_start = time_ns()
+        self.attempt_url = base_url
+        carrier = dict(headers) if headers else {}
+        carrier["traceparent"] = f"00-{self.trace.hex()}-{span_id.hex()}-01"
         if self.state:
             carrier["tracestate"] = self.state
         return carrier
 
     def attempt_done(self, status: int | None, problem: str | None = None) -> None:
-        attempt, self._attempt = self._attempt, None
-        if attempt is None:
+        base_url = self.attempt_url
+        if base_url is None:
             return
-        span_id, start, base_url = attempt
-        attrs = _ATTRIBUTE(b"J", "server.address", base_url)
-        if status is not None:
-            attrs += _ATTRIBUTE(b"J", "http.response.status_code", status)
-        outcome = _NO_STATUS
-        if problem is not None or (status is not None and status >= 500):
-            attrs += _ATTRIBUTE(b"J", "error.type", problem or str(status))
-            outcome = wire.status(problem or f"HTTP {status}")
-        self.child("kilnproxy.upstream", wire.CLIENT, span_id, start, attrs, b"", outcome)
+        self.attempt_url = None
+        if problem is None and (status is None or status < 500):
+            tail = _SERVER_ADDRESS.encode(base_url) + (b"" if status is None else _STATUS_CODE.encode(status)) \
+                + _NO_STATUS
+        else:
+            attrs = _SERVER_ADDRESS.encode(base_url)
+            if status is not None:
+                attrs += _STATUS_CODE.encode(status)
+            attrs += _ERROR_TYPE.encode(problem or str(status))
+            tail = attrs + wire.status(problem or f"HTTP {status}")
+        self.add(_UPSTREAM.encode(self.prefix, self.attempt_id, self.attempt_start, time_ns(), tail))
 
     def first_token(self, ttft_ms: float) -> None:
         self.events += wire.event("gen_ai.first_token", time_ns(), {"kilnproxy.ttft_ms": ttft_ms})
 
     def stream_started(self) -> None:
-        self._stream = (_new_span_id(), time_ns())
+        self.stream_start = time_ns()
 
     def stream_ended(self, disconnected: bool) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            self.child("kilnproxy.stream", wire.INTERNAL, stream[0], stream[1],
-                       _ATTRIBUTE(b"J", "kilnproxy.disconnected", disconnected))
+        start = self.stream_start
+        if start is not None:
+            self.stream_start = None
+            self.add(_STREAM.encode(self.prefix, self.ids[48:56], start, time_ns(), _DISCONNECTED[disconnected]
+                                    + _NO_STATUS))
 
     def end(self, row: dict, committed) -> None:
         """The row is submitted: record it on the span, which ends with the row's commit."""
-        self.attempt_done(None, "cancelled")
+        if self.attempt_url is not None:
+            self.attempt_done(None, "cancelled")
         disconnected = bool(row["disconnected"])
-        self.stream_ended(disconnected)
-        attrs = [self.head, self.requested]
-        for key, value in (("gen_ai.response.model", row["model"] or ""),
-                           ("gen_ai.usage.input_tokens", row["prompt_tokens"]),
-                           ("gen_ai.usage.output_tokens", row["completion_tokens"]),
-                           ("kilnproxy.cost_usd", row["cost"]), ("http.response.status_code", row["status"]),
-                           ("kilnproxy.disconnected", disconnected)):
-            if value is not None:  # the SDK drops an attribute without a value
-                attrs.append(_ATTRIBUTE(b"J", key, value))
+        if self.stream_start is not None:
+            self.stream_ended(disconnected)
+        attrs = [self.head, self.requested, _RESPONSE_MODEL.encode(row["model"] or ""), _DISCONNECTED[disconnected]]
+        # the SDK drops an attribute without a value
+        if (value := row["prompt_tokens"]) is not None:
+            attrs.append(_INPUT_TOKENS.encode(value))
+        if (value := row["completion_tokens"]) is not None:
+            attrs.append(_OUTPUT_TOKENS.encode(value))
+        if (value := row["cost"]) is not None:
+            attrs.append(_COST.encode(value))
+        status = row["status"]
+        if status is not None:
+            attrs.append(_STATUS_CODE.encode(status))
         outcome = _NO_STATUS
         if row["error_code"] is not None:
-            attrs.append(_ATTRIBUTE(b"J", "error.type", row["error_code"]))
-            if row["status"] >= 500 or row["status"] == 200:  # a server fault, or a stream that ended in one
+            attrs.append(_ERROR_TYPE.encode(row["error_code"]))
+            if status >= 500 or status == 200:  # a server fault, or a stream that ended in one
                 outcome = wire.status(row["error_code"])
-        self._ending = (_new_span_id(), time_ns(), b"".join(attrs), outcome)
+        self.ending = time_ns()
+        self.end_attrs = b"".join(attrs)
+        self.end_status = outcome
         if committed is None or committed.done():
-            self._committed(None)
+            self(None)
         else:
-            committed.add_done_callback(self._committed)
+            committed.add_done_callback(self, context=_CALLBACKS)
 
-    def _committed(self, _future) -> None:
-        """The row is committed: the commit's span and the request's end."""
-        commit_id, commit_start, attrs, outcome = self._ending
-        self.child("kilnproxy.usage_commit", wire.INTERNAL, commit_id, commit_start, b"")
-        self.tracing.add(wire.span(
-            self.trace, self.span_id, self.parent_id, self.state_field, self.name, wire.SERVER, self.start,
-            time_ns(), attrs, self.events, outcome, wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
+    def __call__(self, _future) -> None:
+        """The row is committed: the commit's span and the request's end (the commit future's callback: the
+        trace itself, no bound method a request)."""
+        add = self.add
+        add(_COMMIT.encode(self.prefix, self.ids[32:40], self.ending, time_ns(), _NO_STATUS))
+        add(wire.span(self.trace, self.ids[16:24], self.parent_id, self.state_field, self.name, wire.SERVER,
+                      self.start, time_ns(), self.end_attrs, self.events, self.end_status,
+                      wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
+
+
+# the context the commit callbacks run in: they read no context variable, and one context a request would be copied
+_CALLBACKS = contextvars.Context()
+_MODELS: dict[tuple[str, str], tuple[str, bytes]] = {}  # (operation, requested model) -> span name, attribute
+
+
+def _model(operation: str, requested: str) -> tuple[str, bytes]:
+    """The request span's name and its ``gen_ai.request.model``, kept for the (operation, model) pairs seen."""
+    key = (operation, requested)
+    found = _MODELS.get(key)
+    if found is None:
+        if len(_MODELS) >= wire.SEEN_AT_MOST:
+            _MODELS.clear()
+        found = _MODELS[key] = (f"{operation} {requested}", _ATTRIBUTE(b"J", "gen_ai.request.model", requested))
+    return found
