@@ -11,7 +11,7 @@ and each feature's share of the samples times the CPU time per request (from
 per request. Writes ``results/profile-<date>-<label>.md``, and the raw stacks (py-spy's
 collapsed format, for a flame graph) to ``results/raw/``.
 
-    python bench/profile.py [--label after] [--seconds 8] [--only M1,M2,M3]
+    python bench/profile.py [--label after] [--seconds 8] [--only M1,M2,M3] [--tracing]
 
 ``--tree DIR`` profiles another checkout of kilnproxy (e.g. an older commit exported
 with ``git archive``), imported from DIR instead of the installed package.
@@ -43,18 +43,24 @@ RATE = 1000  # samples per second, of the thread that holds the GIL (``--gil``):
 # from the innermost frame outwards takes the sample.
 FEATURES = [
     ("usage row and ledger (row, group commit, SQLite thread, checkpoints)",
-     ("kilnproxy/proxy/request_record.py", "kilnproxy/store/sqlite.py", "kilnproxy/store/checkpoint.py", "aiosqlite/", "sqlite3/",
-      "kilnproxy/proxy/gateway.py")),
+     ("kilnproxy/proxy/request_record.py", "kilnproxy/store/sqlite.py", "kilnproxy/store/checkpoint.py", "kilnproxy/store/loop_commits.py",
+      "kilnproxy/store/batches.py", "aiosqlite/", "sqlite3/", "kilnproxy/proxy/gateway.py")),
     ("metrics and access log (ops)", ("kilnproxy/ops/metrics.py", "kilnproxy/ops/accesslog.py", "prometheus_client/")),
+    ("tracing (spans, OTLP encoding, exporter thread)",
+     ("kilnproxy/ops/tracing.py", "kilnproxy/ops/otlp_wire.py", "kilnproxy/ops/trace_context.py",
+      "kilnproxy/ops/trace_export.py")),
     ("auth and admission, steps 1-7 (key, credits, body parse, model, slot, stream, params)",
-     ("kilnproxy/proxy/rules.py", "kilnproxy/proxy/auth.py", "kilnproxy/store/limits.py", "kilnproxy/plugins/call.py")),
+     ("kilnproxy/proxy/rules.py", "kilnproxy/proxy/auth.py", "kilnproxy/proxy/request_body.py",
+      "kilnproxy/store/limits.py", "kilnproxy/plugins/call.py")),
     ("steps 8-9, plugins (include_usage, upstream_model, hooks)",
      ("kilnproxy/plugins/manager.py", "kilnproxy/plugins/builtin/", "pluggy/")),
     ("stream relay (events, usage chunk, keepalive)",
-     ("kilnproxy/proxy/relay.py", "kilnproxy/proxy/stream.py", "kilnproxy/sse.py")),
+     ("kilnproxy/proxy/relay.py", "kilnproxy/proxy/stream.py", "kilnproxy/proxy/plain_events.py",
+      "kilnproxy/proxy/usage_chunk.py", "kilnproxy/sse.py")),
     ("answer: model name, usage.cost, finish reason", ("kilnproxy/usage.py", "json_answer")),
     ("upstream HTTP client (route, aiohttp client, connection pool, read timer)",
-     ("kilnproxy/proxy/upstream.py", "aiohttp/client", "aiohttp/connector.py", "aiohttp/tracing.py",
+     ("kilnproxy/proxy/upstream.py", "kilnproxy/proxy/upstream_client.py", "kilnproxy/proxy/upstream_connections.py",
+      "kilnproxy/proxy/upstream_response.py", "httptools/", "aiohttp/client", "aiohttp/connector.py", "aiohttp/tracing.py",
       "aiohttp/cookiejar.py", "aiohttp/http_parser.py", "aiohttp/_http_parser", "aiohttp/tcp_helpers.py",
       "aiohttp/base_protocol.py", "yarl/")),
     ("routing and middlewares (router or route table, JSON errors, shutdown count)",
@@ -62,9 +68,10 @@ FEATURES = [
       "kilnproxy/web/fastpath.py", "kilnproxy/web/app.py", "kilnproxy/ops/lifecycle.py")),
     ("HTTP server (aiohttp: request objects, response headers and writes)",
      ("aiohttp/web_protocol.py", "aiohttp/web_response.py", "aiohttp/http_writer.py", "aiohttp/web_request.py",
-      "aiohttp/web_server.py", "aiohttp/abc.py")),
+      "aiohttp/web_server.py", "aiohttp/abc.py", "kilnproxy/answers.py")),
     ("the request handler itself (generation id, the steps' calls, headers)",
-     ("kilnproxy/proxy/completions.py", "kilnproxy/errors.py")),
+     ("kilnproxy/proxy/completions.py", "kilnproxy/proxy/forward.py", "kilnproxy/proxy/request_path.py",
+      "kilnproxy/errors.py")),
 ]
 OTHER = "event loop and the rest (asyncio, uvloop callbacks, GC)"
 
@@ -105,6 +112,8 @@ def main() -> int:
     parser.add_argument("--label", default="now", help="names the results file")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--only", default="M1,M2,M3")
+    parser.add_argument("--tracing", action="store_true",
+                        help="kilnproxy with [tracing] on, every trace kept, spans sent to otlp_sink.py")
     parser.add_argument("--tree", help="profile the kilnproxy package of this folder instead of the installed one")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
@@ -130,8 +139,15 @@ def main() -> int:
         procs.start("nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c", str(conf)], port=nginx_port)
         nginx = f"http://127.0.0.1:{nginx_port}"
         gw_port, pt_port = free_port(), free_port()
+        tables = ""
+        if args.tracing:
+            sink_port = free_port()
+            procs.start("otlp-sink", [PY, str(HERE / "otlp_sink.py"), "--port", str(sink_port)], cpus=load_cpus,
+                        port=sink_port)
+            tables = (f'\n[tracing]\nenabled = true\nendpoint = "http://127.0.0.1:{sink_port}/v1/traces"\n'
+                      'sample_ratio = 1.0\n')
         cfg = gateway_config(work / "gw.toml", work / "gw.db", gw_port,
-                             {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1"})
+                             {"bench": f"{nginx}/json/v1", "bench-stream": f"{nginx}/sse/v1"}, sections=tables)
         gw = procs.start("kilnproxy", [PY, "-m", "kilnproxy", "serve", "--config", str(cfg)], cpus=gw_cpus,
                          port=gw_port, env=env)
         pt = procs.start("pass-through", [PY, str(HERE / "passthrough.py"), "--port", str(pt_port), "--upstream",
