@@ -205,6 +205,23 @@ def test_the_queue_holds_at_most_max_queue_size_spans_and_counts_the_rest(caplog
     assert [s["name"] for s in memory.spans[4:]] == [f"late{n}" for n in range(6, 10)]  # the oldest went
 
 
+def test_a_queue_that_stays_full_while_exports_succeed_is_said_once_a_minute(caplog):
+    caplog.set_level(logging.WARNING, "kilnproxy")
+    now = [1000.0]
+    quiet = QuietExporter(Memory(), "http://collector:4318/v1/traces", clock=lambda: now[0])
+    for _ in range(50):  # spans made faster than sent: each export succeeds, the queue overflows again
+        quiet.drop(1, "the queue of spans to send is full (4)", failed=False)
+        assert quiet.export(b"", 4) is True
+        now[0] += 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "kilnproxy"]
+    assert len(lines) == 1 and lines[0].startswith("tracing: 1 span(s) dropped")
+    now[0] += 11  # a minute after the first line
+    quiet.drop(1, "the queue of spans to send is full (4)", failed=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kilnproxy"]
+    assert len(lines) == 2 and lines[1].startswith("tracing: 50 span(s) dropped") and "51 dropped in all" in lines[1]
+    assert (quiet.exported, quiet.dropped) == (200, 51)
+
+
 class Failing:
     def __init__(self):
         self.ok = False

@@ -131,6 +131,7 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
             where = f"{host or config.server.host}:{config.server.port if port is None else port}"
             raise KilnError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         raise
+    server.settle_gc()
     from ..proxy.gateway import GATEWAY
     text = (banner(gateway.url, upstream, list(gateway.app[GATEWAY].routes)) if demo else
             f"kilnproxy serving {len(config.models)} model(s) on {gateway.url} (config {config.source})")

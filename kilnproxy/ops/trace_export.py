@@ -70,18 +70,22 @@ class QuietExporter:
     def sent(self, n: int) -> None:
         with self._lock:
             self.exported += n
-            recovered, self._failing = self._failing, False
-            lost, self._unreported = self._unreported, 0
-            self._next_line = None
+            recovered = self._failing
+            if recovered:  # the endpoint takes spans again: the next failure is said at once
+                self._failing = False
+                lost, self._unreported = self._unreported, 0
+                self._next_line = None
         if recovered:
             log.warning("tracing: spans reach %s again (%d more dropped since the last report)", self.endpoint, lost)
 
-    def drop(self, n: int, why: str) -> None:
-        """``n`` spans are lost; write the line if the last one is a minute old."""
+    def drop(self, n: int, why: str, failed: bool = True) -> None:
+        """``n`` spans are lost; write the line if the last one is a minute old. ``failed``: the endpoint
+        did not take them (a full queue is not its failure: an export that then succeeds is no recovery)."""
         with self._lock:
             self.dropped += n
             self._unreported += n
-            self._failing = True
+            if failed:
+                self._failing = True
             now = self.clock()
             if self._next_line is not None and now < self._next_line:
                 return
@@ -173,7 +177,7 @@ class SpanQueue:
                 queue.popleft()  # the oldest goes
             except IndexError:  # the thread took them all meanwhile
                 pass
-            self.exporter.drop(1, self._full)
+            self.exporter.drop(1, self._full, failed=False)
         queue.append(span)
         if queued + 1 == self.batch_size:
             self._wake.set()

@@ -16,6 +16,7 @@ would log, so that garbage from clients cannot flood the log.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -111,6 +112,22 @@ async def wait_for_signal(ready: Callable[[], object] | None = None) -> None:
     await stop.wait()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
+
+
+# Collections of the youngest generation: one per this many container objects allocated and not
+# freed. At Python's 700, the objects of the requests in flight alone (64 of them: about 3,000)
+# start a collection every few requests, which finds nothing to free and cost 9 µs a request.
+YOUNG_THRESHOLD = 10_000
+
+
+def settle_gc() -> None:
+    """For a serving process, once it is set up: what start-up made moves out of the collector's
+    sight (``gc.freeze``: config, routes, modules; the full collections that still run walk only
+    what requests left behind), and young collections run per ``YOUNG_THRESHOLD`` allocations."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, middle, old)
 
 
 def run(main) -> None:
