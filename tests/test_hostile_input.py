@@ -4,12 +4,13 @@
 Sent over a raw socket (``rawhttp``) where a client library would refuse or rewrite them.
 """
 
+import asyncio
 import gzip
 import zlib
 
 import orjson
 import pytest
-from rawhttp import exchange, exchange_all, request
+from rawhttp import address, exchange, exchange_all, read_response, request
 
 from kilnproxy.proxy.request_body import MAX_DEPTH
 from kilnproxy.testing import KEY, MODEL, completion_body
@@ -132,6 +133,44 @@ async def test_a_body_that_does_not_arrive_in_time_is_408(harness):
         resp = await exchange(h.url, post(BODY, **{"Content-Length": str(len(BODY) + 100)}))
         assert_error(resp, 408, "request_timeout")
         assert (await h.row(resp.headers[GEN]))["status"] == 408
+        assert await h.mock_requests() == []
+
+
+def chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_a_body_that_comes_after_its_headers_in_pieces_is_read_whole(gw, framing):
+    """The body is read from the socket as it comes (the usual body came with its headers)."""
+    prompt = "p" * 3000
+    body = orjson.dumps(completion_body(prompt=prompt, max_tokens=2))
+    if framing == "length":
+        data = post(body)
+    else:
+        data = request("POST", "/v1/completions", {**AUTH, "Content-Type": "application/json",
+                                                   "Transfer-Encoding": "chunked"}, chunked(body[:1000], body[1000:]))
+    head_end = data.index(b"\r\n\r\n") + 4
+    reader, writer = await asyncio.open_connection(*address(gw.url))
+    try:
+        for start in range(0, len(data), head_end + 700):  # the head and a part, then the rest in parts
+            writer.write(data[start:start + head_end + 700])
+            await writer.drain()
+            await asyncio.sleep(0.02)  # apart on the wire, so that the handler waits for the rest
+        resp = await read_response(reader)
+    finally:
+        writer.close()
+    assert resp.status == 200, resp.body
+    assert (await gw.mock_requests())[-1]["body"]["prompt"] == prompt
+
+
+async def test_a_chunked_body_over_the_limit_that_came_whole_is_413(harness):
+    async with harness(overrides={"server": {"max_request_bytes": 1000}}) as h:
+        body = orjson.dumps(completion_body(prompt="z" * 1200))
+        data = request("POST", "/v1/completions", {**AUTH, "Content-Type": "application/json",
+                                                   "Transfer-Encoding": "chunked"}, chunked(body[:600], body[600:]))
+        resp = await exchange(h.url, data)
+        assert_error(resp, 413, "request_too_large")
         assert await h.mock_requests() == []
 
 

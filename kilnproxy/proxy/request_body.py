@@ -44,12 +44,15 @@ async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str
         raise GatewayError(415, "unsupported_content_encoding",
                            f"Content-Encoding {encoding!r} is not supported; send the body as it is, "
                            "or compressed with gzip or deflate.")
-    try:
-        async with asyncio.timeout(server.request_body_timeout):
-            raw = await _read(request, max_bytes)
-    except TimeoutError:
-        raise GatewayError(408, "request_timeout", f"The request body did not arrive within "
-                           f"{server.request_body_timeout:g} s (server.request_body_timeout).") from None
+    if request.content.is_eof():  # the whole body came with the headers (most do): nothing to wait for
+        raw = _arrived(request, max_bytes)
+    else:
+        try:
+            async with asyncio.timeout(server.request_body_timeout):
+                raw = await _read(request, max_bytes)
+        except TimeoutError:
+            raise GatewayError(408, "request_timeout", f"The request body did not arrive within "
+                               f"{server.request_body_timeout:g} s (server.request_body_timeout).") from None
     if encoding in _ENCODINGS:
         raw = _decoded(raw, encoding, max_bytes)
     try:
@@ -65,6 +68,22 @@ async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str
     if not isinstance(body["model"], str):
         raise bad_request("`model` must be a string.", param="model")
     return body
+
+
+def _arrived(request: web.Request, max_bytes: int) -> bytes:
+    """The body, all of it already read from the socket: the same checks as ``_read``'s."""
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise too_large(max_bytes)
+    try:
+        raw = request.content.read_nowait()
+    except (aiohttp.ClientPayloadError, web.RequestPayloadError, ValueError):
+        raise bad_request("The request body ended before its Content-Length.") from None
+    if len(raw) > max_bytes:
+        raise too_large(max_bytes)
+    if length is not None and len(raw) != length:
+        raise bad_request("The request body ended before its Content-Length.")
+    return raw
 
 
 async def _read(request: web.Request, max_bytes: int) -> bytes:
