@@ -73,6 +73,7 @@ def test_a_request_is_a_server_span_with_its_children_ending_at_the_commit(memor
     headers = trace.attempt("http://up/v1", {"Authorization": "x"})
     assert headers["traceparent"].startswith(f"00-{trace.trace_id}-") and headers["Authorization"] == "x"
     trace.attempt_done(503)
+    trace.attempt_done(200)  # ended already: no change
     trace.end(row(), None)
     spans = {s["name"]: s for s in finished(t, memory)}
     assert sorted(spans) == ["chat m", "kilnproxy.admission", "kilnproxy.upstream", "kilnproxy.usage_commit"]

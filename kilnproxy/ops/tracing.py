@@ -328,7 +328,8 @@ class RequestTrace:
         return carrier
 
     def attempt_done(self, status: int | None, problem: str | None = None) -> None:
-        if self.attempt_url is not None:
+        """The attempt begun last ended (once: a second call changes nothing)."""
+        if self.attempt_url is not None and self.attempt_end is None:
             self.attempt_end = time_ns()
             self.attempt_status, self.attempt_problem = status, problem
 
