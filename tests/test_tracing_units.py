@@ -73,6 +73,7 @@ def test_a_request_is_a_server_span_with_its_children_ending_at_the_commit(memor
     headers = trace.attempt("http://up/v1", {"Authorization": "x"})
     assert headers["traceparent"].startswith(f"00-{trace.trace_id}-") and headers["Authorization"] == "x"
     trace.attempt_done(503)
+    trace.attempt_done(200)  # ended already: no change
     trace.end(row(), None)
     spans = {s["name"]: s for s in finished(t, memory)}
     assert sorted(spans) == ["chat m", "kilnproxy.admission", "kilnproxy.upstream", "kilnproxy.usage_commit"]
@@ -203,6 +204,34 @@ def test_the_queue_holds_at_most_max_queue_size_spans_and_counts_the_rest(caplog
     t.close()
     assert len(memory.spans) == 8  # the first batch and the last four queued
     assert [s["name"] for s in memory.spans[4:]] == [f"late{n}" for n in range(6, 10)]  # the oldest went
+
+
+def test_a_requests_spans_queued_at_once_keep_the_bound_and_fill_batches(memory):
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck(Memory):
+        def __call__(self, body):
+            entered.set()
+            release.wait(10)
+            return super().__call__(body)
+
+    memory = Stuck()
+    t = tracing_with(memory, max_queue_size=4)
+    t.processor.add_all([one_span(f"s{n}") for n in range(4)])  # a full batch wakes the thread, stuck with it
+    assert entered.wait(5)
+    t.processor.add_all([one_span(f"late{n}") for n in range(3)])  # room for them all: queued in one step
+    t.processor.add_all([one_span(f"later{n}") for n in range(3)])  # room for one: the oldest two go
+    assert t.processor.queued() == 4 and t.exporter.dropped == 2
+    release.set()
+    t.close()
+    assert [s["name"] for s in memory.spans[4:]] == ["late2", "later0", "later1", "later2"]
+
+
+def test_a_float_event_is_packed_as_event_encodes_it():
+    first_token = wire.FloatEvent("gen_ai.first_token", "kilnproxy.ttft_ms")
+    for value in (0.0, 12.345, -1e300, 7):  # an int: as event() writes it
+        assert first_token.encode(1234567890, value) == wire.event("gen_ai.first_token", 1234567890,
+                                                                   {"kilnproxy.ttft_ms": value})
 
 
 def test_a_queue_that_stays_full_while_exports_succeed_is_said_once_a_minute(caplog):

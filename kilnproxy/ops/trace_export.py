@@ -182,6 +182,18 @@ class SpanQueue:
         if queued + 1 == self.batch_size:
             self._wake.set()
 
+    def add_all(self, spans: list[bytes]) -> None:
+        """``add`` each of ``spans``, in one step while the queue has room for them all."""
+        queue = self.queue
+        queued = len(queue)
+        if queued + len(spans) > self.max_queue_size:
+            for span in spans:
+                self.add(span)
+            return
+        queue.extend(spans)
+        if queued < self.batch_size <= queued + len(spans):
+            self._wake.set()
+
     def queued(self) -> int:
         return len(self.queue)
 

@@ -33,8 +33,8 @@ semantic conventions (``gen_ai.operation.name``, ``gen_ai.request.model``,
 * ``kilnproxy.usage_commit``: from the row's submission to its commit.
 
 Time to first token is the event ``gen_ai.first_token`` on the request span.
-Spans are ended and handed to the exporter as soon as their part ends, so
-nothing of a stream's spans outlives the stream.
+While a request runs its trace keeps times and values only; its spans are
+encoded and handed to the exporter together when its row is committed.
 
 Spans wait for their export in a queue of at most ``max_queue_size`` and are
 sent from a thread of their own; an endpoint that is away costs requests
@@ -123,6 +123,7 @@ class Tracing:
         self.exporter = QuietExporter(self.sender, config.endpoint)
         self.processor = SpanQueue(self.exporter, self.framing.request, config.max_queue_size, stopping=stopping)
         self.add = self.processor.add
+        self.add_all = self.processor.add_all
         self.trace_url = config.trace_url
         self.trace_ids: OrderedDict[str, str] | None = OrderedDict() if config.trace_url else None
         self.heads: dict[tuple[str, str], tuple[str, bytes]] = {}  # (endpoint, org) -> _head's
@@ -227,9 +228,6 @@ class Unsampled:
     def stream_started(self) -> None:
         pass
 
-    def stream_ended(self, disconnected: bool) -> None:
-        pass
-
     def end(self, row: dict, committed) -> None:
         pass
 
@@ -247,45 +245,48 @@ _INPUT_TOKENS = wire.Key("gen_ai.usage.input_tokens")
 _OUTPUT_TOKENS = wire.Key("gen_ai.usage.output_tokens")
 _COST = wire.Key("kilnproxy.cost_usd")
 _DISCONNECTED = {flag: _ATTRIBUTE(b"J", "kilnproxy.disconnected", flag) for flag in (False, True)}
+_FIRST_TOKEN = wire.FloatEvent("gen_ai.first_token", "kilnproxy.ttft_ms")
 
 
 class RequestTrace:
-    """One sampled request's spans; the request path calls it at each part (``kilnproxy.proxy``). Each child
-    span is encoded and queued when it ends; the request's own span when the row is committed.
+    """One sampled request's spans; the request path calls it at each part (``kilnproxy.proxy``). While the
+    request runs, its parts' times and outcomes are kept, not encoded: its spans are encoded together and
+    queued at once when its row is committed, but for an admission that raised and an upstream attempt
+    followed by another, queued when they end.
 
     ``ids``: the trace id (16 bytes) then the span ids of the request, its admission, its usage commit, its
     first upstream attempt and its stream (8 bytes each), drawn at once by ``Tracing.begin``."""
 
-    __slots__ = ("add", "trace", "ids", "parent_id", "state", "state_field", "prefix", "start", "operation", "name", "head",
-                 "requested", "events", "attempts", "attempt_id", "attempt_start", "attempt_url", "stream_start",
-                 "admitted", "ending", "end_attrs", "end_status")
+    __slots__ = ("tracing", "trace", "ids", "parent_id", "state", "start", "head", "generation_id", "name",
+                 "requested", "events", "admitted", "admission_end", "attempts", "attempt_id", "attempt_start",
+                 "attempt_url", "attempt_end", "attempt_status", "attempt_problem", "stream_start", "row", "ending")
 
     def __init__(self, tracing: Tracing, ids: bytes, trace_id: bytes, parent_id: bytes | None, state: str,
                  head: tuple[str, bytes], generation_id: str):
         self.start = time_ns()
-        self.add = tracing.add
+        self.tracing = tracing
         self.trace = trace_id
         self.ids = ids
         self.parent_id = parent_id
         self.state = state
-        if state:
-            self.state_field = wire.field(b"\x1a", state.encode())
-            self.prefix = wire.span_prefix(trace_id, self.state_field, ids[16:24])
-        else:
-            self.state_field = b""
-            self.prefix = b"".join((b"\n\x10", trace_id, b'"\x08', ids[16:24]))  # span_prefix, no state
-        self.operation, constant = head
-        self.name = self.operation
-        self.head = constant + _GENERATION_ID.unique(generation_id)
-        self.requested = b""
-        self.events = b""
+        self.head = head
+        self.generation_id = generation_id
+        self.name = head[0]
+        self.requested = self.events = b""
         self.attempts = 0
-        self.attempt_url = self.stream_start = None
+        self.admission_end = self.attempt_url = self.attempt_end = self.stream_start = None
 
     @property
     def trace_id(self) -> str:
         """The trace's id in hex (this request's spans are sampled: sent)."""
         return self.trace.hex()
+
+    def _state_field(self) -> bytes:
+        return wire.field(b"\x1a", self.state.encode()) if self.state else b""
+
+    def _prefix(self) -> bytes:
+        """The fields the request's children share (``wire.span_prefix``)."""
+        return wire.span_prefix(self.trace, self._state_field(), self.ids[16:24])
 
     def admission(self) -> "RequestTrace":
         """A context manager around the slot and hold: the admission span, ended on the way out (an exception
@@ -296,22 +297,26 @@ class RequestTrace:
         self.admitted = time_ns()
 
     def __exit__(self, kind, exc, tb) -> None:
-        tail = _NO_STATUS
-        if exc is not None:
-            module, name = kind.__module__, kind.__qualname__
-            tail = wire.event("exception", time_ns(), {
-                "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
-                "exception.message": str(exc),
-                "exception.stacktrace": "".join(traceback.format_exception(exc)), "exception.escaped": "False"})
-            tail += wire.status(f"{kind.__name__}: {exc}")
-        self.add(_ADMISSION.encode(self.prefix, self.ids[24:32], self.admitted, time_ns(), tail))
+        if exc is None:
+            self.admission_end = time_ns()
+            return
+        module, name = kind.__module__, kind.__qualname__
+        tail = wire.event("exception", time_ns(), {
+            "exception.type": f"{module}.{name}" if module and module != "builtins" else name,
+            "exception.message": str(exc),
+            "exception.stacktrace": "".join(traceback.format_exception(exc)), "exception.escaped": "False"})
+        tail += wire.status(f"{kind.__name__}: {exc}")
+        self.tracing.add(_ADMISSION.encode(self._prefix(), self.ids[24:32], self.admitted, time_ns(), tail))
 
     def model(self, requested: str) -> None:
-        self.name, self.requested = _model(self.operation, requested)
+        self.name, self.requested = _model(self.head[0], requested)
 
     def attempt(self, base_url: str, headers: dict) -> dict:
         """An upstream attempt begins: its span, and the headers that carry it upstream (W3C trace context,
         written as the SDK's propagator writes it)."""
+        if self.attempt_end is not None:  # the attempt before, failed over
+            self.tracing.add(self._upstream(self._prefix()))
+            self.attempt_end = None
         self.attempts += 1
         span_id = self.attempt_id = self.ids[40:48] if self.attempts == 1 else _new_span_id()
         self.attempt_start = time_ns()
@@ -323,10 +328,14 @@ class RequestTrace:
         return carrier
 
     def attempt_done(self, status: int | None, problem: str | None = None) -> None:
-        base_url = self.attempt_url
-        if base_url is None:
-            return
-        self.attempt_url = None
+        """The attempt begun last ended (once: a second call changes nothing)."""
+        if self.attempt_url is not None and self.attempt_end is None:
+            self.attempt_end = time_ns()
+            self.attempt_status, self.attempt_problem = status, problem
+
+    def _upstream(self, prefix: bytes) -> bytes:
+        """The span of the attempt that ended (``attempt_done``)."""
+        base_url, status, problem = self.attempt_url, self.attempt_status, self.attempt_problem
         if problem is None and (status is None or status < 500):
             tail = _SERVER_ADDRESS.encode(base_url) + (b"" if status is None else _STATUS_CODE.encode(status)) \
                 + _NO_STATUS
@@ -336,29 +345,43 @@ class RequestTrace:
                 attrs += _STATUS_CODE.encode(status)
             attrs += _ERROR_TYPE.encode(problem or str(status))
             tail = attrs + wire.status(problem or f"HTTP {status}")
-        self.add(_UPSTREAM.encode(self.prefix, self.attempt_id, self.attempt_start, time_ns(), tail))
+        return _UPSTREAM.encode(prefix, self.attempt_id, self.attempt_start, self.attempt_end, tail)
 
     def first_token(self, ttft_ms: float) -> None:
-        self.events += wire.event("gen_ai.first_token", time_ns(), {"kilnproxy.ttft_ms": ttft_ms})
+        self.events += _FIRST_TOKEN.encode(time_ns(), ttft_ms)
 
     def stream_started(self) -> None:
         self.stream_start = time_ns()
 
-    def stream_ended(self, disconnected: bool) -> None:
-        start = self.stream_start
-        if start is not None:
-            self.stream_start = None
-            self.add(_STREAM.encode(self.prefix, self.ids[48:56], start, time_ns(), _DISCONNECTED[disconnected]
-                                    + _NO_STATUS))
-
     def end(self, row: dict, committed) -> None:
-        """The row is submitted: record it on the span, which ends with the row's commit."""
-        if self.attempt_url is not None:
-            self.attempt_done(None, "cancelled")
-        disconnected = bool(row["disconnected"])
+        """The row is submitted: the parts still running end (an upstream attempt as ``cancelled``), and the
+        request's span ends with the row's commit."""
+        self.ending = now = time_ns()
+        if self.attempt_url is not None and self.attempt_end is None:
+            self.attempt_end = now
+            self.attempt_status, self.attempt_problem = None, "cancelled"
+        self.row = row
+        if committed is None or committed.done():
+            self(None)
+        else:
+            committed.add_done_callback(self, context=_CALLBACKS)
+
+    def __call__(self, _future) -> None:
+        """The row is committed: the request's spans, queued at once (the commit future's callback: the trace
+        itself, no bound method a request)."""
+        now = time_ns()
+        row, ids, prefix = self.row, self.ids, self._prefix()
+        spans = [_COMMIT.encode(prefix, ids[32:40], self.ending, now, _NO_STATUS)]
+        if self.admission_end is not None:
+            spans.append(_ADMISSION.encode(prefix, ids[24:32], self.admitted, self.admission_end, _NO_STATUS))
+        if self.attempt_end is not None:
+            spans.append(self._upstream(prefix))
+        disconnected = _DISCONNECTED[bool(row["disconnected"])]
         if self.stream_start is not None:
-            self.stream_ended(disconnected)
-        attrs = [self.head, self.requested, _RESPONSE_MODEL.encode(row["model"] or ""), _DISCONNECTED[disconnected]]
+            spans.append(_STREAM.encode(prefix, ids[48:56], self.stream_start, self.ending, disconnected
+                                        + _NO_STATUS))
+        attrs = [self.head[1], _GENERATION_ID.unique(self.generation_id), self.requested,
+                 _RESPONSE_MODEL.encode(row["model"] or ""), disconnected]
         # the SDK drops an attribute without a value
         if (value := row["prompt_tokens"]) is not None:
             attrs.append(_INPUT_TOKENS.encode(value))
@@ -374,22 +397,10 @@ class RequestTrace:
             attrs.append(_ERROR_TYPE.encode(row["error_code"]))
             if status >= 500 or status == 200:  # a server fault, or a stream that ended in one
                 outcome = wire.status(row["error_code"])
-        self.ending = time_ns()
-        self.end_attrs = b"".join(attrs)
-        self.end_status = outcome
-        if committed is None or committed.done():
-            self(None)
-        else:
-            committed.add_done_callback(self, context=_CALLBACKS)
-
-    def __call__(self, _future) -> None:
-        """The row is committed: the commit's span and the request's end (the commit future's callback: the
-        trace itself, no bound method a request)."""
-        add = self.add
-        add(_COMMIT.encode(self.prefix, self.ids[32:40], self.ending, time_ns(), _NO_STATUS))
-        add(wire.span(self.trace, self.ids[16:24], self.parent_id, self.state_field, self.name, wire.SERVER,
-                      self.start, time_ns(), self.end_attrs, self.events, self.end_status,
-                      wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
+        spans.append(wire.span(self.trace, ids[16:24], self.parent_id, self._state_field(), self.name, wire.SERVER,
+                               self.start, now, b"".join(attrs), self.events, outcome,
+                               wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
+        self.tracing.add_all(spans)
 
 
 # the context the commit callbacks run in: they read no context variable, and one context a request would be copied
