@@ -6,9 +6,11 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from statistics import median
 
@@ -90,6 +92,29 @@ class Bench:
                 out[name].append(run(targets[name]))
         return out
 
+    @contextmanager
+    def alone(self, pid: int):
+        """While ``pid`` is measured, the other processes pinned to its core (the other gateways and
+        pass-throughs under test, the peers) are stopped (SIGSTOP): an idle one still takes CPU, LiteLLM's
+        background loops about 15 % of the core. The upstreams and receivers run on the load's core."""
+        core = os.sched_getaffinity(pid)
+        others = [p for p in set(self.pids.values()) if p != pid and _affinity(p) == core]
+        stopped = []
+        try:
+            for other in others:
+                try:
+                    os.kill(other, signal.SIGSTOP)
+                    stopped.append(other)
+                except ProcessLookupError:
+                    pass
+            yield
+        finally:
+            for other in stopped:
+                try:
+                    os.kill(other, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
     def wrk_rounds(self, targets: dict, body: bytes, connections: int,
                    bodies: dict[str, bytes] | None = None) -> dict[str, list]:
         """``targets``: name -> URL, or (URL, headers); ``bodies``: name -> a body of its own."""
@@ -103,8 +128,9 @@ class Bench:
 
         def run(item):
             url, headers, sent = split(item)
-            summary = wrk(url, sent, self.key, connections, self.args.seconds,
-                          self.pids["/".join(url.split("/")[:3])], headers)
+            pid = self.pids["/".join(url.split("/")[:3])]
+            with self.alone(pid):
+                summary = wrk(url, sent, self.key, connections, self.args.seconds, pid, headers)
             self.sent[url] += summary["requests"]
             if summary["errors"]:
                 raise LoadError(f"{url}: {summary['errors']} failed requests in {summary}")
@@ -112,7 +138,8 @@ class Bench:
 
         def warm(item):
             url, headers, sent = split(item)
-            self.sent[url] += wrk(url, sent, self.key, connections, 1, headers=headers)["requests"]
+            with self.alone(self.pids["/".join(url.split("/")[:3])]):
+                self.sent[url] += wrk(url, sent, self.key, connections, 1, headers=headers)["requests"]
         return self.rounds(named, run, warm=warm)
 
     @property
@@ -321,8 +348,8 @@ class Bench:
                              "parsed and serialised again.")
         self.goal("M3", "≥ 80% of pass-through chunks/s (per full core; measured)",
                   f"{spread(by_core, '{:.0f}%')}; {spread(measured, '{:.0f}%')}", median(by_core) >= 80)
-        self.goal("M3", "with a no-op transform_event plugin: ≥ 50% of pass-through chunks/s (per full core)",
-                  spread(event, "{:.0f}%"), median(event) >= 50)
+        self.goal("M3", "with a no-op transform_event plugin: ≥ 55% of pass-through chunks/s (per full core)",
+                  spread(event, "{:.0f}%"), median(event) >= 55)
 
     def _pt_lines(self) -> str:
         """The line-by-line pass-through in front of nginx, on the pass-through's CPU; checked to stream
@@ -590,6 +617,13 @@ class Bench:
     def _load_cpu(self) -> str:
         import os
         return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
+def _affinity(pid: int) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(pid)
+    except ProcessLookupError:
+        return None
 
 
 def percentile(values: list[float], q: float) -> float:
