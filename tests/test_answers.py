@@ -15,6 +15,7 @@ calls ``prepare`` then ``write_eof`` and keeps the connection by the response's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
 import pytest
@@ -63,17 +64,24 @@ async def handler(request: web.Request) -> web.StreamResponse:
     return answer(case) if request.match_info["kind"] == "answer" else response(case)
 
 
+@contextlib.asynccontextmanager
+async def serving(runner: web.BaseRunner):
+    """``runner`` set up on a free port of 127.0.0.1: the port."""
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def server():
     app = web.Application()
     app.router.add_route("*", "/{kind}/{case}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     ANSWERS.clear()
-    yield runner.addresses[0][1]
-    await runner.cleanup()
+    async with serving(web.AppRunner(app, access_log=None)) as port:
+        yield port
 
 
 async def read_one(reader: asyncio.StreamReader, head_only: bool) -> bytes:
@@ -185,16 +193,9 @@ async def test_on_response_prepare_handler_sees_and_changes_the_answer():
     app = web.Application()
     app.router.add_route("*", "/{kind}/{case}", handler)
     app.on_response_prepare.append(on_prepare)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
+    async with serving(web.AppRunner(app, access_log=None)) as port:
         mine, _ = await exchange(port, request("POST", "json", "answer"))
         theirs, _ = await exchange(port, request("POST", "json", "response"))
-    finally:
-        await runner.cleanup()
     assert seen == [200] * 4  # each answer and each probe
     assert b"\r\nX-Prepared: yes\r\n" in mine[0]
     assert_same(mine[0], theirs[0])
@@ -211,17 +212,9 @@ async def test_low_level_server_and_body_length():
         sent.append(made)
         return made
 
-    server = web.Server(low_level)
-    runner = web.ServerRunner(server)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
+    async with serving(web.ServerRunner(web.Server(low_level))) as port:
         mine, closed = await exchange(port, request("POST", "x", "answer"))
         theirs, _ = await exchange(port, request("POST", "x", "response"))
-    finally:
-        await runner.cleanup()
     assert_same(mine[0], theirs[0])
     assert not closed
     assert sent[0]._fallback is None and sent[0].keep_alive is True

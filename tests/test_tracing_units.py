@@ -180,16 +180,22 @@ def test_the_links_kept_are_bounded(memory, monkeypatch):
     t.close()
 
 
+class Stuck(Memory):
+    """A sender that, given a batch, says so (``entered``) and waits for ``release`` before taking it."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, body):
+        self.entered.set()
+        self.release.wait(10)
+        return super().__call__(body)
+
+
 def test_the_queue_holds_at_most_max_queue_size_spans_and_counts_the_rest(caplog):
-    entered, release = threading.Event(), threading.Event()
-
-    class Stuck(Memory):
-        def __call__(self, body):
-            entered.set()
-            release.wait(10)
-            return super().__call__(body)
-
     memory = Stuck()
+    entered, release = memory.entered, memory.release
     t = tracing_with(memory, max_queue_size=4)
     for n in range(4):  # a full batch: the queue's thread takes it and is stuck exporting it
         t.processor.add(one_span(f"s{n}"))
@@ -206,16 +212,9 @@ def test_the_queue_holds_at_most_max_queue_size_spans_and_counts_the_rest(caplog
     assert [s["name"] for s in memory.spans[4:]] == [f"late{n}" for n in range(6, 10)]  # the oldest went
 
 
-def test_a_requests_spans_queued_at_once_keep_the_bound_and_fill_batches(memory):
-    entered, release = threading.Event(), threading.Event()
-
-    class Stuck(Memory):
-        def __call__(self, body):
-            entered.set()
-            release.wait(10)
-            return super().__call__(body)
-
+def test_a_requests_spans_queued_at_once_keep_the_bound_and_fill_batches():
     memory = Stuck()
+    entered, release = memory.entered, memory.release
     t = tracing_with(memory, max_queue_size=4)
     t.processor.add_all([one_span(f"s{n}") for n in range(4)])  # a full batch wakes the thread, stuck with it
     assert entered.wait(5)
