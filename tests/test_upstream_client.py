@@ -6,6 +6,7 @@ that stops reading."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 
@@ -86,31 +87,38 @@ def client(**server) -> UpstreamClient:
     return UpstreamClient(ServerConfig(**server))
 
 
+@contextlib.asynccontextmanager
+async def upstream(handle, **server_config):
+    """A raw upstream answering with ``handle``, a client with ``server_config`` and the route's target;
+    the client is closed on the way out."""
+    async with Server(handle) as server:
+        up = client(**server_config)
+        try:
+            yield server, up, RequestTarget(server.url(), ROUTE_HEADERS)
+        finally:
+            up.close()
+
+
 async def test_requests_reuse_one_kept_alive_connection_with_the_prebuilt_head():
     async def echo(reader, writer, n, body):
         writer.write(answer(b'{"n":%d,"got":%s}' % (n, body), b"X-Upstream: yes\r\n"))
 
-    async with Server(echo) as server:
-        up = client()
-        target = RequestTarget(server.url(), ROUTE_HEADERS)
-        try:
-            for i in range(3):
-                resp = await up.post(target, {"traceparent": "00-abc", "Authorization": "Bearer client"},
-                                     b'{"i":%d}' % i)
-                assert (resp.status, resp.headers["x-upstream"], resp.headers["CONTENT-TYPE"]) == (
-                    200, "yes", "application/json")
-                assert await resp.read() == b'{"n":%d,"got":{"i":%d}}' % (i + 1, i)
-                assert resp.is_eof() and resp.content.at_eof()
-                resp.release()
-        finally:
-            up.close()
-        assert server.connections == 1
-        lines = server.heads[0].split(b"\r\n")
-        assert lines[0] == b"POST /v1/completions HTTP/1.1"
-        assert f"Host: 127.0.0.1:{server.port}".encode() in lines
-        assert b"Authorization: Bearer up" in lines and b"Authorization: Bearer client" not in lines  # the route's wins
-        assert b"traceparent: 00-abc" in lines and b"Content-Length: 7" in lines
-        assert b"Accept-Encoding: identity" in lines
+    async with upstream(echo) as (server, up, target):
+        for i in range(3):
+            resp = await up.post(target, {"traceparent": "00-abc", "Authorization": "Bearer client"},
+                                 b'{"i":%d}' % i)
+            assert (resp.status, resp.headers["x-upstream"], resp.headers["CONTENT-TYPE"]) == (
+                200, "yes", "application/json")
+            assert await resp.read() == b'{"n":%d,"got":{"i":%d}}' % (i + 1, i)
+            assert resp.is_eof() and resp.content.at_eof()
+            resp.release()
+    assert server.connections == 1
+    lines = server.heads[0].split(b"\r\n")
+    assert lines[0] == b"POST /v1/completions HTTP/1.1"
+    assert f"Host: 127.0.0.1:{server.port}".encode() in lines
+    assert b"Authorization: Bearer up" in lines and b"Authorization: Bearer client" not in lines  # the route's wins
+    assert b"traceparent: 00-abc" in lines and b"Content-Length: 7" in lines
+    assert b"Accept-Encoding: identity" in lines
 
 
 async def test_a_reused_connection_the_server_closes_is_retried_once_on_a_new_one():
@@ -119,16 +127,11 @@ async def test_a_reused_connection_the_server_closes_is_retried_once_on_a_new_on
             return False  # hang up, unanswered, on the second request of a connection
         writer.write(answer(b"{}"))
 
-    async with Server(once_per_connection) as server:
-        up = client()
-        target = RequestTarget(server.url(), ROUTE_HEADERS)
-        try:
-            for _ in range(3):
-                resp = await up.post(target, None, b"{}")
-                assert resp.status == 200 and await resp.read() == b"{}"
-        finally:
-            up.close()
-        assert server.connections == 3 and len(server.heads) == 5  # two requests sent twice
+    async with upstream(once_per_connection) as (server, up, target):
+        for _ in range(3):
+            resp = await up.post(target, None, b"{}")
+            assert resp.status == 200 and await resp.read() == b"{}"
+    assert server.connections == 3 and len(server.heads) == 5  # two requests sent twice
 
 
 async def test_a_reset_after_part_of_an_answer_is_never_retried():
@@ -141,18 +144,13 @@ async def test_a_reset_after_part_of_an_answer_is_never_retried():
         reset(writer)
         return False
 
-    async with Server(half_a_status_line) as server:
-        up = client()
-        target = RequestTarget(server.url(), ROUTE_HEADERS)
-        try:
-            resp = await up.post(target, None, b"{}")
-            await resp.read()
-            with pytest.raises(UpstreamDisconnected) as caught:
-                await up.post(target, None, b"{}")
-            assert caught.value.answered and isinstance(caught.value, aiohttp.ServerDisconnectedError)
-        finally:
-            up.close()
-        assert server.connections == 1 and len(server.heads) == 2
+    async with upstream(half_a_status_line) as (server, up, target):
+        resp = await up.post(target, None, b"{}")
+        await resp.read()
+        with pytest.raises(UpstreamDisconnected) as caught:
+            await up.post(target, None, b"{}")
+        assert caught.value.answered and isinstance(caught.value, aiohttp.ServerDisconnectedError)
+    assert server.connections == 1 and len(server.heads) == 2
 
 
 async def test_a_reset_on_a_new_connection_before_any_byte_is_not_retried():
@@ -160,14 +158,10 @@ async def test_a_reset_on_a_new_connection_before_any_byte_is_not_retried():
         reset(writer)
         return False
 
-    async with Server(hang_up) as server:
-        up = client()
-        try:
-            with pytest.raises(aiohttp.ServerDisconnectedError):
-                await up.post(RequestTarget(server.url(), ROUTE_HEADERS), None, b"{}")
-        finally:
-            up.close()
-        assert len(server.heads) == 1
+    async with upstream(hang_up) as (server, up, target):
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await up.post(target, None, b"{}")
+    assert len(server.heads) == 1
 
 
 async def test_chunked_bodies_cut_at_odd_places_arrive_whole():
@@ -181,21 +175,16 @@ async def test_chunked_bodies_cut_at_odd_places_arrive_whole():
             writer.write(wire[at:at + step])
             await writer.drain()
 
-    async with Server(cut_anywhere) as server:
-        up = client()
-        target = RequestTarget(server.url(), ROUTE_HEADERS)
-        try:
-            for _ in range(4):
-                resp = await up.post(target, None, b"{}")
-                assert resp.headers["Content-Type"] == "text/event-stream"
-                got = []
-                while chunk := await resp.content.readany():
-                    got.append(chunk)
-                assert b"".join(got) == b"".join(pieces)
-                resp.release()
-        finally:
-            up.close()
-        assert server.connections == 1
+    async with upstream(cut_anywhere) as (server, up, target):
+        for _ in range(4):
+            resp = await up.post(target, None, b"{}")
+            assert resp.headers["Content-Type"] == "text/event-stream"
+            got = []
+            while chunk := await resp.content.readany():
+                got.append(chunk)
+            assert b"".join(got) == b"".join(pieces)
+            resp.release()
+    assert server.connections == 1
 
 
 async def test_a_close_delimited_body_ends_with_the_connection():
@@ -205,18 +194,13 @@ async def test_a_close_delimited_body_ends_with_the_connection():
         writer.write(b"data: [DONE]\n\n")
         return False
 
-    async with Server(no_length) as server:
-        up = client()
-        target = RequestTarget(server.url(), ROUTE_HEADERS)
-        try:
-            for _ in range(2):
-                resp = await up.post(target, None, b"{}")
-                assert await resp.read() == b"data: a\n\ndata: [DONE]\n\n"
-                assert resp.is_eof()
-                resp.release()
-        finally:
-            up.close()
-        assert server.connections == 2  # never kept: its end was the body's
+    async with upstream(no_length) as (server, up, target):
+        for _ in range(2):
+            resp = await up.post(target, None, b"{}")
+            assert await resp.read() == b"data: a\n\ndata: [DONE]\n\n"
+            assert resp.is_eof()
+            resp.release()
+    assert server.connections == 2  # never kept: its end was the body's
 
 
 async def test_a_reset_mid_body_gives_the_bytes_sent_then_a_payload_error():
@@ -226,32 +210,24 @@ async def test_a_reset_mid_body_gives_the_bytes_sent_then_a_payload_error():
         reset(writer)
         return False
 
-    async with Server(cut) as server:
-        up = client()
-        try:
-            resp = await up.post(RequestTarget(server.url(), ROUTE_HEADERS), None, b"{}")
-            got = b""
-            with pytest.raises(aiohttp.ClientPayloadError):
-                while True:
-                    got += await resp.readany()
-            assert got == b"0123456789" and not resp.is_eof()
-            resp.close()
-        finally:
-            up.close()
+    async with upstream(cut) as (server, up, target):
+        resp = await up.post(target, None, b"{}")
+        got = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            while True:
+                got += await resp.readany()
+        assert got == b"0123456789" and not resp.is_eof()
+        resp.close()
 
 
 async def test_a_silent_server_times_out_and_is_hung_up_on():
     async def silent(reader, writer, n, body):
         await reader.read()  # until the gateway hangs up
 
-    async with Server(silent) as server:
-        up = client(upstream_idle_timeout=0.05)
-        try:
-            with pytest.raises(TimeoutError):
-                await up.post(RequestTarget(server.url(), ROUTE_HEADERS), None, b"{}")
-            await server.closed.wait()  # the server saw the gateway hang up
-        finally:
-            up.close()
+    async with upstream(silent, upstream_idle_timeout=0.05) as (server, up, target):
+        with pytest.raises(TimeoutError):
+            await up.post(target, None, b"{}")
+        await server.closed.wait()  # the server saw the gateway hang up
 
 
 async def test_closing_a_stream_early_hangs_up_and_the_next_request_gets_a_new_connection():
@@ -260,21 +236,16 @@ async def test_closing_a_stream_early_hangs_up_and_the_next_request_gets_a_new_c
         await reader.read()  # until the gateway hangs up
         return False
 
-    async with Server(endless) as server:
-        up = client()
-        target = RequestTarget(server.url(), ROUTE_HEADERS)
-        try:
-            resp = await up.post(target, None, b"{}")
-            assert await resp.readany() == b"hello"
-            resp.close()  # the client left: the model server must stop generating
-            await server.closed.wait()
-            resp.close()  # twice is harmless
-            second = await up.post(target, None, b"{}")
-            assert await second.readany() == b"hello"
-            second.close()
-        finally:
-            up.close()
-        assert server.connections == 2
+    async with upstream(endless) as (server, up, target):
+        resp = await up.post(target, None, b"{}")
+        assert await resp.readany() == b"hello"
+        resp.close()  # the client left: the model server must stop generating
+        await server.closed.wait()
+        resp.close()  # twice is harmless
+        second = await up.post(target, None, b"{}")
+        assert await second.readany() == b"hello"
+        second.close()
+    assert server.connections == 2
 
 
 async def test_a_reader_that_stops_reading_stops_the_socket_being_read(eventually):
@@ -290,21 +261,17 @@ async def test_a_reader_that_stops_reading_stops_the_socket_being_read(eventuall
             written.append(len(piece))
         finished.set()
 
-    async with Server(flood) as server:
-        up = client()
-        try:
-            resp = await up.post(RequestTarget(server.url(), ROUTE_HEADERS), None, b"{}")
-            transport = resp.connection.transport
-            await eventually(lambda: not transport.is_reading())  # nothing read: the socket is left alone
-            assert resp._size <= HIGH_WATER + len(piece)  # what the gateway holds stays small
-            assert not finished.is_set()  # the server's writes are blocked
-            received = 0
-            while chunk := await resp.readany():
-                received += len(chunk)
-            assert received == len(piece) * 256 and finished.is_set()
-            resp.release()
-        finally:
-            up.close()
+    async with upstream(flood) as (server, up, target):
+        resp = await up.post(target, None, b"{}")
+        transport = resp.connection.transport
+        await eventually(lambda: not transport.is_reading())  # nothing read: the socket is left alone
+        assert resp._size <= HIGH_WATER + len(piece)  # what the gateway holds stays small
+        assert not finished.is_set()  # the server's writes are blocked
+        received = 0
+        while chunk := await resp.readany():
+            received += len(chunk)
+        assert received == len(piece) * 256 and finished.is_set()
+        resp.release()
 
 
 async def test_set_exception_ends_reads_and_a_refused_connect_is_a_connector_error():
@@ -317,10 +284,9 @@ async def test_set_exception_ends_reads_and_a_refused_connect_is_a_connector_err
     class Deadline(aiohttp.ClientError):
         pass
 
-    async with Server(slow) as server:
-        up = client()
+    async with upstream(slow) as (server, up, target):
         try:
-            resp = await up.post(RequestTarget(server.url(), ROUTE_HEADERS), None, b"{}")
+            resp = await up.post(target, None, b"{}")
             reading = asyncio.ensure_future(resp.content.readany())
             await asyncio.sleep(0)
             resp.content.set_exception(Deadline())
@@ -329,7 +295,6 @@ async def test_set_exception_ends_reads_and_a_refused_connect_is_a_connector_err
             resp.close()
         finally:
             more.set()
-            up.close()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -345,30 +310,21 @@ async def test_idle_connections_are_closed_after_the_keepalive_timeout():
     async def ok(reader, writer, n, body):
         writer.write(answer(b"{}"))
 
-    async with Server(ok) as server:
-        up = client(upstream_keepalive_timeout=0.05)
-        try:
-            resp = await up.post(RequestTarget(server.url(), ROUTE_HEADERS), None, b"{}")
-            assert await resp.read() == b"{}"
-            resp.release()
-            await server.closed.wait()  # the gateway closed its idle connection, not the server
-            assert not any(pool.open for pool in up.pools.values())
-        finally:
-            up.close()
+    async with upstream(ok, upstream_keepalive_timeout=0.05) as (server, up, target):
+        resp = await up.post(target, None, b"{}")
+        assert await resp.read() == b"{}"
+        resp.release()
+        await server.closed.wait()  # the gateway closed its idle connection, not the server
+        assert not any(pool.open for pool in up.pools.values())
 
 
 async def test_an_answer_followed_by_bytes_nobody_asked_for_is_not_reused():
     async def two_answers(reader, writer, n, body):
         writer.write(answer(b'{"n":%d}' % n) + answer(b'{"stray":1}'))
 
-    async with Server(two_answers) as server:
-        up = client()
-        target = RequestTarget(server.url(), ROUTE_HEADERS)
-        try:
-            for _ in range(2):
-                resp = await up.post(target, None, b"{}")
-                assert await resp.read() == b'{"n":1}'
-                resp.release()
-        finally:
-            up.close()
-        assert server.connections == 2
+    async with upstream(two_answers) as (server, up, target):
+        for _ in range(2):
+            resp = await up.post(target, None, b"{}")
+            assert await resp.read() == b'{"n":1}'
+            resp.release()
+    assert server.connections == 2
