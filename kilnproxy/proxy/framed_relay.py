@@ -62,7 +62,7 @@ def _marked(data: bytes) -> bool:
 
 class FramedRelay:
     """One stream: ``feed_chunk()`` per upstream chunk, ``close()`` at its end; ``finished`` once the
-    format's last event has passed, ``ended`` once nothing more may be relayed."""
+    format's last event (or an error event) has passed, ``ended`` once nothing more may be relayed."""
 
     def __init__(self, call: Call, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -183,7 +183,7 @@ class FramedRelay:
             error = event.get("error") if isinstance(event.get("error"), dict) else event
             code = error.get("code") or error.get("type")
             record.error_code = code if isinstance(code, str) else "upstream_error"
-            self.ended = True
+            self.ended = self.finished = True
             return
         if self.endpoint == "responses":
             response = event.get("response")

@@ -63,7 +63,7 @@ class EventRelay:
         self.usage_raw: dict | None = None
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
-        self.clean_end = False  # the upstream sent [DONE]
+        self.clean_end = False  # the upstream finished its answer ([DONE], an error event): read it to its end
         self.parser = SSEParser()
         self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
         self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
@@ -309,7 +309,7 @@ class EventRelay:
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
         data = orjson.dumps(event)
         self.error = data_frame(data)
-        self.ended = True
+        self.ended = self.clean_end = True
         return data
 
     def _transform(self, event: dict) -> Any:
