@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test e2e bench clean browser postgres nginx prometheus
+.PHONY: install run test e2e bench clean browser postgres nginx prometheus openssl
 
 $(STAMP): setup.cfg pyproject.toml tests/entrypoint_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ install: $(STAMP)
 run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--config my.toml"`
 	$(PY) -m kilnproxy $(ARGS)
 
-test: $(STAMP) browser postgres nginx prometheus  ## the import contracts (setup.cfg [importlinter]), then the whole test suite
+test: $(STAMP) browser postgres nginx prometheus openssl  ## the import contracts (setup.cfg [importlinter]), then the whole test suite
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -34,6 +34,10 @@ postgres:  ## Debian's PostgreSQL server binaries: the tests and the benchmark s
 nginx:  ## Debian's nginx: the rolling-restart test puts it in front of two replicas, as the README does
 	test -x /usr/sbin/nginx || \
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y nginx; }
+
+openssl:  ## the openssl command: the TLS upstream test makes its CA and certificate with it
+	command -v openssl >/dev/null || \
+		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y openssl; }
 
 prometheus:  ## Debian's Prometheus and promtool: a test runs its own Prometheus against a gateway, and checks docs/prometheus/
 	test -x /usr/bin/prometheus -a -x /usr/bin/promtool || \
