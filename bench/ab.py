@@ -1,0 +1,98 @@
+"""A lever's before and after: variants of the gateway side by side under M2's load, in the same run.
+
+Each variant is a kilnproxy tree (``git archive <rev> kilnproxy | tar -x -C DIR``, or a copy
+with a change to measure; ``installed`` is the checkout this script runs from) with, optionally,
+``[tracing]`` on (every trace kept, spans sent to ``otlp_sink.py``). Every variant is started
+once, pinned to CPU 0 like ``run.py``'s process under test; then each round runs wrk against
+each in turn (64 in flight, ``--seconds`` long), so that what the machine does meanwhile falls
+on all of them alike. Prints, per variant, the CPU time per request of the whole process
+(median of the rounds, then every round), the user and kernel parts, and the thread that
+spent the most. On a shared 2-vCPU machine the same variant moves ±10 µs from one run to the
+next: compare variants within a run, over 6 rounds or more.
+
+    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--rounds 8] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from loads import wrk
+from procs import Procs, free_port
+from run import KEY, gateway_config
+from upstreams import request_body, write_nginx_files
+
+HERE = Path(__file__).resolve().parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, tuple[int, int]]:
+    """Each thread's (user, system) clock ticks so far."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[tid] = (int(fields[11]), int(fields[12]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="+", metavar="NAME=TREE", help="a name and a kilnproxy tree, or installed")
+    parser.add_argument("--tracing", action="append", default=[], metavar="NAME", help="this variant with [tracing] on")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    args = parser.parse_args()
+    variants = dict(v.split("=", 1) for v in args.variants)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        sys.exit("ab.py needs two CPUs: the gateway on one, the load and the upstream on the other")
+    os.sched_setaffinity(0, {cpus[1]})
+    work = Path(tempfile.mkdtemp(prefix="kilnproxy-ab-"))
+    os.chdir(work)  # ``python -m kilnproxy`` imports from its working directory first: not from a checkout
+    with Procs(work) as procs:
+        nginx_port = free_port()
+        procs.start("nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c",
+                              str(write_nginx_files(nginx_port, work))], port=nginx_port)
+        sink = free_port()
+        procs.start("sink", [sys.executable, str(HERE / "otlp_sink.py"), "--port", str(sink)], cpus={cpus[1]}, port=sink)
+        tracing = f'\n[tracing]\nenabled = true\nendpoint = "http://127.0.0.1:{sink}/v1/traces"\nsample_ratio = 1.0\n'
+        gateways = {}
+        for name, tree in variants.items():
+            port = free_port()
+            config = gateway_config(work / f"{name}.toml", work / f"{name}.db", port,
+                                    {"bench": f"http://127.0.0.1:{nginx_port}/json/v1"},
+                                    sections=tracing if name in args.tracing else "")
+            env = {"PYTHONPATH": str(Path(tree).resolve())} if tree != "installed" else {"PYTHONPATH": str(HERE.parent)}
+            proc = procs.start(name, [sys.executable, "-m", "kilnproxy", "serve", "--config", str(config)],
+                               cpus={cpus[0]}, port=port, env=env)
+            gateways[name] = (proc.pid, f"http://127.0.0.1:{port}/v1/completions")
+        body = request_body(False)
+        for pid, url in gateways.values():  # warm-up
+            wrk(url, body, KEY, 64, 2, pid)
+        per_request: dict[str, list[float]] = {name: [] for name in gateways}
+        parts: dict[str, list[tuple[float, float, float]]] = {name: [] for name in gateways}
+        for _ in range(args.rounds):
+            for name, (pid, url) in gateways.items():
+                before = thread_cpu(pid)
+                result = wrk(url, body, KEY, 64, args.seconds, pid)
+                after = thread_cpu(pid)
+                us = 1e6 / TICK / max(result["requests"], 1)
+                spent = {t: (u - before.get(t, (0, 0))[0], s - before.get(t, (0, 0))[1]) for t, (u, s) in after.items()}
+                per_request[name].append(result["cpu_us"])
+                parts[name].append((sum(u for u, _ in spent.values()) * us, sum(s for _, s in spent.values()) * us,
+                                    max(u + s for u, s in spent.values()) * us))
+        for name, rounds in per_request.items():
+            user, system, top = (statistics.median(p[i] for p in parts[name]) for i in range(3))
+            label = name + (" (tracing)" if name in args.tracing else "")
+            print(f"{label:24s} {statistics.median(rounds):6.1f} µs a request  (rounds: "
+                  f"{' '.join(f'{r:.0f}' for r in rounds)}); user {user:.1f}, kernel {system:.1f}, "
+                  f"busiest thread {top:.1f}")
+
+
+if __name__ == "__main__":
+    main()
