@@ -1,16 +1,17 @@
-"""A lever's before and after: variants of the gateway side by side under M2's load, in the same run.
+"""A lever's before and after: variants of the gateway side by side under M2's (or M3's) load, in the same run.
 
 Each variant is a kilnproxy tree (``git archive <rev> kilnproxy | tar -x -C DIR``, or a copy
 with a change to measure; ``installed`` is the checkout this script runs from) with, optionally,
 ``[tracing]`` on (every trace kept, spans sent to ``otlp_sink.py``). Every variant is started
 once, pinned to CPU 0 like ``run.py``'s process under test; then each round runs wrk against
-each in turn (64 in flight, ``--seconds`` long), so that what the machine does meanwhile falls
+each in turn (M2's non-streamed requests, 64 in flight; with ``--stream`` M3's 64-chunk
+streams, 32 in flight; ``--seconds`` long), so that what the machine does meanwhile falls
 on all of them alike. Prints, per variant, the CPU time per request of the whole process
 (median of the rounds, then every round), the user and kernel parts, and the thread that
-spent the most. On a shared 2-vCPU machine the same variant moves ±10 µs from one run to the
+spent the most (per stream with ``--stream``). On a shared 2-vCPU machine the same variant moves ±10 µs from one run to the
 next: compare variants within a run, over 6 rounds or more.
 
-    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--rounds 8] [--seconds 3]
+    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream] [--rounds 8] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", metavar="NAME=TREE", help="a name and a kilnproxy tree, or installed")
     parser.add_argument("--tracing", action="append", default=[], metavar="NAME", help="this variant with [tracing] on")
+    parser.add_argument("--stream", action="store_true", help="M3's load: 64-chunk streams, 32 in flight")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
@@ -65,21 +67,23 @@ def main() -> None:
         for name, tree in variants.items():
             port = free_port()
             config = gateway_config(work / f"{name}.toml", work / f"{name}.db", port,
-                                    {"bench": f"http://127.0.0.1:{nginx_port}/json/v1"},
+                                    {"bench": f"http://127.0.0.1:{nginx_port}/json/v1",
+                                     "bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1"},
                                     sections=tracing if name in args.tracing else "")
             env = {"PYTHONPATH": str(Path(tree).resolve())} if tree != "installed" else {"PYTHONPATH": str(HERE.parent)}
             proc = procs.start(name, [sys.executable, "-m", "kilnproxy", "serve", "--config", str(config)],
                                cpus={cpus[0]}, port=port, env=env)
             gateways[name] = (proc.pid, f"http://127.0.0.1:{port}/v1/completions")
-        body = request_body(False)
+        body, connections = (request_body(True, model="bench-stream"), 32) if args.stream else (request_body(False), 64)
+        unit = "a stream" if args.stream else "a request"
         for pid, url in gateways.values():  # warm-up
-            wrk(url, body, KEY, 64, 2, pid)
+            wrk(url, body, KEY, connections, 2, pid)
         per_request: dict[str, list[float]] = {name: [] for name in gateways}
         parts: dict[str, list[tuple[float, float, float]]] = {name: [] for name in gateways}
         for _ in range(args.rounds):
             for name, (pid, url) in gateways.items():
                 before = thread_cpu(pid)
-                result = wrk(url, body, KEY, 64, args.seconds, pid)
+                result = wrk(url, body, KEY, connections, args.seconds, pid)
                 after = thread_cpu(pid)
                 us = 1e6 / TICK / max(result["requests"], 1)
                 spent = {t: (u - before.get(t, (0, 0))[0], s - before.get(t, (0, 0))[1]) for t, (u, s) in after.items()}
@@ -89,7 +93,7 @@ def main() -> None:
         for name, rounds in per_request.items():
             user, system, top = (statistics.median(p[i] for p in parts[name]) for i in range(3))
             label = name + (" (tracing)" if name in args.tracing else "")
-            print(f"{label:24s} {statistics.median(rounds):6.1f} µs a request  (rounds: "
+            print(f"{label:24s} {statistics.median(rounds):6.1f} µs {unit}  (rounds: "
                   f"{' '.join(f'{r:.0f}' for r in rounds)}); user {user:.1f}, kernel {system:.1f}, "
                   f"busiest thread {top:.1f}")
 

@@ -4,6 +4,7 @@ import asyncio
 
 import orjson
 import pytest
+from aiohttp import web
 
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 from kilnproxy.usage import round_usd
@@ -239,3 +240,52 @@ async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatc
     # only the chunk with a finish reason and the usage chunk needed a look
     assert len(parsed) == 2
     assert b'"finish_reason":"length"' in parsed[0] and b'"usage"' in parsed[1]
+
+
+async def test_a_stream_that_came_in_one_chunk_goes_out_in_one_write_after_its_row(harness, monkeypatch):
+    """The events of the upstream's last chunk go out with the usage chunk and ``[DONE]``, in the one
+    write that follows the row's commit (M3's nginx sends a whole stream at once: one system call)."""
+    def frame(data: dict) -> bytes:
+        return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1,
+                                         "model": UPSTREAM_MODEL, **data}) + b"\n\n"
+    stream = (b"".join(frame({"choices": [{"index": 0, "text": w, "finish_reason": None}]}) for w in ("a", " b"))
+              + frame({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+              + frame({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+              + b"data: [DONE]\n\n")
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(stream), stream))
+        await writer.drain()
+        writer.close()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    writes, ends = [], []
+    write, write_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+
+    async def counted_write(self, data):
+        writes.append(bytes(data))
+        await write(self, data)
+
+    async def counted_write_eof(self, data=b""):
+        if data:
+            ends.append((bytes(data), await h.rows()))
+        await write_eof(self, data)
+    monkeypatch.setattr(web.StreamResponse, "write", counted_write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", counted_write_eof)
+    try:
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+            _, raw = await stream_bytes(h, {"prompt": "x", "stream_options": {"include_usage": True}})
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert writes == []
+    [(data, rows)] = ends
+    assert data == raw and [p["choices"] for p in payloads(raw)[:3]] == [
+        [{"index": 0, "text": "a", "finish_reason": None}], [{"index": 0, "text": " b", "finish_reason": None}],
+        [{"index": 0, "text": "", "finish_reason": "length"}]]
+    assert [(r["status"], r["completion_tokens"]) for r in rows] == [(200, 2)]  # committed before the write

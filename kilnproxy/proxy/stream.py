@@ -87,7 +87,8 @@ async def end_stream(gw: Gateway, record: RequestRecord, response: web.StreamRes
 
 async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: EventRelay,
                 record: RequestRecord, keepalive: "KeepAlive", first: bytes | None) -> bytes:
-    """Relay until the upstream ends; return what must follow (usage chunk, ``[DONE]``)."""
+    """Relay until the upstream ends; return what must follow (the last chunk's events, the usage chunk,
+    ``[DONE]``): written in one go once the row is committed."""
     content = upstream.content
     while True:
         try:
@@ -118,10 +119,10 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             out = relay.feed_chunk(chunk)
         except StreamPluginError as exc:
             return _plugin_failed(record, exc)
+        if relay.ended:  # the chunk's events go out with the tail, after the row's commit: one write
+            return out + _tail(relay, record)
         if out:
             await response.write(out)
-        if relay.ended:
-            return _tail(relay, record)
 
 
 def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
