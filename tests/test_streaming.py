@@ -2,9 +2,12 @@
 
 import asyncio
 
+from contextlib import asynccontextmanager
+
 import orjson
 import pytest
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 from kilnproxy.usage import round_usd
@@ -242,50 +245,96 @@ async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatc
     assert b'"finish_reason":"length"' in parsed[0] and b'"usage"' in parsed[1]
 
 
-async def test_a_stream_that_came_in_one_chunk_goes_out_in_one_write_after_its_row(harness, monkeypatch):
-    """The events of the upstream's last chunk go out with the usage chunk and ``[DONE]``, in the one
-    write that follows the row's commit (M3's nginx sends a whole stream at once: one system call)."""
-    def frame(data: dict) -> bytes:
-        return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1,
-                                         "model": UPSTREAM_MODEL, **data}) + b"\n\n"
-    stream = (b"".join(frame({"choices": [{"index": 0, "text": w, "finish_reason": None}]}) for w in ("a", " b"))
-              + frame({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-              + frame({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
-              + b"data: [DONE]\n\n")
+def sse_frame(data: dict) -> bytes:
+    return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1,
+                                     "model": UPSTREAM_MODEL, **data}) + b"\n\n"
 
+
+WHOLE_STREAM = (b"".join(sse_frame({"choices": [{"index": 0, "text": w, "finish_reason": None}]}) for w in ("a", " b"))
+                + sse_frame({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+                + sse_frame({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+                + b"data: [DONE]\n\n")
+
+
+@asynccontextmanager
+async def raw_upstream(go: asyncio.Event | None = None):
+    """An upstream that sends its head and, once ``go`` is set (at once without one), ``WHOLE_STREAM`` in
+    one write: its base URL."""
     async def serve(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length:"))
         await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(stream), stream))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                     % len(WHOLE_STREAM))
+        if go is not None:
+            await writer.drain()
+            await go.wait()
+        writer.write(WHOLE_STREAM)
         await writer.drain()
         writer.close()
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    writes, ends = [], []
-    write, write_eof = web.StreamResponse.write, web.StreamResponse.write_eof
-
-    async def counted_write(self, data):
-        writes.append(bytes(data))
-        await write(self, data)
-
-    async def counted_write_eof(self, data=b""):
-        if data:
-            ends.append((bytes(data), await h.rows()))
-        await write_eof(self, data)
-    monkeypatch.setattr(web.StreamResponse, "write", counted_write)
-    monkeypatch.setattr(web.StreamResponse, "write_eof", counted_write_eof)
     try:
-        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
-            _, raw = await stream_bytes(h, {"prompt": "x", "stream_options": {"include_usage": True}})
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
     finally:
         server.close()
         await server.wait_closed()
-    assert writes == []
-    [(data, rows)] = ends
-    assert data == raw and [p["choices"] for p in payloads(raw)[:3]] == [
+
+
+def sent_by_server(monkeypatch) -> list[bytes]:
+    """What each of aiohttp's writes to a transport carried (its server's and its client's), one item a write."""
+    sent = []
+    write, writelines = StreamWriter._write, StreamWriter._writelines
+
+    def one(self, chunk):
+        sent.append(bytes(chunk))
+        write(self, chunk)
+
+    def several(self, chunks):
+        chunks = list(chunks)
+        sent.append(b"".join(chunks))
+        writelines(self, chunks)
+    monkeypatch.setattr(StreamWriter, "_write", one)
+    monkeypatch.setattr(StreamWriter, "_writelines", several)
+    return sent
+
+
+async def test_a_stream_that_came_in_one_chunk_goes_out_in_one_write_after_its_row(harness, monkeypatch):
+    """The upstream's answer was all here when the stream began: the head, its events, the usage chunk and
+    ``[DONE]`` go out in one write, after the row's commit (M3's nginx sends a whole stream at once)."""
+    sent = sent_by_server(monkeypatch)
+    ends = []
+    write_eof = web.StreamResponse.write_eof
+
+    async def write_eof_after_the_row(self, data=b""):
+        if data:  # the end of the body (aiohttp calls it once more, with nothing, when the handler returns)
+            ends.append(await h.rows())
+        await write_eof(self, data)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof_after_the_row)
+    async with raw_upstream() as url:
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+            _, raw = await stream_bytes(h, {"prompt": "x", "stream_options": {"include_usage": True}})
+    [response] = [data for data in sent if data.startswith(b"HTTP/1.1 200")]
+    head, body = response.split(b"\r\n\r\n", 1)
+    assert b"Transfer-Encoding: chunked" in head and body == b"%x\r\n%s\r\n0\r\n\r\n" % (len(raw), raw)
+    assert [p["choices"] for p in payloads(raw)[:3]] == [
         [{"index": 0, "text": "a", "finish_reason": None}], [{"index": 0, "text": " b", "finish_reason": None}],
         [{"index": 0, "text": "", "finish_reason": "length"}]]
+    [rows] = ends
     assert [(r["status"], r["completion_tokens"]) for r in rows] == [(200, 2)]  # committed before the write
+
+
+async def test_the_head_is_not_held_back_for_events_still_to_come(harness, monkeypatch):
+    """An upstream that answered its head and not yet its first event (a long prompt's prefill): the
+    client gets its head at once."""
+    sent = sent_by_server(monkeypatch)
+    go = asyncio.Event()
+    async with raw_upstream(go) as url:
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+            async with h.post("/v1/completions", {"model": MODEL, "stream": True, "prompt": "x"}) as resp:
+                assert resp.status == 200  # the head came while the upstream still held its events back
+                go.set()
+                raw = await resp.read()
+    assert raw.endswith(b"data: [DONE]\n\n")
+    [head] = [data for data in sent if data.startswith(b"HTTP/1.1 200")]
+    assert head.endswith(b"\r\n\r\n")

@@ -20,7 +20,7 @@ from .deadlines import DeadlinePassed
 from .framed_relay import FramedRelay
 from .gateway import Gateway
 from .request_record import RequestRecord
-from .stream import SSE_HEADERS, KeepAlive, ShuttingDown, end_stream, start_stream
+from .stream import KeepAlive, ShuttingDown, end_stream, start_stream, stream_response
 from .stream_errors import StreamPluginError
 
 
@@ -28,7 +28,7 @@ async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record
                        upstream: aiohttp.ClientResponse, headers: dict, first: bytes | None = None,
                        ) -> web.StreamResponse:
     """``first``: the stream's first bytes when they were read already (to meet a first-byte deadline)."""
-    response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    response = stream_response(headers, upstream, first)
     relay = FramedRelay(call, record, gw.hooks.transform_event)
     keepalive = await start_stream(request, gw, record, response)
     try:

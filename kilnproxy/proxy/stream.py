@@ -35,6 +35,20 @@ SSE_HEADERS = {
 }
 
 
+class _HeadWithBody(web.StreamResponse):
+    """A stream whose head goes out with its first body bytes, in one write (aiohttp holds the head
+    back until then when ``_send_headers_immediately`` is false, as it does for ``web.Response``)."""
+
+    _send_headers_immediately = False
+
+
+def stream_response(headers: dict, upstream, first: bytes | None) -> web.StreamResponse:
+    """The client's response: its head held back for the first events only when they are here already
+    (the upstream sent its answer at once), so that no client ever waits longer for the head."""
+    ready = first is not None or upstream.content.has_data()
+    return (_HeadWithBody if ready else web.StreamResponse)(status=200, headers={**SSE_HEADERS, **headers})
+
+
 class ShuttingDown(aiohttp.ClientError):
     """Set on an upstream response's stream when the gateway ends it at shutdown."""
 
@@ -49,7 +63,7 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
                        ) -> web.StreamResponse:
     """``first``: the stream's first bytes when they were read already (to meet a first-byte deadline)."""
     if record.tap is None:
-        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+        response = stream_response(headers, upstream, first)
         relay = EventRelay(call, route, record, gw.hooks.transform_event)
     else:  # the inspector's capture: the same relay and response, recording what passes
         response, relay = record.tap.stream(record, route, gw.hooks.transform_event, {**SSE_HEADERS, **headers})

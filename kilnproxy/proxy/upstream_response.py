@@ -76,6 +76,10 @@ class UpstreamResponse:
     def is_eof(self) -> bool:
         return self._done
 
+    def has_data(self) -> bool:
+        """Some of the body is here, unread (a read would not wait)."""
+        return bool(self._chunks)
+
     def at_eof(self) -> bool:
         return self._done and not self._chunks
 
