@@ -7,11 +7,13 @@ once, pinned to CPU 0 like ``run.py``'s process under test; then each round runs
 each in turn (M2's non-streamed requests, 64 in flight; with ``--stream`` M3's 64-chunk
 streams, 32 in flight; ``--seconds`` long), so that what the machine does meanwhile falls
 on all of them alike. Prints, per variant, the CPU time per request of the whole process
-(median of the rounds, then every round), the user and kernel parts, and the thread that
-spent the most (per stream with ``--stream``). On a shared 2-vCPU machine the same variant moves ±10 µs from one run to the
-next: compare variants within a run, over 6 rounds or more.
+(median of the rounds, then every round), the user and kernel parts, the thread that
+spent the most (per stream with ``--stream``), and wrk's latency p50 and p99 (with
+``--latency``, M1's one request at a time). On a shared 2-vCPU machine the same variant
+moves ±10 µs from one run to the next: compare variants within a run, over 6 rounds or
+more.
 
-    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream] [--rounds 8] [--seconds 3]
+    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream | --latency] [--rounds 8] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", metavar="NAME=TREE", help="a name and a kilnproxy tree, or installed")
     parser.add_argument("--tracing", action="append", default=[], metavar="NAME", help="this variant with [tracing] on")
     parser.add_argument("--stream", action="store_true", help="M3's load: 64-chunk streams, 32 in flight")
+    parser.add_argument("--latency", action="store_true", help="M1's load: one request at a time")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
@@ -75,10 +78,13 @@ def main() -> None:
                                cpus={cpus[0]}, port=port, env=env)
             gateways[name] = (proc.pid, f"http://127.0.0.1:{port}/v1/completions")
         body, connections = (request_body(True, model="bench-stream"), 32) if args.stream else (request_body(False), 64)
+        if args.latency:
+            connections = 1
         unit = "a stream" if args.stream else "a request"
         for pid, url in gateways.values():  # warm-up
             wrk(url, body, KEY, connections, 2, pid)
         per_request: dict[str, list[float]] = {name: [] for name in gateways}
+        latency: dict[str, list[tuple[float, float]]] = {name: [] for name in gateways}
         parts: dict[str, list[tuple[float, float, float]]] = {name: [] for name in gateways}
         for _ in range(args.rounds):
             for name, (pid, url) in gateways.items():
@@ -88,6 +94,7 @@ def main() -> None:
                 us = 1e6 / TICK / max(result["requests"], 1)
                 spent = {t: (u - before.get(t, (0, 0))[0], s - before.get(t, (0, 0))[1]) for t, (u, s) in after.items()}
                 per_request[name].append(result["cpu_us"])
+                latency[name].append((result["p50_us"], result["p99_us"]))
                 parts[name].append((sum(u for u, _ in spent.values()) * us, sum(s for _, s in spent.values()) * us,
                                     max(u + s for u, s in spent.values()) * us))
         for name, rounds in per_request.items():
@@ -95,7 +102,8 @@ def main() -> None:
             label = name + (" (tracing)" if name in args.tracing else "")
             print(f"{label:24s} {statistics.median(rounds):6.1f} µs {unit}  (rounds: "
                   f"{' '.join(f'{r:.0f}' for r in rounds)}); user {user:.1f}, kernel {system:.1f}, "
-                  f"busiest thread {top:.1f}")
+                  f"busiest thread {top:.1f}; latency p50 {statistics.median(p for p, _ in latency[name]):.0f} µs, "
+                  f"p99 {statistics.median(p for _, p in latency[name]):.0f} µs")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ import logging
 import re
 
 import pytest
+from aiohttp import web
 from otlp_receiver import Receiver
 
+from kilnproxy.answers import Answer
 from kilnproxy.testing import MODEL, free_port
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -173,3 +175,27 @@ async def test_without_a_trace_url_there_is_no_link(harness, receiver):
         async with h.session.get(f"{h.url}/ui/api/requests/{resp.headers['X-Neocloud-Generation-Id']}") as r:
             assert (await r.json())["trace"] is None
         assert h.gw.tracer.trace_ids is None  # nothing is kept per request
+
+
+async def test_a_requests_spans_are_encoded_after_its_answer_is_written(harness, receiver, monkeypatch):
+    """The commit wakes the request (to write its answer, or ``[DONE]``) and ends its spans: the answer
+    goes first, so that tracing adds nothing to the answer's latency."""
+    order = []
+    for cls in (Answer, web.StreamResponse):
+        def patched(original):
+            async def write_eof(self, data=b""):
+                await original(self, data)
+                if "X-Neocloud-Generation-Id" in self.headers and ("answer", id(self)) not in order:  # the gateway's
+                    order.append(("answer", id(self)))
+            return write_eof
+        monkeypatch.setattr(cls, "write_eof", patched(cls.write_eof))
+    async with harness(overrides=traced(receiver)) as h:
+        add_all = h.gw.tracer.add_all
+        h.gw.tracer.add_all = lambda spans: (order.append(("spans", len(spans))), add_all(spans))
+        for stream in (False, True):
+            resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                         "stream": stream})
+            assert resp.status == 200
+            await resp.read()
+    assert [kind for kind, _ in order] == ["answer", "spans", "answer", "spans"]
+    assert [n for kind, n in order if kind == "spans"] == [4, 5]  # the request's and its children

@@ -6,14 +6,16 @@ The request path calls its trace at each part (``kilnproxy.proxy``): ``model``,
 the request runs, a ``RequestTrace`` keeps times and outcomes only; its spans
 (the request's own and its children, ``kilnproxy.ops.tracing`` lists them) are
 encoded to OTLP protobuf (``otlp_wire``) together and handed to the export
-queue when the row is committed, but for an admission that raised and an
-upstream attempt followed by another, queued when they end.
+queue once the row is committed and the request has written what the commit
+let it write (its answer, or ``[DONE]``), but for an admission that raised and
+an upstream attempt followed by another, queued when they end.
 """
 
 from __future__ import annotations
 
 import contextvars
 import traceback
+from asyncio import get_running_loop
 from random import getrandbits
 from time import time_ns
 
@@ -102,7 +104,8 @@ class RequestTrace:
 
     __slots__ = ("tracing", "trace", "ids", "parent_id", "state", "start", "head", "generation_id", "name",
                  "requested", "events", "admitted", "admission_end", "attempts", "attempt_id", "attempt_start",
-                 "attempt_url", "attempt_end", "attempt_status", "attempt_problem", "stream_start", "row", "ending")
+                 "attempt_url", "attempt_end", "attempt_status", "attempt_problem", "stream_start", "row", "ending",
+                 "committed_at")
 
     def __init__(self, tracing, ids: bytes, trace_id: bytes, parent_id: bytes | None, state: str,
                  head: tuple[str, bytes], generation_id: str):
@@ -205,16 +208,22 @@ class RequestTrace:
             self.attempt_status, self.attempt_problem = None, "cancelled"
         self.row = row
         if committed is None or committed.done():
+            self.committed_at = now
             self(None)
         else:
-            committed.add_done_callback(self, context=_CALLBACKS)
+            committed.add_done_callback(self._committed, context=_CALLBACKS)
+
+    def _committed(self, _future) -> None:
+        """The row is committed. The request's task, woken by the same commit, runs next and writes its
+        answer; the spans are encoded after it, so that tracing adds nothing to the answer's latency."""
+        self.committed_at = time_ns()
+        get_running_loop().call_soon(self, None, context=_CALLBACKS)
 
     def __call__(self, _future) -> None:
-        """The row is committed: the request's spans, queued at once (the commit future's callback: the trace
-        itself, no bound method a request)."""
+        """The request's spans, queued at once; the request's own ends now (its answer written)."""
         now = time_ns()
         row, ids, prefix = self.row, self.ids, self._prefix()
-        spans = [_COMMIT.encode(prefix, ids[32:40], self.ending, now, _NO_STATUS)]
+        spans = [_COMMIT.encode(prefix, ids[32:40], self.ending, self.committed_at, _NO_STATUS)]
         if self.admission_end is not None:
             spans.append(_ADMISSION.encode(prefix, ids[24:32], self.admitted, self.admission_end, _NO_STATUS))
         if self.attempt_end is not None:
