@@ -256,9 +256,32 @@ WHOLE_STREAM = (b"".join(sse_frame({"choices": [{"index": 0, "text": w, "finish_
                 + b"data: [DONE]\n\n")
 
 
+def anthropic_frame(kind: str, data: dict) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
+
+
+MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": UPSTREAM_MODEL, "content": [],
+           "stop_reason": None, "usage": {"input_tokens": 3, "output_tokens": 0}}
+WHOLE_MESSAGES_STREAM = b"".join((
+    anthropic_frame("message_start", {"message": MESSAGE}),
+    anthropic_frame("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+    *(anthropic_frame("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": w}})
+      for w in ("a", " b")),
+    anthropic_frame("content_block_stop", {"index": 0}),
+    anthropic_frame("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 2}}),
+    anthropic_frame("message_stop", {})))
+# path, the client's body, what the upstream sends in one write
+WHOLE = {
+    "completions": ("/v1/completions", {"model": MODEL, "stream": True, "prompt": "x",
+                                        "stream_options": {"include_usage": True}}, WHOLE_STREAM),
+    "messages": ("/v1/messages", {"model": MODEL, "stream": True, "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": "x"}]}, WHOLE_MESSAGES_STREAM),
+}
+
+
 @asynccontextmanager
-async def raw_upstream(go: asyncio.Event | None = None):
-    """An upstream that sends its head and, once ``go`` is set (at once without one), ``WHOLE_STREAM`` in
+async def raw_upstream(go: asyncio.Event | None = None, stream: bytes = WHOLE_STREAM):
+    """An upstream that sends its head and, once ``go`` is set (at once without one), ``stream`` in
     one write: its base URL."""
     async def serve(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
@@ -266,11 +289,11 @@ async def raw_upstream(go: asyncio.Event | None = None):
                       if line.lower().startswith(b"content-length:"))
         await reader.readexactly(length)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
-                     % len(WHOLE_STREAM))
+                     % len(stream))
         if go is not None:
             await writer.drain()
             await go.wait()
-        writer.write(WHOLE_STREAM)
+        writer.write(stream)
         await writer.drain()
         writer.close()
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
@@ -299,9 +322,12 @@ def sent_by_server(monkeypatch) -> list[bytes]:
     return sent
 
 
-async def test_a_stream_that_came_in_one_chunk_goes_out_in_one_write_after_its_row(harness, monkeypatch):
-    """The upstream's answer was all here when the stream began: the head, its events, the usage chunk and
-    ``[DONE]`` go out in one write, after the row's commit (M3's nginx sends a whole stream at once)."""
+@pytest.mark.parametrize("api", list(WHOLE))
+async def test_a_stream_that_came_in_one_chunk_goes_out_in_one_write_after_its_row(harness, monkeypatch, api):
+    """The upstream's answer was all here when the stream began: the head, its events and the end of the
+    body (the usage chunk and ``[DONE]``) go out in one write, after the row's commit (M3's nginx sends a
+    whole stream at once)."""
+    path, body, stream = WHOLE[api]
     sent = sent_by_server(monkeypatch)
     ends = []
     write_eof = web.StreamResponse.write_eof
@@ -311,15 +337,23 @@ async def test_a_stream_that_came_in_one_chunk_goes_out_in_one_write_after_its_r
             ends.append(await h.rows())
         await write_eof(self, data)
     monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof_after_the_row)
-    async with raw_upstream() as url:
-        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
-            _, raw = await stream_bytes(h, {"prompt": "x", "stream_options": {"include_usage": True}})
+
+    def configure(config):
+        config["models"][0].update(upstreams=[url], endpoints=["completions", "messages"])
+    async with raw_upstream(stream=stream) as url:
+        async with harness(configure=configure) as h:
+            async with h.post(path, body) as resp:
+                assert resp.status == 200, await resp.text()
+                raw = await resp.read()
     [response] = [data for data in sent if data.startswith(b"HTTP/1.1 200")]
-    head, body = response.split(b"\r\n\r\n", 1)
-    assert b"Transfer-Encoding: chunked" in head and body == b"%x\r\n%s\r\n0\r\n\r\n" % (len(raw), raw)
-    assert [p["choices"] for p in payloads(raw)[:3]] == [
-        [{"index": 0, "text": "a", "finish_reason": None}], [{"index": 0, "text": " b", "finish_reason": None}],
-        [{"index": 0, "text": "", "finish_reason": "length"}]]
+    head, chunked = response.split(b"\r\n\r\n", 1)
+    assert b"Transfer-Encoding: chunked" in head and chunked == b"%x\r\n%s\r\n0\r\n\r\n" % (len(raw), raw)
+    if api == "completions":
+        assert [p["choices"] for p in payloads(raw)[:3]] == [
+            [{"index": 0, "text": "a", "finish_reason": None}], [{"index": 0, "text": " b", "finish_reason": None}],
+            [{"index": 0, "text": "", "finish_reason": "length"}]]
+    else:
+        assert raw.count(b"event: content_block_delta") == 2 and raw.endswith(b'"type":"message_stop"}\n\n')
     [rows] = ends
     assert [(r["status"], r["completion_tokens"]) for r in rows] == [(200, 2)]  # committed before the write
 

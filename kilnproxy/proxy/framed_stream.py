@@ -45,7 +45,8 @@ async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record
 
 async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: FramedRelay,
                 record: RequestRecord, keepalive: KeepAlive, first: bytes | None) -> bytes:
-    """Relay until the upstream ends; return what must close the body (an error event, or nothing)."""
+    """Relay until the upstream ends; return what must close the body, written once the row is committed
+    (the last chunk's events, an error event, or nothing)."""
     content = upstream.content
     tap = record.tap
     while True:
@@ -60,8 +61,9 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             return _failed(relay, record, exc.code, str(exc))
         except aiohttp.ClientError as exc:
             return _failed(relay, record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
+        last = not chunk
         try:
-            if not chunk:
+            if last:
                 out = relay.close()
             else:
                 keepalive.touch()
@@ -69,15 +71,18 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                 if tap is not None:
                     tap.upstream_chunk(chunk)
                 out = relay.feed_chunk(chunk)
+                if relay.finished and not relay.ended and content.at_eof():  # the whole answer is here
+                    out += relay.close()
+                    last = True
         except StreamPluginError as exc:
             record.error_code = exc.error.code
             return relay.error_frame(exc.error.message, exc.error.code)
+        if relay.ended or relay.finished and last:  # the last events go out with the body's end: one write
+            return out
         if out:
             if tap is not None:
                 tap.client_write(out)
             await response.write(out)
-        if relay.ended or relay.finished and not chunk:
-            return b""
         if not chunk:
             return _failed(relay, record, "upstream_error", "The upstream closed the stream before it finished.")
 
