@@ -3,7 +3,7 @@
 ``exchange(url, data)`` writes ``data`` as it is and reads one response (a
 ``Content-Length`` body, a chunked body, or everything up to the close);
 ``exchange_all`` sends several on one connection, to see whether it stays
-usable. The timeout only stops a test that would otherwise hang; no assertion
+usable. ``read_request`` is the other side: a raw upstream's read of one POST. The timeout only stops a test that would otherwise hang; no assertion
 depends on it.
 """
 
@@ -88,6 +88,14 @@ async def read_response(reader: asyncio.StreamReader, head: bool = False) -> Raw
         body = await reader.read()
     closed = headers.get("connection", "").lower() == "close" or lines[0].startswith("HTTP/1.0")
     return RawResponse(status, headers, body, closed)
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request with a ``Content-Length`` body (what the gateway sends upstream): its head and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return head, await reader.readexactly(length)
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

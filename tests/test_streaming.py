@@ -8,6 +8,7 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
+from rawhttp import read_request
 
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 from kilnproxy.usage import round_usd
@@ -284,10 +285,7 @@ async def raw_upstream(go: asyncio.Event | None = None, stream: bytes = WHOLE_ST
     """An upstream that sends its head and, once ``go`` is set (at once without one), ``stream`` in
     one write: its base URL."""
     async def serve(reader, writer):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
-        await reader.readexactly(length)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
                      % len(stream))
         if go is not None:

@@ -12,6 +12,7 @@ import struct
 
 import aiohttp
 import pytest
+from rawhttp import read_request
 
 from kilnproxy.config import ServerConfig
 from kilnproxy.proxy.upstream_client import RequestTarget, UpstreamClient
@@ -51,10 +52,7 @@ class Server:
         n = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                body = await reader.readexactly(length)
+                head, body = await read_request(reader)
                 self.heads.append(head)
                 n += 1
                 if await self.script(reader, writer, n, body) is False:

@@ -7,6 +7,7 @@ import asyncio
 
 import orjson
 import pytest
+from rawhttp import read_request
 
 from kilnproxy.config_types import ENDPOINTS
 from kilnproxy.proxy.upstream_connections import Origin
@@ -30,10 +31,7 @@ class HangsUpOnReuse:
         answered = False
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
+                await read_request(reader)
                 if answered:
                     self.hung_up += 1
                     return
@@ -95,10 +93,7 @@ class EndsLater:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
+                await read_request(reader)
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                              + b"".join(chunk(f) for f in self.frames))
                 await self.release.wait()
