@@ -134,3 +134,30 @@ async def test_a_stream_the_upstream_ended_is_read_to_its_end_and_its_connection
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_an_upstream_that_never_ends_its_body_after_an_error_event_is_hung_up_and_its_slot_freed(
+        harness, eventually):
+    """The read to the body's end lasts a second at most: then the gateway hangs up, and the upstream's
+    one slot (``max_in_flight = 1``) serves the next request."""
+    upstream = EndsLater(ENDS["error-event"][1])  # its release is never set
+    server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+    def configure(config):
+        config["models"][0].update(upstreams=[{"url": url, "max_in_flight": 1}], queue_timeout=5)
+    try:
+        async with harness(configure=configure) as h:
+            for _ in range(2):  # the second waits for the first's slot
+                async with h.post("/v1/completions", completion_body(stream=True)) as resp:
+                    assert resp.status == 200
+                    assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+            assert upstream.connections == 2  # the first was hung up, not kept
+            rows = await h.rows()
+            assert [(r["status"], r["error_code"]) for r in rows] == [(200, "upstream_error")] * 2
+            route = h.gw.routes[h.model]
+            await eventually(lambda: route.upstreams[0].in_flight == 0)
+    finally:
+        upstream.release.set()
+        server.close()
+        await server.wait_closed()

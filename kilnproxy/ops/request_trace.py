@@ -95,8 +95,8 @@ _FIRST_TOKEN = wire.FloatEvent("gen_ai.first_token", "kilnproxy.ttft_ms")
 class RequestTrace:
     """One sampled request's spans; the request path calls it at each part (``kilnproxy.proxy``). While the
     request runs, its parts' times and outcomes are kept, not encoded: its spans are encoded together and
-    queued at once when its row is committed, but for an admission that raised and an upstream attempt
-    followed by another, queued when they end.
+    queued at once when its row is committed and its answer written, but for an admission that raised and
+    an upstream attempt followed by another, queued when they end.
 
     ``ids``: the trace id (16 bytes) then the span ids of the request, its admission, its usage commit, its
     first upstream attempt and its stream (8 bytes each), drawn at once by ``Tracing.begin``; ``tracing``: the
@@ -200,8 +200,8 @@ class RequestTrace:
         self.stream_start = time_ns()
 
     def end(self, row: dict, committed) -> None:
-        """The row is submitted: the parts still running end (an upstream attempt as ``cancelled``), and the
-        request's span ends with the row's commit."""
+        """The row is submitted: the parts still running end (an upstream attempt as ``cancelled``); the
+        usage commit's span ends with the row's commit, the request's own once its answer is written."""
         self.ending = now = time_ns()
         if self.attempt_url is not None and self.attempt_end is None:
             self.attempt_end = now
