@@ -13,7 +13,8 @@ spent the most (per stream with ``--stream``), and wrk's latency p50 and p99 (wi
 moves ±10 µs from one run to the next: compare variants within a run, over 6 rounds or
 more.
 
-    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream | --latency] [--rounds 8] [--seconds 3]
+    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream | --latency]
+        [--plugin bench/plugins/noop_event.py] [--rounds 8] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", metavar="NAME=TREE", help="a name and a kilnproxy tree, or installed")
     parser.add_argument("--tracing", action="append", default=[], metavar="NAME", help="this variant with [tracing] on")
+    parser.add_argument("--plugin", metavar="PATH", help="every variant with this plugin module loaded")
     parser.add_argument("--stream", action="store_true", help="M3's load: 64-chunk streams, 32 in flight")
     parser.add_argument("--latency", action="store_true", help="M1's load: one request at a time")
     parser.add_argument("--rounds", type=int, default=6)
@@ -57,6 +59,7 @@ def main() -> None:
     if len(cpus) < 2:
         sys.exit("ab.py needs two CPUs: the gateway on one, the load and the upstream on the other")
     os.sched_setaffinity(0, {cpus[1]})
+    plugin = str(Path(args.plugin).resolve()) if args.plugin else None
     work = Path(tempfile.mkdtemp(prefix="kilnproxy-ab-"))
     os.chdir(work)  # ``python -m kilnproxy`` imports from its working directory first: not from a checkout
     with Procs(work) as procs:
@@ -72,7 +75,7 @@ def main() -> None:
             config = gateway_config(work / f"{name}.toml", work / f"{name}.db", port,
                                     {"bench": f"http://127.0.0.1:{nginx_port}/json/v1",
                                      "bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1"},
-                                    sections=tracing if name in args.tracing else "")
+                                    plugin=plugin, sections=tracing if name in args.tracing else "")
             env = {"PYTHONPATH": str(Path(tree).resolve())} if tree != "installed" else {"PYTHONPATH": str(HERE.parent)}
             proc = procs.start(name, [sys.executable, "-m", "kilnproxy", "serve", "--config", str(config)],
                                cpus={cpus[0]}, port=port, env=env)

@@ -13,7 +13,7 @@ from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.fixtures.mock_upstream import _Generation
 from kilnproxy.plugins.call import DROP, STOP, Call
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.proxy.plain_events import PlainRun
+from kilnproxy.proxy.plain_events import PlainRun, _common_end, _common_start
 from kilnproxy.proxy.relay import EventRelay
 from kilnproxy.proxy.request_record import RequestRecord
 from kilnproxy.proxy.stream_errors import StreamPluginError
@@ -202,7 +202,7 @@ def test_a_run_of_like_events_is_shown_plain_by_its_frames():
     stream = mock_stream("vllm", False)
     words = b"\n\n".join(stream.split(b"\n\n")[:40]) + b"\n\n"
     plain = PlainRun(b'"model":"' + UPSTREAM_MODEL.encode() + b'"', b'"model":"test-model"')
-    assert plain._by_frames(words, 40) is not None
+    assert plain._by_frames(words) is not None
     assert plain.prefix.startswith(b'{"id":') and plain.prefix.endswith(b",") and plain.suffix.endswith(b"}")
     assert plain.take(words) == (40, words.replace(UPSTREAM_MODEL.encode(), b"test-model"), 0)
 
@@ -212,6 +212,16 @@ def test_a_run_of_like_events_is_shown_plain_by_its_frames():
 def test_odd_streams_relay_the_same_in_bulk(name, catalog_id):
     assert_same(ODD_STREAMS[name] + b"data: [DONE]\n\n", catalog_id, include_usage=True,
                 seed=list(ODD_STREAMS).index(name))
+
+
+@pytest.mark.parametrize("name", list(ODD_STREAMS))
+def test_odd_streams_relay_the_same_in_bulk_with_a_plugin(name):
+    """A stream's usual events are taken in line with one plugin (``_plugged_data``), the others
+    (usage, errors, not JSON, not an object) as each event is when it comes alone."""
+    stream = ODD_STREAMS[name] + b"data: [DONE]\n\n"
+    for cut, chunks in cuts(stream, seed=list(ODD_STREAMS).index(name)).items():
+        runs = [run(relay_for("test-model", True, impls=tuple(PLUGINS["no-op"])), chunks, bulk) for bulk in (True, False)]
+        assert runs[0] == runs[1], cut
 
 
 def _upper(event):
@@ -236,8 +246,16 @@ def _raise_late(call):
         raise ValueError("boom")
 
 
+def _not_json_late(call, event):
+    call.state["n"] = call.state.get("n", 0) + 1
+    if call.state["n"] == 7:
+        event["x"] = {1, 2}
+
+
 PLUGINS = {
     "no-op": [Impl("noop", "transform_event", lambda event: None, ("event",))],
+    "raises alone": [Impl("raise", "transform_event", _raise_late, ("call",))],
+    "leaves the event not JSON": [Impl("set", "transform_event", _not_json_late, ("call", "event"))],
     "changes text": [Impl("upper", "transform_event", _upper, ("event",))],
     "drops every third": [Impl("drop", "transform_event", _drop_some, ("call", "event"))],
     "stops at the 20th": [Impl("stop", "transform_event", _stop_late, ("event", "call"))],
@@ -260,11 +278,12 @@ def test_with_transform_event_plugins_the_stream_is_the_same(plugins, flavor, ch
     by_event = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
     out, streamed, finish = run(relay_for("test-model", True, endpoint, tuple(PLUGINS[plugins])), by_event, True)[:3]
     frames = b"".join(out).split(b"\n\n")
-    assert (b"plugin_error" in frames[-3]) == (plugins == "two, one raising")
+    assert (b"plugin_error" in frames[-3]) == (plugins in ("two, one raising", "raises alone", "leaves the event not JSON"))
     if flavor == "vllm":  # 31 events (30 words and the finish chunk), the usage chunk, [DONE], ""
-        assert len(frames) - 2 == {"drops every third": 22, "stops at the 20th": 20 + 1,
-                                   "two, one raising": 8 + 1}.get(plugins, 32)
-        assert finish == (None if plugins in ("stops at the 20th", "two, one raising") else "length")
+        assert len(frames) - 2 == {"drops every third": 22, "stops at the 20th": 20 + 1, "two, one raising": 8 + 1,
+                                   "raises alone": 8 + 1, "leaves the event not JSON": 6 + 1}.get(plugins, 32)
+        assert finish == (None if plugins in ("stops at the 20th", "two, one raising", "raises alone",
+                                              "leaves the event not JSON") else "length")
 
 
 @pytest.mark.parametrize("ending", [b"", b"\n", b"\r"])
@@ -303,5 +322,21 @@ def test_frames_that_would_overlap_in_a_short_event_are_not_taken():
     plain = PlainRun(b'"model":"' + UPSTREAM_MODEL.encode() + b'"', b'"model":"test-model"')
     plain.take(longer + shorter)
     assert plain.prefix.endswith(b'7B",') and plain.suffix.startswith(b',"choices"')
-    assert plain._by_frames(shorter * 2, 2) is None
+    assert plain._by_frames(shorter * 2) is None
     assert plain.take(shorter * 2) == (2, (shorter * 2).replace(UPSTREAM_MODEL.encode(), b"test-model"), 0)
+
+
+def test_the_common_start_and_end_of_two_events_are_found_byte_exact():
+    """``_frames_from`` reads the frames from two events' common start and end (xor of the two read
+    as numbers): the same lengths as a byte-by-byte walk, for bytes that differ anywhere."""
+    def walk(a: bytes, b: bytes) -> int:
+        same = 0
+        while same < min(len(a), len(b)) and a[same] == b[same]:
+            same += 1
+        return same
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        a, b = (bytes(rng.choice(b"ab\x00\xff") for _ in range(rng.randint(0, 12))) for _ in range(2))
+        assert _common_start(a, b) == walk(a, b), (a, b)
+        assert _common_end(a, b) == walk(a[::-1], b[::-1]), (a, b)

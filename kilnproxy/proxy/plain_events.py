@@ -33,11 +33,11 @@ after it); when they do not, the check falls back to counting every
 ``PlainRun.take(run)``, which the relay calls, tries a cheaper proof first: the
 stream's own frames, the bytes every event starts with (``{"id":...,"model":...,``)
 and ends with (``,"logprobs":null,"finish_reason":null}]}``), taken once from two
-events. The line count, one split at the blank lines and one count of
-"suffix, newline, prefix" over the events joined again show that every event is
-framed so; the rules are then checked once over the two frames and over the events'
-middles (the tokens: a few bytes an event), not over the whole run. When the frames
-do not fit, or their checks are not conclusive, ``count`` decides as above.
+events and checked once against the rules. One split at the blank lines and one
+count of "suffix, blank line, prefix" over the run show that every event is framed
+so; the rules are then checked over the events' middles (the tokens: a few bytes an
+event), not over the whole run. When the frames do not fit, or their checks are not
+conclusive, ``count`` decides as above.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ MAX_MISSES = 3
 class PlainRun:
     """The check for one stream; ``upstream``/``catalog`` are ``b'"model":"<name>"'``."""
 
-    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames", "prefix", "suffix", "needle", "framable",
-                 "misses")
+    __slots__ = ("upstream", "catalog", "rename", "from_end", "frames", "framable", "misses", "prefix", "suffix",
+                 "start", "end", "needle", "out_start", "out_end", "out_needle", "frames_plain", "banned", "frame_roles")
 
     def __init__(self, upstream: bytes, catalog: bytes):
         self.upstream = upstream
@@ -70,7 +70,7 @@ class PlainRun:
         self.rename = upstream != catalog
         self.from_end = [False, False, False]  # per marker: the frame from the end matched last time
         self.frames = [(b"", b"")] * 6  # per marker and side: the last frame and the needle counted
-        self.prefix = self.suffix = self.needle = b""  # the stream's event frames, without "data: " and "\n\n"
+        self.prefix = self.suffix = b""  # the stream's event frames, without "data: " and "\n\n" (``_frames_from``)
         # a frame ends or begins at one of ",{}": no name with those could be seen across its edge
         self.framable = not (self.rename and any(c in name for c in b",{}" for name in (upstream, catalog)))
         self.misses = 0  # runs the frames did not show plain: after MAX_MISSES, a stream they do not suit
@@ -80,18 +80,14 @@ class PlainRun:
         (renamed), ``out`` the bytes to send, ``roles`` how many name a role (``ROLE``); n = 0 when
         that is not shown. ``head`` is whole events, no CR.
 
-        First by the stream's frames (``_by_frames``: the line count, one split and one count over
-        ``head``), else by ``count`` (a pass per check)."""
+        First by the stream's frames (``_by_frames``: one split of ``head``), else by ``count``
+        (a pass per check)."""
         if head[:7] != b"data: {":
             return 0, b"", 0
-        lines = head.count(b"\n")
-        if lines & 1:
-            return 0, b"", 0
-        n = lines >> 1
-        if n > 1 and self.framable:
-            framed = self._by_frames(head, n)
+        if self.framable and head.find(b"\n\n") != len(head) - 2:  # more than one event
+            framed = self._by_frames(head)
             if framed is not None:
-                return n, framed[0], framed[1]
+                return framed
             self.misses += 1
             self.framable = self.misses < MAX_MISSES
         n = self.count(head)
@@ -99,61 +95,78 @@ class PlainRun:
             return 0, b"", 0
         return n, self.renamed(head), head.count(ROLE) if ROLE in head else 0
 
-    def _by_frames(self, head: bytes, n: int) -> tuple[bytes, int] | None:
-        """Every one of ``head``'s ``n`` events (``data: `` lines by the line count) starts with the
-        stream's ``prefix`` and ends with its ``suffix``: shown by one split at the blank lines, and
-        one count of ``suffix`` + the next event's ``prefix`` across the events joined again. What
-        differs from event to event (a token's text) is then between those frames, and the rules
-        are checked over the frames once and over the events' middles joined (a few bytes an
-        event) rather than over the whole run. The frames end and begin at one of ``,{}``, no
-        marker holds one of those, and the middles are joined with ``,``: so no marker is cut by
-        an edge, and each is in the prefix (then in every event), the suffix (likewise) or one
-        event's middle. The frames are taken from the first two events of a run where the
-        stream's do not fit, and kept for the next runs. None when not shown."""
+    def _by_frames(self, head: bytes) -> tuple[int, bytes, int] | None:
+        """``take`` for a run whose events all start with the stream's ``prefix`` and end with its
+        ``suffix``, shown by one split at the blank lines and one count of ``suffix``, the blank
+        line and ``prefix`` (``needle``) over ``head``: when the first event starts with the prefix,
+        the last ends with the suffix and every one of the ``n - 1`` joints is a needle, the events
+        are framed so (the needles counted do not overlap, so neither do an event's frames). The
+        middles, what differs from event to event (a token's text), are then checked for a
+        newline (none: every event is one ``data:`` line) and for the rules' markers, joined (a
+        few bytes an event); the frames were checked once (``_frames_from``), not per run. The
+        frames end and begin at one of ``,{}``, no marker holds one of those, and the middles are
+        joined with ``,``: so no marker is cut by an edge, and each is in the frames (then in
+        every event) or in one event's middle. The frames are taken from the first two events of
+        a run where the stream's do not fit, and kept for the next runs. None when not shown."""
         events = head[6:-2].split(EVENT_SEP)
-        if len(events) != n:
+        n = len(events)
+        if n < 2:  # a comment or a line of another field between the events
             return None
-        lines = b"\n".join(events)
         for fresh in (False, True):
             if fresh and not self._frames_from(events[0], events[1]):
                 return None
             prefix, suffix = self.prefix, self.suffix
-            edge = len(prefix) + len(suffix)  # the first and last events hold both, not overlapping (the others:
+            edge = len(prefix) + len(suffix)
             if prefix and events[0].startswith(prefix) and events[-1].endswith(suffix) \
-                    and len(events[0]) >= edge and len(events[-1]) >= edge \
-                    and lines.count(self.needle) == n - 1:  # as the needles counted do not overlap)
-                return self._checked(head, events, prefix, suffix)
+                    and len(events[0]) >= edge and len(events[-1]) >= edge and head.count(self.needle) == n - 1:
+                middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
+                joined = b",".join(middles)
+                if b"\n" not in joined:
+                    return self._checked(head, middles, joined)
         return None
 
-    def _checked(self, head: bytes, events: list[bytes], prefix: bytes, suffix: bytes) -> tuple[bytes, int] | None:
-        middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
-        joined = b",".join(middles)
-        if ERROR in joined or ERROR in prefix or ERROR in suffix:
+    def _checked(self, head: bytes, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
+        if not self.frames_plain:
             return None
-        for null, key in ((USAGE_NULL, USAGE), (FINISH_NULL, FINISH)):
-            if not (null in prefix or null in suffix) and (key in joined or key in prefix or key in suffix):
-                return None  # else every event holds the null, or none the key
-        roles = len(events) if ROLE in prefix or ROLE in suffix else joined.count(ROLE)
+        for marker in self.banned:
+            if marker in joined:
+                return None
+        n = len(middles)
+        roles = n if self.frame_roles else joined.count(ROLE)
         if not self.rename:
-            return head, roles
-        upstream, catalog = self.upstream, self.catalog
-        if catalog in joined or catalog in prefix or catalog in suffix or upstream in joined \
-                or prefix.count(upstream) + suffix.count(upstream) != 1:  # once in every event: in a frame
-            return None
-        prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
-        return b"".join((b"data: ", prefix, (suffix + EVENT_SEP + prefix).join(middles), suffix, b"\n\n")), roles
+            return n, head, roles
+        return n, b"".join((self.out_start, self.out_needle.join(middles), self.out_end)), roles
 
     def _frames_from(self, first: bytes, second: bytes) -> bool:
         """The frames of two events: their common start up to its last ``,`` or ``{``, their common
-        end from its first ``,`` or ``}``."""
+        end from its first ``,`` or ``}``; with what they show once for all the runs they frame
+        (``frames_plain``), and the markers to look for in the middles (``banned``)."""
+        if b"\n" in first or b"\n" in second:
+            return False
         same = _common_start(first, second)
         cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
-        start = len(first) - _common_start(first[::-1], second[::-1])
+        start = len(first) - _common_end(first, second)
         ends = [i for i in (first.find(b",", start), first.find(b"}", start)) if i >= 0]
         if not cut or not ends or min(ends) < cut:
             return False
-        self.prefix, self.suffix = first[:cut], first[min(ends):]
-        self.needle = self.suffix + b"\n" + self.prefix
+        prefix, suffix = first[:cut], first[min(ends):]
+        self.prefix, self.suffix = prefix, suffix
+        self.start, self.end, self.needle = b"data: " + prefix, suffix + b"\n\n", suffix + EVENT_SEP + prefix
+        frames = prefix + b"\n" + suffix  # the newline: no marker seen across the two
+        banned = [ERROR]
+        plain = ERROR not in frames
+        for null, key in ((USAGE_NULL, USAGE), (FINISH_NULL, FINISH)):
+            if null not in frames:  # else every event holds the null; if not, none may hold the key
+                plain = plain and key not in frames
+                banned.append(key)
+        if self.rename:  # the upstream's name once in every event: once in the frames, nowhere else
+            upstream, catalog = self.upstream, self.catalog
+            plain = plain and catalog not in frames and frames.count(upstream) == 1
+            banned += (upstream, catalog)
+            prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
+            self.out_start, self.out_end = b"data: " + prefix, suffix + b"\n\n"
+            self.out_needle = suffix + EVENT_SEP + prefix
+        self.frames_plain, self.banned, self.frame_roles = plain, tuple(banned), ROLE in frames
         return True
 
     def count(self, head: bytes) -> int:
@@ -228,12 +241,16 @@ class PlainRun:
 
 
 def _common_start(a: bytes, b: bytes) -> int:
-    """The length of the longest common start of ``a`` and ``b`` (a binary search: C-speed compares)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        mid = (low + high + 1) >> 1
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    """The length of the longest common start of ``a`` and ``b``: the first byte that differs holds
+    the highest bit set in the two read as big-endian numbers and xor-ed."""
+    size = min(len(a), len(b))
+    differ = int.from_bytes(a[:size]) ^ int.from_bytes(b[:size])
+    return size - 1 - (differ.bit_length() - 1) // 8 if differ else size
+
+
+def _common_end(a: bytes, b: bytes) -> int:
+    """The length of the longest common end of ``a`` and ``b``: the last byte that differs holds
+    the lowest bit set in the two read as big-endian numbers and xor-ed."""
+    size = min(len(a), len(b))
+    differ = int.from_bytes(a[len(a) - size:]) ^ int.from_bytes(b[len(b) - size:])
+    return ((differ & -differ).bit_length() - 1) // 8 if differ else size
