@@ -52,6 +52,17 @@ async def test_rows_of_one_loop_iteration_are_committed_together_on_the_loops_th
     assert stored_ids(ledger.path) == [row(i)["id"] for i in range(4)]
 
 
+async def test_a_commit_on_the_loop_reads_the_wal_index_header_once(ledger, monkeypatch):
+    """The checks before a commit on the loop (bound, start over, background due) share one read of
+    the wal-index header, a system call; none follows the commit."""
+    reads = []
+    sizes = ledger.checkpointer._sizes
+    monkeypatch.setattr(ledger.checkpointer, "_sizes", lambda: reads.append(1) or sizes())
+    commits = ledger.here.commits
+    await ledger.submit(row(1))
+    assert ledger.here.commits == commits + 1 and len(reads) == 1
+
+
 async def test_a_lock_held_by_another_program_hands_the_rows_to_the_writer(ledger, eventually):
     """A real write lock (``BEGIN IMMEDIATE`` on another connection): the loop does not wait for it,
     the writer retries, the rows wait for their commit, and each is stored once, in order."""

@@ -23,7 +23,8 @@ waits for all of it. The ledger's writer turns that off
   the file already has is cheaper than growing it.
 - Both sizes come from the wal-index header (``-shm`` file: ``mxFrame`` at
   offset 16, ``nBackfill`` at 96, SQLite's documented WAL format): one
-  ``pread`` per check, no query.
+  ``pread``, no query, before each commit on the event loop's thread and after
+  each of the writer's.
 
 Durability is unchanged: a checkpoint moves committed rows from one file to
 the other, and SQLite fsyncs before it lets the WAL be overwritten.
@@ -77,18 +78,26 @@ class Checkpointer:
         if uncopied >= self.checkpoint_bytes:
             self._wake.set()
 
+    def loop_must_hand_off(self) -> bool:
+        """Before a commit on the event loop's thread: True when it is the writer's to make, the WAL
+        being ``over_bound``, or starting over (empty, or every frame copied back: the next commit
+        writes the WAL from its first frame, and SQLite fsyncs the header it then writes, even at
+        ``synchronous=NORMAL``). One read of the wal-index header for all the checks: it also wakes
+        the background checkpoint as ``committed`` does, for the frames of the loop's commits before
+        this one (they do not call ``committed``)."""
+        wal, uncopied = self._sizes()
+        if uncopied >= self.checkpoint_bytes:
+            self._wake.set()
+        return uncopied == 0 or self._over_bound(wal, uncopied)
+
     def over_bound(self) -> bool:
         """True when the writer should restart the WAL before its next commit: it holds more than
         ``max_wal_bytes`` and the background has just copied nearly all of it (so the restart's
         copy is short), or more than twice that whatever is left to copy."""
-        wal, uncopied = self._sizes()
-        return wal > 2 * self.max_wal_bytes or (wal > self.max_wal_bytes and uncopied <= RESTART_COPY_BYTES)
+        return self._over_bound(*self._sizes())
 
-    def wal_starts_over(self) -> bool:
-        """True when the next commit would write the WAL from its first frame (empty, or every
-        frame copied back): SQLite fsyncs the WAL header it then writes, even at
-        ``synchronous=NORMAL``, so that commit is not one for the event loop's thread."""
-        return self._sizes()[1] == 0
+    def _over_bound(self, wal: int, uncopied: int) -> bool:
+        return wal > 2 * self.max_wal_bytes or (wal > self.max_wal_bytes and uncopied <= RESTART_COPY_BYTES)
 
     def _sizes(self) -> tuple[int, int]:
         """(bytes of frames in the WAL, bytes of them not yet copied into the database)."""

@@ -89,7 +89,8 @@ class SQLiteLedger(GroupCommitted):
         self._db: aiosqlite.Connection | None = None
         self._loop_db: sqlite3.Connection | None = None
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
-        self.here = LoopCommits(self._insert_here, self.rows, self._committed, self._writer_must_commit)
+        self.here = LoopCommits(self._insert_here, self.rows, super()._committed,
+                                self.checkpointer.loop_must_hand_off)
         self.commit_failures = 0
         self._last_here = False  # whether the last commit was the loop's (else the writer's)
 
@@ -134,9 +135,6 @@ class SQLiteLedger(GroupCommitted):
                 "commit_failures": self.commit_failures, "last_commit_seconds": self.last_commit_seconds,
                 "rows_handed_to_writer": self.here.rows_handed_off}
 
-    def _writer_must_commit(self) -> bool:
-        return self.checkpointer.over_bound() or self.checkpointer.wal_starts_over()
-
     def _insert_here(self, rows: list[dict[str, Any]]) -> None:
         """One transaction on the loop's connection; raises (rolled back) if it cannot commit now."""
         self._last_here = True
@@ -148,6 +146,8 @@ class SQLiteLedger(GroupCommitted):
             raise
 
     def _committed(self, batch: list[tuple[dict[str, Any], Any]]) -> None:
+        """After the writer's commits (the loop's call ``GroupCommitted._committed``: their checkpoint
+        check is made before each, ``Checkpointer.loop_must_hand_off``)."""
         self.checkpointer.committed()
         super()._committed(batch)
 
