@@ -340,3 +340,14 @@ def test_the_common_start_and_end_of_two_events_are_found_byte_exact():
         a, b = (bytes(rng.choice(b"ab\x00\xff") for _ in range(rng.randint(0, 12))) for _ in range(2))
         assert _common_start(a, b) == walk(a, b), (a, b)
         assert _common_end(a, b) == walk(a[::-1], b[::-1]), (a, b)
+
+
+@pytest.mark.parametrize("endpoint, counted", [("completions", 4), ("chat/completions", 3)])
+def test_a_chunk_that_names_a_role_counts_as_a_token_only_on_text_completions(endpoint, counted):
+    """The tokens streamed (the estimate when no usage comes) leave out a chat stream's role chunk; a
+    text completion's chunks name no role, and each is counted, ``"role":`` in it or not."""
+    stream = event(model=UPSTREAM_MODEL, **TEXT) * 3 + event(model=UPSTREAM_MODEL, role="assistant", **TEXT) \
+        + b"data: [DONE]\n\n"
+    for impls in ((), tuple(PLUGINS["no-op"])):
+        for bulk in (True, False):
+            assert run(relay_for("test-model", False, endpoint, impls), [stream], bulk)[1] == counted

@@ -48,7 +48,7 @@ class EventRelay:
 
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
                  "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
-                 "choice_usage", "request_usage")
+                 "choice_usage", "request_usage", "chat")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -58,6 +58,7 @@ class EventRelay:
         self.parse_all = bool(impls)
         self.transforms = tuple(_event_only(impl, call) for impl in impls)
         self.rename = route.model_bytes != route.upstream_model_bytes
+        self.chat = call.endpoint == "chat/completions"  # a text completion's chunk names no role: not looked for
         self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
         self.error: bytes | None = None
         self.usage_raw: dict | None = None
@@ -125,7 +126,7 @@ class EventRelay:
             head = chunk if cut == len(chunk) else chunk[:cut]
             n, out, roles = self.plain.take(head)
             if n:  # n events unchanged (renamed), counted as ``_event`` counts them
-                self.record.streamed_chunks += n - roles
+                self.record.streamed_chunks += n - roles if self.chat else n
                 return out if head is chunk else out + self._events(chunk[cut:])
         return self._events(chunk)
 
@@ -196,10 +197,10 @@ class EventRelay:
                 and b'"error"' not in payload
                 and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)):
             if not self.rename or self.route.model_bytes in payload:
-                self.record.streamed_chunks += ROLE not in payload
+                self.record.streamed_chunks += not self.chat or ROLE not in payload
                 return data_frame(payload)
             if self.route.upstream_model_bytes in payload:
-                self.record.streamed_chunks += ROLE not in payload
+                self.record.streamed_chunks += not self.chat or ROLE not in payload
                 return data_frame(payload.replace(self.route.upstream_model_bytes, self.route.model_bytes, 1))
         return self._parsed_event(payload)
 
@@ -222,7 +223,7 @@ class EventRelay:
                 return None
             event["usage"] = None
         if choices:
-            self.record.streamed_chunks += ROLE not in payload
+            self.record.streamed_chunks += not self.chat or ROLE not in payload
             self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
@@ -237,7 +238,7 @@ class EventRelay:
         out = []
         append = out.append
         one = self.transforms[0] if len(self.transforms) == 1 else None
-        model, record, loads, dumps = self.call.model, self.record, orjson.loads, orjson.dumps
+        model, record, chat, loads, dumps = self.call.model, self.record, self.chat, orjson.loads, orjson.dumps
         for payload in payloads:
             if payload == DONE:
                 self.ended = self.clean_end = True
@@ -256,7 +257,7 @@ class EventRelay:
                     break
                 continue
             if event.get("choices"):
-                record.streamed_chunks += ROLE not in payload
+                record.streamed_chunks += not chat or ROLE not in payload
             if "model" in event:
                 event["model"] = model
             self.last_event = event
@@ -307,7 +308,7 @@ class EventRelay:
                 return None
             event["usage"] = None
         if choices:
-            self.record.streamed_chunks += ROLE not in payload
+            self.record.streamed_chunks += not self.chat or ROLE not in payload
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
