@@ -62,7 +62,7 @@ class PlainRun:
     """The check for one stream; ``upstream``/``catalog`` are ``b'"model":"<name>"'``."""
 
     __slots__ = ("upstream", "catalog", "rename", "from_end", "frames", "framable", "misses", "prefix", "suffix",
-                 "start", "end", "needle", "out_start", "out_end", "out_needle", "frames_plain", "banned", "frame_roles")
+                 "needle", "out_start", "out_end", "out_needle", "frames_plain", "banned", "frame_roles")
 
     def __init__(self, upstream: bytes, catalog: bytes):
         self.upstream = upstream
@@ -151,7 +151,7 @@ class PlainRun:
             return False
         prefix, suffix = first[:cut], first[min(ends):]
         self.prefix, self.suffix = prefix, suffix
-        self.start, self.end, self.needle = b"data: " + prefix, suffix + b"\n\n", suffix + EVENT_SEP + prefix
+        self.needle = suffix + EVENT_SEP + prefix
         frames = prefix + b"\n" + suffix  # the newline: no marker seen across the two
         banned = [ERROR]
         plain = ERROR not in frames
