@@ -294,7 +294,9 @@ class EventRelay:
         return self._plugged_event(event, payload)
 
     def _plugged_event(self, event: Any, payload: bytes) -> bytes | None:
-        """``_plugged`` once ``payload`` is parsed into ``event``."""
+        """``_plugged`` once ``payload`` is parsed into ``event``. ``_plugged_data`` repeats these steps in
+        line for a stream's usual event: a rule changed here changes there (tests/test_relay_chunks.py
+        compares the two on every odd stream)."""
         if not isinstance(event, dict):
             return payload
         if "error" in event or event.get("object") == "error":
