@@ -24,7 +24,19 @@ KEEPALIVE_FRAME = b": keepalive\n\n"
 
 
 def data_frame(payload: bytes) -> bytes:
+    """The event of a one-line ``payload`` (see ``lines_frame``)."""
     return b"data: " + payload + b"\n\n"
+
+
+def lines_frame(frame: bytes) -> bytes:
+    """``frame`` (``data_frame``'s) with a ``data:`` line per line of its payload: an upstream event of
+    several ``data:`` lines, whose payload the parser joined with LF, goes out as several lines again."""
+    return frame[:-2].replace(b"\n", b"\ndata: ") + b"\n\n"
+
+
+def is_done(payload: bytes) -> bool:
+    """``[DONE]``, trailing spaces included, as openai-python reads it (``startswith``)."""
+    return payload[:6] == DONE
 
 
 class SSEParser:

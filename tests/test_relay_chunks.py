@@ -45,7 +45,7 @@ def run(relay: EventRelay, chunks: list[bytes], bulk: bool) -> tuple:
             out.append(relay.close() if bulk else relay.feed(parser.close()))
         out.append(relay.tail())
     except StreamPluginError as exc:
-        out.append(exc.frame() + DONE_FRAME)
+        out.append(exc.before + exc.frame() + DONE_FRAME)
     rec = relay.record
     return (out, rec.streamed_chunks, rec.finish_reason, rec.error_code, relay.ended, relay.clean_end,
             rec.usage)
@@ -193,6 +193,19 @@ ODD_STREAMS = {
     "no model, texts": b"".join(event(choices=[{"index": 0, "text": t}]) for t in " a b c d e f".split(" ")),
     "usage null in the middle only": b"".join(event(model=UPSTREAM_MODEL, choices=[{"index": 0, "text": t}], usage=None, x=t)
                                               for t in " a b c d e".split(" ")),
+    # what a bug hunt sent: each has a test through the gateway in test_relay_odd_upstreams.py
+    "choices not a list, beside usage": event(model=UPSTREAM_MODEL, **TEXT) * 4
+        + event(model=UPSTREAM_MODEL, choices={"a": 1}, usage={"prompt_tokens": 5, "completion_tokens": 3})
+        + event(model=UPSTREAM_MODEL, **TEXT) * 4,
+    "error null on every event": event(model=UPSTREAM_MODEL, error=None, **TEXT) * 12,
+    "two choices, a finish reason beside a null": event(model=UPSTREAM_MODEL, **TEXT) * 6 + event(
+        model=UPSTREAM_MODEL, choices=[{"index": 0, "text": " a", "finish_reason": "stop"},
+                                       {"index": 1, "text": " b", "finish_reason": None}]) * 2
+        + event(model=UPSTREAM_MODEL, **TEXT) * 4,
+    "a usage chunk twice": event(model=UPSTREAM_MODEL, **TEXT) * 6
+        + event(model=UPSTREAM_MODEL, choices=[], usage={"prompt_tokens": 5, "completion_tokens": 3}) * 2,
+    "usage not an object": event(model=UPSTREAM_MODEL, **TEXT) * 6 + event(model=UPSTREAM_MODEL, choices=[], usage=[5, 3]),
+    "[DONE] with a trailing space": event(model=UPSTREAM_MODEL, **TEXT) * 6 + b"data: [DONE] \n\n",
 }
 
 

@@ -158,7 +158,7 @@ class PlainRun:
         for null, key in ((USAGE_NULL, USAGE), (FINISH_NULL, FINISH)):
             if null not in frames:  # else every event holds the null; if not, none may hold the key
                 plain = plain and key not in frames
-                banned.append(key)
+            banned.append(key)  # in a middle: a usage or finish reason of its own (another choice's)
         if self.rename:  # the upstream's name once in every event: once in the frames, nowhere else
             upstream, catalog = self.upstream, self.catalog
             plain = plain and catalog not in frames and frames.count(upstream) == 1
@@ -189,6 +189,8 @@ class PlainRun:
         at = head.find(FINISH_NULL, 0, eol)
         if at >= 0 and self._framed(head, n, eol, at, at + len(FINISH_NULL), 1):
             framed = True
+            if head.count(FINISH) != n:  # another choice's finish reason beside the null
+                return 0
         else:
             finish = head.count(FINISH)
             if finish and finish != head.count(FINISH_NULL):
@@ -199,8 +201,10 @@ class PlainRun:
             return 0
         if USAGE in head:  # OpenAI's and SGLang's "usage":null on every chunk, or usage to read
             at = head.find(USAGE_NULL, 0, eol)
-            if not (at >= 0 and self._framed(head, n, eol, at, at + len(USAGE_NULL), 2)) \
-                    and head.count(USAGE) != head.count(USAGE_NULL):
+            if at >= 0 and self._framed(head, n, eol, at, at + len(USAGE_NULL), 2):
+                if head.count(USAGE) != n:
+                    return 0
+            elif head.count(USAGE) != head.count(USAGE_NULL):
                 return 0
         return n
 

@@ -31,7 +31,7 @@ import orjson
 
 from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl, call_impl
-from ..sse import COMMENT, DONE, DONE_FRAME, SSEParser, data_frame
+from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
 from .plain_events import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
 from .request_record import RequestRecord
@@ -48,7 +48,7 @@ class EventRelay:
 
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
                  "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
-                 "choice_usage", "request_usage", "chat")
+                 "choice_usage", "request_usage", "chat", "several")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -72,6 +72,8 @@ class EventRelay:
         self.crlf = False  # a CR was seen: the parser for good
         self.choice_usage: dict[Any, Usage] = {}  # the latest report on each choice's chunks, by index
         self.request_usage: list[Usage] = []  # the reports of choices: [] chunks
+        n = record.body.get("n") if isinstance(record.body, dict) else None
+        self.several = type(n) is int and n > 1  # several choices: their reports are added up
 
     # -- per chunk ----------------------------------------------------------
 
@@ -111,7 +113,7 @@ class EventRelay:
                 if self.ended:
                     return out
                 self.by_parser = True
-                return out + self.feed_chunk(tail)
+                return _then(out, self.feed_chunk, tail)
             if not end:
                 rest.append(chunk)
                 return b""
@@ -126,15 +128,19 @@ class EventRelay:
             head = chunk if cut == len(chunk) else chunk[:cut]
             n, out, roles = self.plain.take(head)
             if n:  # n events unchanged (renamed), counted as ``_event`` counts them
-                self.record.streamed_chunks += n - roles if self.chat else n
-                return out if head is chunk else out + self._events(chunk[cut:])
+                self.record.streamed_chunks += n - _role_only_events(head) if roles and self.chat else n
+                return out if head is chunk else _then(out, self._events, chunk[cut:])
         return self._events(chunk)
 
     def close(self) -> bytes:
-        """The upstream's body has ended: what is left, and a last event with no blank line."""
+        """The upstream's body has ended: what is left, and a last event with no blank line when it is
+        whole (``[DONE]`` or JSON); one cut off by the end of the body is not sent."""
         items = self.parser.feed(b"".join(self.rest)) if self.rest else []
         self.rest.clear()
-        return self.feed(items + self.parser.close())
+        last = self.parser.close()
+        if last and last[-1][0] == DATA and not _whole(last[-1][1]):
+            last.pop()
+        return self.feed(items + last)
 
     def _tail_start(self, events: bytes) -> int:
         """Where the last events begin that carry a marker (at most ``TAIL_EVENTS`` of them; the
@@ -161,46 +167,55 @@ class EventRelay:
     def feed(self, items: list[tuple[int, bytes]]) -> bytes:
         """The bytes to send for these parsed SSE items (possibly none)."""
         out = []
-        for kind, payload in items:
-            if kind == COMMENT:
-                out.append(payload + b"\n\n")
-                continue
-            if payload == DONE:
-                self.ended = self.clean_end = True
-                break
-            frame = self._event(payload)
-            if frame is not None:
-                out.append(frame)
-            if self.ended:
-                break
+        try:
+            for kind, payload in items:
+                if kind == COMMENT:
+                    out.append(payload + b"\n\n")
+                    continue
+                if is_done(payload):
+                    self.ended = self.clean_end = True
+                    break
+                frame = self._event(payload)
+                if frame is not None:
+                    out.append(frame if b"\n" not in payload else lines_frame(frame))
+                if self.ended:
+                    break
+        except StreamPluginError as exc:
+            exc.before = b"".join(out) + exc.before
+            raise
         return b"".join(out)
 
     def feed_data(self, payloads: list[bytes]) -> bytes:
         """``feed`` for events that are all data (no comment)."""
         out = []
-        for payload in payloads:
-            if payload == DONE:
-                self.ended = self.clean_end = True
-                break
-            frame = self._event(payload)
-            if frame is not None:
-                out.append(frame)
-            if self.ended:
-                break
+        try:
+            for payload in payloads:
+                if is_done(payload):
+                    self.ended = self.clean_end = True
+                    break
+                frame = self._event(payload)
+                if frame is not None:
+                    out.append(frame)
+                if self.ended:
+                    break
+        except StreamPluginError as exc:
+            exc.before = b"".join(out) + exc.before
+            raise
         return b"".join(out)
 
     def _event(self, payload: bytes) -> bytes | None:
         if self.parse_all:
             data = self._plugged(payload)
             return None if data is None else data_frame(data)
-        if ((b'"usage"' not in payload or b'"usage":null' in payload)
-                and b'"error"' not in payload
-                and (b'"finish_reason"' not in payload or b'"finish_reason":null' in payload)):
+        finish = payload.find(FINISH)
+        if ((USAGE not in payload or USAGE_NULL in payload)
+                and ERROR not in payload
+                and (finish < 0 or payload.startswith(FINISH_NULL, finish) and payload.find(FINISH, finish + 15) < 0)):
             if not self.rename or self.route.model_bytes in payload:
-                self.record.streamed_chunks += not self.chat or ROLE not in payload
+                self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
                 return data_frame(payload)
             if self.route.upstream_model_bytes in payload:
-                self.record.streamed_chunks += not self.chat or ROLE not in payload
+                self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
                 return data_frame(payload.replace(self.route.upstream_model_bytes, self.route.model_bytes, 1))
         return self._parsed_event(payload)
 
@@ -212,18 +227,13 @@ class EventRelay:
             return data_frame(payload)  # not ours to judge; the client sees what was sent
         if not isinstance(event, dict):
             return data_frame(payload)
-        if "error" in event or event.get("object") == "error":
+        if event.get("error") is not None or event.get("object") == "error":
             return data_frame(self._upstream_error(event))
         choices = event.get("choices")
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            self._take_usage(usage, choices)
-            if not choices:
-                self.usage_event = event
-                return None
-            event["usage"] = None
+        if event.get("usage") is not None and self._usage_taken(event, choices):
+            return None
         if choices:
-            self.record.streamed_chunks += not self.chat or ROLE not in payload
+            self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
             self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
@@ -239,49 +249,53 @@ class EventRelay:
         append = out.append
         one = self.transforms[0] if len(self.transforms) == 1 else None
         model, record, chat, loads, dumps = self.call.model, self.record, self.chat, orjson.loads, orjson.dumps
-        for payload in payloads:
-            if payload == DONE:
-                self.ended = self.clean_end = True
-                break
-            try:
-                event = loads(payload)
-            except orjson.JSONDecodeError:
-                append(payload)
-                continue
-            if one is None or type(event) is not dict or "error" in event or type(event.get("usage")) is dict \
-                    or event.get("object") == "error":
-                data = self._plugged_event(event, payload)
-                if data is not None:
-                    append(data)
+        try:
+            for payload in payloads:
+                try:
+                    event = loads(payload)
+                except orjson.JSONDecodeError:  # [DONE] is not JSON: looked for only here
+                    if is_done(payload):
+                        self.ended = self.clean_end = True
+                        break
+                    append(payload)
+                    continue
+                if one is None or type(event) is not dict or event.get("error") is not None \
+                        or event.get("usage") is not None or event.get("object") == "error":
+                    data = self._plugged_event(event, payload)
+                    if data is not None:
+                        append(data)
+                    if self.ended:
+                        break
+                    continue
+                if event.get("choices"):
+                    record.streamed_chunks += not chat or ROLE not in payload or not _role_only(payload)
+                if "model" in event:
+                    event["model"] = model
+                self.last_event = event
+                try:
+                    verdict = one(event)
+                except Exception as exc:
+                    raise self._failed(self.impls[0], exc) from exc
+                if verdict is DROP:
+                    continue
+                if verdict is STOP:
+                    self.ended = True
+                choices = event.get("choices")
+                if isinstance(choices, list):  # _take_finish_reason, in line
+                    for choice in choices:
+                        if isinstance(choice, dict):
+                            reason = choice.get("finish_reason")
+                            if reason:
+                                record.finish_reason = reason
+                try:
+                    append(dumps(event))
+                except TypeError as exc:
+                    raise self._not_json(exc) from exc
                 if self.ended:
                     break
-                continue
-            if event.get("choices"):
-                record.streamed_chunks += not chat or ROLE not in payload
-            if "model" in event:
-                event["model"] = model
-            self.last_event = event
-            try:
-                verdict = one(event)
-            except Exception as exc:
-                raise self._failed(self.impls[0], exc) from exc
-            if verdict is DROP:
-                continue
-            if verdict is STOP:
-                self.ended = True
-            choices = event.get("choices")
-            if isinstance(choices, list):  # _take_finish_reason, in line
-                for choice in choices:
-                    if isinstance(choice, dict):
-                        reason = choice.get("finish_reason")
-                        if reason:
-                            record.finish_reason = reason
-            try:
-                append(dumps(event))
-            except TypeError as exc:
-                raise self._not_json(exc) from exc
-            if self.ended:
-                break
+        except StreamPluginError as exc:
+            exc.before = (b"data: " + b"\n\ndata: ".join(out) + b"\n\n" if out else b"") + exc.before
+            raise
         return b"data: " + b"\n\ndata: ".join(out) + b"\n\n" if out else b""
 
     def _plugged(self, payload: bytes) -> bytes | None:
@@ -299,18 +313,13 @@ class EventRelay:
         compares the two on every odd stream)."""
         if not isinstance(event, dict):
             return payload
-        if "error" in event or event.get("object") == "error":
+        if event.get("error") is not None or event.get("object") == "error":
             return self._upstream_error(event)
         choices = event.get("choices")
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            self._take_usage(usage, choices)
-            if not choices:
-                self.usage_event = event
-                return None
-            event["usage"] = None
+        if event.get("usage") is not None and self._usage_taken(event, choices):
+            return None
         if choices:
-            self.record.streamed_chunks += not self.chat or ROLE not in payload
+            self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
@@ -338,12 +347,27 @@ class EventRelay:
             if reason:
                 self.record.finish_reason = reason
 
+    def _usage_taken(self, event: dict, choices: Any) -> bool:
+        """An event with a ``usage`` that is not null: its counts read (an object), the usage removed from
+        the event; True when nothing else is left to send (no choices)."""
+        usage = event["usage"]
+        if isinstance(usage, dict):
+            self._take_usage(usage, choices)
+            if not choices:
+                self.usage_event = event
+        if not choices:
+            return True
+        event["usage"] = None
+        return False
+
     def _take_usage(self, usage: dict, choices: Any) -> None:
         counts = Usage.from_upstream(usage)
         if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
         self.usage_raw = usage
-        if choices:  # on a choice's chunk: the latest count of that choice replaces the one before
+        if not self.several:  # one choice: the latest report replaces the one before
+            self.request_usage = [counts]
+        elif isinstance(choices, list) and choices:  # on a choice's chunk: that choice's latest count
             index = choices[0].get("index") if isinstance(choices[0], dict) else None
             self.choice_usage[index if type(index) is int else 0] = counts
         else:  # a choices: [] chunk: the whole request's (vLLM), or one choice's of several (llama.cpp chat)
@@ -352,8 +376,12 @@ class EventRelay:
 
     def _upstream_error(self, event: dict) -> bytes:
         """The error event's data (in OpenAI's form); the stream ends with it."""
-        if "error" not in event:  # vLLM before 0.10.1: a flat error object
-            event = {"error": {k: v for k, v in event.items() if k != "object"}}
+        if event.get("error") is None:  # vLLM before 0.10.1: a flat error object
+            event = {"error": {k: v for k, v in event.items() if k not in ("object", "error")}}
+        elif not isinstance(event["error"], dict):  # a bare message: put in OpenAI's form
+            message = event["error"]
+            event = {"error": {"message": message if isinstance(message, str) else orjson.dumps(message).decode(),
+                               "type": "upstream_error", "param": None, "code": "upstream_error"}}
         error = event["error"]
         code = error.get("code") if isinstance(error, dict) else None
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
@@ -410,6 +438,41 @@ class EventRelay:
 # at one by one before the rest is checked as a whole.
 TAIL_EVENTS = 4
 DONE_LINE = b"data: [DONE]"
+
+
+TOOL_CALLS = b'"tool_calls"'
+CONTENT, EMPTY_CONTENT = b'content":"', b'content":""'  # also reasoning_content
+
+
+def _role_only(payload: bytes) -> bool:
+    """A chat chunk that names the role (callers look for ``ROLE`` first) and carries no text and no tool
+    call: the chunk before the answer, not counted as a streamed token."""
+    return TOOL_CALLS not in payload and CONTENT not in payload.replace(EMPTY_CONTENT, b"")
+
+
+def _role_only_events(events: bytes) -> int:
+    """How many of ``events`` (whole one-line ``data:`` events, some naming the role) are ``_role_only``."""
+    return sum(1 for payload in events[6:-2].split(b"\n\ndata: ") if ROLE in payload and _role_only(payload))
+
+
+def _whole(payload: bytes) -> bool:
+    """A last event the body's end closed, not cut: ``[DONE]`` or JSON."""
+    if is_done(payload):
+        return True
+    try:
+        orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def _then(out: bytes, more: Callable[[bytes], bytes], events: bytes) -> bytes:
+    """``out`` + ``more(events)``; ``out`` also goes ahead of a plugin's error raised by ``more``."""
+    try:
+        return out + more(events)
+    except StreamPluginError as exc:
+        exc.before = out + exc.before
+        raise
 
 
 def _marked(event: bytes) -> bool:

@@ -12,6 +12,7 @@ disconnected.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 from aiohttp import web
@@ -24,6 +25,8 @@ from .relay import EventRelay
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError, error_frame
 from .upstream import Route
+
+log = logging.getLogger("kilnproxy")
 
 # No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
 # response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
@@ -121,6 +124,8 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                 out = relay.close()
             except StreamPluginError as exc:
                 return _plugin_failed(record, exc)
+            except Exception:
+                return _bug(record)
             if out:
                 await response.write(out)
             if relay.ended or record.finish_reason is not None:
@@ -133,6 +138,8 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             out = relay.feed_chunk(chunk)
         except StreamPluginError as exc:
             return _plugin_failed(record, exc)
+        except Exception:
+            return _bug(record)
         if relay.ended:  # the chunk's events go out with the tail, after the row's commit: one write
             return out + _tail(relay, record)
         if out:
@@ -144,6 +151,8 @@ def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
         return relay.tail()
     except StreamPluginError as exc:  # a transform_event plugin raised on the usage chunk
         return _plugin_failed(record, exc)
+    except Exception:
+        return _bug(record)
 
 
 async def _drain(upstream: aiohttp.ClientResponse) -> None:
@@ -163,7 +172,14 @@ def _failed(record: RequestRecord, code: str, message: str) -> bytes:
 
 def _plugin_failed(record: RequestRecord, exc: StreamPluginError) -> bytes:
     record.error_code = exc.error.code
-    return exc.frame() + DONE_FRAME
+    return exc.before + exc.frame() + DONE_FRAME
+
+
+def _bug(record: RequestRecord) -> bytes:
+    """A fault of the relay's own: logged, and told as an ``internal_error`` event (the status went already)."""
+    log.exception("unexpected error relaying the stream of %s", record.call.generation_id)
+    record.error_code = "internal_error"
+    return error_frame("The gateway failed unexpectedly; see its log.", "internal_error", "server_error") + DONE_FRAME
 
 
 class KeepAlive:

@@ -9,7 +9,10 @@ from ..sse import data_frame
 
 
 class StreamPluginError(Exception):
-    """A ``transform_event`` plugin raised after the stream had started."""
+    """A ``transform_event`` plugin raised after the stream had started. ``before``: the frames of the
+    events the plugins had let through before it, which go out ahead of the error event."""
+
+    before = b""
 
     def __init__(self, plugin: str, exc: BaseException):
         super().__init__(f"{plugin}: {exc}")
@@ -19,7 +22,6 @@ class StreamPluginError(Exception):
         return data_frame(orjson.dumps(self.error.payload()))
 
 
-def error_frame(message: str, code: str) -> bytes:
-    """The ``error`` event the gateway sends when a stream cannot go on."""
-    return data_frame(orjson.dumps({"error": {"message": message, "type": "upstream_error",
-                                              "param": None, "code": code}}))
+def error_frame(message: str, code: str, kind: str = "upstream_error") -> bytes:
+    """The ``error`` event the gateway sends when a stream cannot go on (``kind``: the error's ``type``)."""
+    return data_frame(orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}))
