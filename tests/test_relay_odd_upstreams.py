@@ -6,7 +6,7 @@ import orjson
 import pytest
 from test_streaming import raw_upstream
 
-from kilnproxy import hookimpl
+from kilnproxy import DROP, hookimpl
 from kilnproxy.proxy.relay import EventRelay
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
@@ -175,3 +175,18 @@ async def test_events_a_plugin_let_through_go_out_before_its_error(harness):
     assert events[0] + b"\n\n" == renamed(HELLO)
     assert orjson.loads(events[1][6:])["error"]["code"] == "plugin_error" and events[2:] == [b"data: [DONE]", b""]
     assert (row["error_code"], row["completion_tokens"]) == ("plugin_error", 2)  # the chunks the upstream sent so far
+
+
+class DropsTheFinish:
+    @hookimpl
+    def transform_event(self, event):
+        if event["choices"] and event["choices"][0]["finish_reason"]:
+            return DROP
+
+
+async def test_a_finish_chunk_a_plugin_dropped_still_ends_the_stream_normally(harness):
+    """The upstream finished (its body ends without ``[DONE]``, as llama.cpp's does); the client does not
+    see the finish chunk, and the stream is no upstream error."""
+    raw, row = await relayed(harness, TEXT + frame(usage(5, 3)), plugins=[DropsTheFinish()])
+    assert raw == renamed(HELLO) + renamed(WORLD) + DONE
+    assert (row["error_code"], row["finish_reason"], row["completion_tokens"]) == (None, None, 3)

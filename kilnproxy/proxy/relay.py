@@ -48,7 +48,7 @@ class EventRelay:
 
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
                  "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
-                 "choice_usage", "request_usage", "chat", "several")
+                 "choice_usage", "request_usage", "chat", "several", "finished")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -65,6 +65,7 @@ class EventRelay:
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream finished its answer ([DONE], an error event): read it to its end
+        self.finished = False  # a finish reason came in an event a plugin dropped
         self.parser = SSEParser()
         self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
         self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
@@ -277,6 +278,7 @@ class EventRelay:
                 except Exception as exc:
                     raise self._failed(self.impls[0], exc) from exc
                 if verdict is DROP:
+                    self._dropped(event)
                     continue
                 if verdict is STOP:
                     self.ended = True
@@ -331,6 +333,7 @@ class EventRelay:
         else:
             verdict = self._transform(event)
         if verdict is DROP:
+            self._dropped(event)
             return None
         if verdict is STOP:
             self.ended = True
@@ -338,6 +341,13 @@ class EventRelay:
         if choices:
             self._take_finish_reason(choices)  # what the client sees
         return self._dumps(event)
+
+    def _dropped(self, event: dict) -> None:
+        """A plugin left ``event`` out: its finish reason, which the client does not see, still says
+        the upstream finished (``finished``)."""
+        choices = event.get("choices")
+        if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            self.finished = True
 
     def _take_finish_reason(self, choices: Any) -> None:
         if not isinstance(choices, list):  # not OpenAI's form: no finish reason to read
