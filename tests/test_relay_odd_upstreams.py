@@ -4,9 +4,10 @@ relay takes its events together, as it does from a fast server."""
 
 import orjson
 import pytest
-from test_streaming import raw_upstream
+from test_streaming import WHOLE_MESSAGES_STREAM, raw_upstream
 
 from kilnproxy import DROP, hookimpl
+from kilnproxy.proxy.framed_relay import FramedRelay
 from kilnproxy.proxy.relay import EventRelay
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
@@ -190,3 +191,21 @@ async def test_a_finish_chunk_a_plugin_dropped_still_ends_the_stream_normally(ha
     raw, row = await relayed(harness, TEXT + frame(usage(5, 3)), plugins=[DropsTheFinish()])
     assert raw == renamed(HELLO) + renamed(WORLD) + DONE
     assert (row["error_code"], row["finish_reason"], row["completion_tokens"]) == (None, None, 3)
+
+
+async def test_a_fault_of_the_messages_relay_ends_the_stream_with_its_error_event(harness, monkeypatch, caplog):
+    def broken(self, chunk):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(FramedRelay, "feed_chunk", broken)
+    async with raw_upstream(stream=WHOLE_MESSAGES_STREAM) as url:
+        configure = lambda c: c["models"][0].update(upstreams=[url], endpoints=["completions", "messages"])  # noqa: E731
+        async with harness(configure=configure) as h:
+            body = {"model": MODEL, "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+            async with h.post("/v1/messages", body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    assert raw == b'event: error\ndata: {"type":"error","error":{"type":"api_error",' \
+                  b'"message":"The gateway failed unexpectedly; see its log."}}\n\n'
+    assert (row["status"], row["error_code"]) == (200, "internal_error")
+    assert "RuntimeError: a bug" in caplog.text

@@ -11,6 +11,7 @@ No ``[DONE]``: these formats end with their last event.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 from aiohttp import web
@@ -22,6 +23,8 @@ from .gateway import Gateway
 from .request_record import RequestRecord
 from .stream import KeepAlive, ShuttingDown, end_stream, start_stream, stream_response
 from .stream_errors import StreamPluginError
+
+log = logging.getLogger("kilnproxy")
 
 
 async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record: RequestRecord,
@@ -77,6 +80,9 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
         except StreamPluginError as exc:
             record.error_code = exc.error.code
             return relay.error_frame(exc.error.message, exc.error.code)
+        except Exception:  # a fault of the relay's own: logged, told as the format's error event
+            log.exception("unexpected error relaying the stream of %s", record.call.generation_id)
+            return _failed(relay, record, "internal_error", "The gateway failed unexpectedly; see its log.")
         if relay.ended or relay.finished and last:  # the last events go out with the body's end: one write
             return out
         if out:
