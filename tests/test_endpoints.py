@@ -57,6 +57,13 @@ async def test_unknown_route_and_wrong_method_are_json(gw):
         assert resp.status == 405
         assert resp.headers["Allow"] == "POST"
         assert (await resp.json())["error"]["code"] == "method_not_allowed"
+    for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/nothing"):  # Anthropic's form there
+        async with gw.session.get(f"{gw.url}{path}", headers=gw.headers()) as resp:
+            assert resp.status == (404 if path.endswith("nothing") else 405)
+            assert resp.headers.get("Allow") == (None if path.endswith("nothing") else "POST")
+            assert await resp.json() == {"type": "error", "error": {
+                "type": "not_found_error" if path.endswith("nothing") else "invalid_request_error",
+                "message": "Not Found" if path.endswith("nothing") else "Method Not Allowed"}}
 
 
 async def test_credits_of_the_callers_org(gw):

@@ -90,6 +90,7 @@ def api_hold(call: Call, created_at: str, body: dict, context_window: int | None
         limit = body.get("max_output_tokens") if call.endpoint == "responses" else 0
         completion = limit if type(limit) is int and limit >= 0 else context_window or 0
         hold.amount = hold.prompt_cost + (call.pricing.cost(0, completion, 0) if call.pricing else 0.0)
+        hold.tokens = hold.prompt_tokens + completion  # reserved against tokens_per_minute bounds
     return hold
 
 

@@ -180,8 +180,11 @@ class FramedRelay:
         kind = event.get("type")
         record = self.record
         if kind == "error":
-            error = event.get("error") if isinstance(event.get("error"), dict) else event
-            code = error.get("code") or error.get("type")
+            nested = event.get("error")
+            if isinstance(nested, dict):  # Anthropic's {"type": "error", "error": {"type", "message"}}
+                code = nested.get("code") or nested.get("type")
+            else:  # the Responses API's {"type": "error", "code", "message", ...}: its code may be null
+                code = event.get("code")
             record.error_code = code if isinstance(code, str) else "upstream_error"
             self.ended = self.finished = True
             return

@@ -9,7 +9,8 @@ that no route serves (404, 405). Here:
   other expectation is ignored, as RFC 9110 allows, so the request goes on and
   gets its usual answer (and, on the completion endpoints, its usage row);
 * ``add_fallback``: one last route that matches everything else and answers
-  404 ``not_found`` or 405 ``method_not_allowed`` (with ``Allow``) as JSON.
+  404 ``not_found`` or 405 ``method_not_allowed`` (with ``Allow``) as JSON
+  (in Anthropic's form under ``/v1/messages``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from ..errors import GatewayError
+from .anthropic_errors import anthropic_error_response
+
+MESSAGES = "/v1/messages"
 
 
 async def expect_handler(request: web.Request) -> None:
@@ -33,16 +37,19 @@ def add_fallback(app: web.Application) -> None:
     app[_FALLBACK] = fallback.resource
 
 
-async def _unrouted(request: web.Request) -> web.Response:
+async def _unrouted(request: web.Request) -> web.StreamResponse:
     allowed: set[str] = set()
     for resource in request.app.router.resources():
         if resource is not request.app[_FALLBACK]:
             match, methods = await resource.resolve(request)
             allowed |= methods
     if allowed:
-        raise GatewayError(405, "method_not_allowed", "Method Not Allowed",
-                           headers={"Allow": ",".join(sorted(allowed))})
-    raise GatewayError(404, "not_found", "Not Found")
+        err = GatewayError(405, "method_not_allowed", "Method Not Allowed", headers={"Allow": ",".join(sorted(allowed))})
+    else:
+        err = GatewayError(404, "not_found", "Not Found")
+    if request.path.startswith(MESSAGES):  # Anthropic's clients read Anthropic's errors
+        return anthropic_error_response(err)
+    raise err
 
 
 _FALLBACK = web.AppKey("fallback_resource", web.AbstractResource)
