@@ -37,6 +37,7 @@ class Tenants:
         self.store = store
         self.snapshot = TenancySnapshot(version=-1)
         self.runtime_keys: dict[str, KeyConfig] = {}  # by key id, revoked ones left out
+        self.unreadable: set[str] = set()  # ids of keys whose stored expires_at cannot be read (warned once)
         self.watch = ChangeWatch(self.refresh, postgres_url)
         self._refreshing = asyncio.Lock()
 
@@ -75,7 +76,7 @@ class Tenants:
     def apply(self, config: Config) -> None:
         """Swap in the merge of ``config`` and the last snapshot (no await: all at once)."""
         snap, default = self.snapshot, config.limits.max_in_flight_per_org
-        runtime = {k.id: k for k in (_runtime_key(d, row) for d, row in snap.keys.items()) if k is not None}
+        runtime = {k.id: k for k in (self._runtime_key(d, row) for d, row in snap.keys.items()) if k is not None}
         granted = {o.id: o.credits for o in config.orgs}
         limits = {o.id: o.max_in_flight or default for o in config.orgs}
         per_minute = {o.id: (o.requests_per_minute, o.tokens_per_minute) for o in config.orgs}
@@ -92,6 +93,28 @@ class Tenants:
         gw.per_minute = {org: bounds for org, bounds in per_minute.items() if bounds != (None, None)}
         gw.disabled_orgs = frozenset(o["id"] for o in snap.orgs.values() if o["disabled"])
         self.runtime_keys = runtime
+
+    def _runtime_key(self, digest: str, row: dict[str, Any]) -> KeyConfig | None:
+        if row["revoked"]:
+            return None
+        models = row["models"]
+        return KeyConfig(key_sha256=digest, org=row["org"], id=row["id"],
+                         models=None if models is None else tuple(models), disabled=row["disabled"],
+                         prefix=row["prefix"], name=row["name"], source="api", expires_at=self._expiry(row),
+                         limit=row["limit"], limit_reset=row["limit_reset"], created_at=row["created_at"],
+                         requests_per_minute=row["requests_per_minute"], tokens_per_minute=row["tokens_per_minute"])
+
+    def _expiry(self, row: dict[str, Any]) -> float | None:
+        """The key's ``expires_at`` as a POSIX time. A text that cannot be read (a store written by an
+        older version) counts as long expired, so the key is refused; one warning per key."""
+        try:
+            return _posix(row["expires_at"])
+        except (ValueError, OverflowError):
+            if row["id"] not in self.unreadable:
+                self.unreadable.add(row["id"])
+                log.warning("key %s: its stored expires_at %r cannot be read; the key is refused as expired "
+                            "until a valid expires_at is set", row["id"], row["expires_at"])
+            return EXPIRED
 
     async def _load_key_spending(self) -> None:
         """A key newly limited (or in a new period) on one process' store: its spending so far."""
@@ -118,16 +141,10 @@ class Tenants:
         return next((k for k in self.gw.config.keys if k.id == key_id), None)
 
 
-def _runtime_key(digest: str, row: dict[str, Any]) -> KeyConfig | None:
-    if row["revoked"]:
-        return None
-    models = row["models"]
-    return KeyConfig(key_sha256=digest, org=row["org"], id=row["id"],
-                     models=None if models is None else tuple(models), disabled=row["disabled"],
-                     prefix=row["prefix"], name=row["name"], source="api", expires_at=_posix(row["expires_at"]),
-                     limit=row["limit"], limit_reset=row["limit_reset"], created_at=row["created_at"],
-                     requests_per_minute=row["requests_per_minute"], tokens_per_minute=row["tokens_per_minute"])
+
+EXPIRED = 0.0  # the POSIX time of a key whose expiry cannot be read
 
 
 def _posix(iso: str | None) -> float | None:
+    """A stored time as a POSIX time (None stays None); ``ValueError`` for a text that is not ISO-8601."""
     return None if iso is None else datetime.fromisoformat(iso).timestamp()

@@ -43,10 +43,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def iso_utc(moment: datetime) -> str:
-    """``moment`` as the stores write times: ``2026-11-29T20:00:00.123+00:00`` (UTC, milliseconds),
-    so that comparing the texts compares the times."""
+    """``moment`` as the stores write times: ``2026-11-29T20:00:00.123+00:00`` (UTC, milliseconds,
+    a 4-digit year), so that comparing the texts compares the times. ``OverflowError`` when the
+    UTC time falls outside years 1 to 9999."""
     moment = moment.astimezone(timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}+00:00"
+    return f"{moment.year:04d}" + moment.strftime("-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}+00:00"
 
 
 # -- one field each: (value, field name) -> the value to store -------------------------------------

