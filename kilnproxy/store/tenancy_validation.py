@@ -116,7 +116,10 @@ def _expires_at(value: Any, field: str) -> str | None:
                       "or null for never.", field)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
-    return iso_utc(moment)
+    try:
+        return iso_utc(moment)
+    except OverflowError:
+        raise invalid(f"`{field}` is out of range once converted to UTC (years 1 to 9999).", field) from None
 
 
 def _models(value: Any, field: str) -> list[str] | None:
