@@ -27,6 +27,8 @@ from ..errors import GatewayError
 LIMIT_RESETS = ("daily", "weekly", "monthly")
 ORG_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 MAX_TEXT = 200  # characters of a name or a reference
+MAX_INT = 2**63 - 1  # a per-minute limit: what a BIGINT (and SQLite's INTEGER) holds
+MAX_IN_FLIGHT = 2**31 - 1  # what PostgreSQL's INTEGER column of max_in_flight holds
 
 
 def invalid(message: str, param: str | None) -> GatewayError:
@@ -69,12 +71,16 @@ def _org_id(value: Any, field: str) -> str:
     return value
 
 
-def _positive_int(value: Any, field: str) -> int | None:
+def _positive_int(value: Any, field: str, high: int = MAX_INT) -> int | None:
     if value is None:
         return None
-    if type(value) is not int or value <= 0:
-        raise invalid(f"`{field}` must be an integer greater than 0, or null for none.", field)
+    if type(value) is not int or not 0 < value <= high:
+        raise invalid(f"`{field}` must be an integer from 1 to {high}, or null for none.", field)
     return value
+
+
+def _in_flight(value: Any, field: str) -> int | None:
+    return _positive_int(value, field, MAX_IN_FLIGHT)
 
 
 def _flag(value: Any, field: str) -> bool:
@@ -133,7 +139,7 @@ def _models(value: Any, field: str) -> list[str] | None:
 Check = Callable[[Any, str], Any]
 
 _ORG_LIMITS: dict[str, Check] = {
-    "max_in_flight": _positive_int, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
+    "max_in_flight": _in_flight, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
 _KEY_FIELDS: dict[str, Check] = {
     "name": _text, "models": _models, "limit": _limit, "limit_reset": _limit_reset, "expires_at": _expires_at,
     "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
