@@ -134,6 +134,7 @@ REFUSALS = [  # (arguments, what the one line says)
     (("orgs", "grant", "nope", "5", "--reference", "r"), "No org `nope`"),
     (("orgs", "grant", "acme", "five", "--reference", "r"), "expected an amount"),
     (("orgs", "grant", "acme", "5"), "--reference"),
+    (("orgs", "grant", "acme", "1e308", "--reference", "r"), "AMOUNT: `amount` must be at most 1,000,000,000,000 USD"),
     (("keys", "create", "--org", "nope", "--name", "n"), "No org `nope`"),
     (("keys", "create", "--org", "acme", "--name", "n", "--limit", "-1"), "--limit: `limit` must not be negative"),
     (("keys", "create", "--org", "acme", "--name", "n", "--limit-reset", "hourly"), "--limit-reset:"),

@@ -54,3 +54,15 @@ async def test_a_stored_expiry_that_cannot_be_read_refuses_that_key_alone(harnes
         assert (await a("POST", "/admin/v1/orgs", {"id": "beta"}))[0] == 201
     warnings = [r.getMessage() for r in caplog.records if r.name == "kilnproxy.tenancy"]
     assert len(warnings) == 1 and old_id in warnings[0], warnings
+
+
+async def test_grants_are_bounded_so_that_their_sum_stays_finite(gw):
+    a = api(gw)
+    await a("POST", "/admin/v1/orgs", {"id": "beta"})
+    for reference in ("a", "b"):
+        assert (await a("POST", "/admin/v1/orgs/beta/grants", {"amount": 1e12, "reference": reference}))[0] == 201
+    status, refused = await a("POST", "/admin/v1/orgs/beta/grants", {"amount": 1e308, "reference": "c"})
+    assert (status, refused["error"]["code"], refused["error"]["param"]) == (400, "invalid_request", "amount")
+    assert (await a("POST", "/admin/v1/orgs/beta/grants", {"amount": -1e12, "reference": "fix"}))[0] == 201
+    status, beta = await a("GET", "/admin/v1/orgs/beta")
+    assert (status, beta["granted"], beta["remaining"]) == (200, 1e12, 1e12)

@@ -27,6 +27,7 @@ from ..errors import GatewayError
 LIMIT_RESETS = ("daily", "weekly", "monthly")
 ORG_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 MAX_TEXT = 200  # characters of a name or a reference
+MAX_USD = 1e12  # the absolute value of a grant or a key limit, so that no sum of them overflows
 MAX_INT = 2**63 - 1  # a per-minute limit: what a BIGINT (and SQLite's INTEGER) holds
 MAX_IN_FLIGHT = 2**31 - 1  # what PostgreSQL's INTEGER column of max_in_flight holds
 
@@ -92,6 +93,8 @@ def _flag(value: Any, field: str) -> bool:
 def _usd(value: Any, field: str) -> float:
     if type(value) not in (int, float) or not math.isfinite(value):
         raise invalid(f"`{field}` must be a JSON number of USD (not a string).", field)
+    if abs(value) > MAX_USD:
+        raise invalid(f"`{field}` must be at most {MAX_USD:,.0f} USD, either way.", field)
     return float(value)
 
 
