@@ -233,6 +233,9 @@ BAD_BODIES = [  # (method, path, body or raw bytes, status, code, param)
     ("GET", "/admin/v1/keys?bogus=1", NOTHING, 400, "invalid_request", "bogus"),
     ("GET", "/admin/v1/events?limit=0", NOTHING, 400, "invalid_request", "limit"),
     ("GET", "/admin/v1/events?before=x", NOTHING, 400, "invalid_request", "before"),
+    ("GET", "/admin/v1/events?limit=%C2%B2", NOTHING, 400, "invalid_request", "limit"),
+    ("GET", "/admin/v1/events?before=%C2%B3", NOTHING, 400, "invalid_request", "before"),
+    ("GET", "/admin/v1/events?limit=%D9%A1", NOTHING, 400, "invalid_request", "limit"),
 ]
 
 

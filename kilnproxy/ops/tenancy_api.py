@@ -69,10 +69,12 @@ def query(request: web.Request, *allowed: str) -> dict[str, str]:
 
 
 def whole_number(params: dict[str, str], name: str, default: int | None, low: int, high: int) -> int | None:
+    """The query parameter ``name`` as an int from ``low`` to ``high`` (ASCII digits only), ``default``
+    when absent, or 400 naming it."""
     if name not in params:
         return default
     text = params[name]
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
         raise invalid(f"`{name}` must be a whole number from {low} to {high}.", name)
     return int(text)
 
