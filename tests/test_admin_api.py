@@ -230,6 +230,7 @@ BAD_BODIES = [  # (method, path, body or raw bytes, status, code, param)
     ("GET", "/admin/v1/orgs/nope/grants", NOTHING, 404, "not_found", None),
     ("GET", "/admin/v1/keys/nope", NOTHING, 404, "not_found", None),
     ("GET", "/admin/v1/keys?org=nope", NOTHING, 404, "not_found", "org"),
+    ("GET", "/admin/v1/events?org=nope", NOTHING, 404, "not_found", "org"),
     ("GET", "/admin/v1/keys?bogus=1", NOTHING, 400, "invalid_request", "bogus"),
     ("GET", "/admin/v1/events?limit=0", NOTHING, 400, "invalid_request", "limit"),
     ("GET", "/admin/v1/events?before=x", NOTHING, 400, "invalid_request", "before"),

@@ -163,8 +163,7 @@ async def list_events(request: web.Request, changes: TenancyChanges) -> web.Resp
     params = query(request, "org", "limit", "before")
     limit = whole_number(params, "limit", 100, 1, MAX_EVENTS)
     before = whole_number(params, "before", None, 1, 2**62)
-    events = await changes.store.list_events(limit=limit, before=before, org=params.get("org"))
-    return json_response({"data": events})
+    return json_response({"data": await changes.events(params.get("org"), limit=limit, before=before)})
 
 
 def add_routes(app: web.Application) -> None:
