@@ -5,8 +5,12 @@ with a Content-Encoding, config reloads that would orphan runtime keys) to the d
 the exact status and error code, and nothing changed by a refusal.
 """
 
+import gzip
 import logging
 import sqlite3
+import zlib
+
+import orjson
 
 from test_admin_api import api
 
@@ -66,3 +70,33 @@ async def test_grants_are_bounded_so_that_their_sum_stays_finite(gw):
     assert (await a("POST", "/admin/v1/orgs/beta/grants", {"amount": -1e12, "reference": "fix"}))[0] == 201
     status, beta = await a("GET", "/admin/v1/orgs/beta")
     assert (status, beta["granted"], beta["remaining"]) == (200, 1e12, 1e12)
+
+
+async def test_a_body_too_large_is_request_too_large(harness):
+    async with harness(overrides={"server": {"max_request_bytes": 1000}}) as h:
+        a = api(h)
+        big = orjson.dumps({"id": "big", "pad": "x" * 2000})
+        for path in ("/admin/v1/orgs", "/admin/v1/orgs/acme/grants", "/admin/v1/keys"):
+            status, answer = await a("POST", path, raw=big)
+            assert (status, answer["error"]["code"]) == (413, "request_too_large"), path
+        status, answer = await a("POST", "/admin/v1/orgs", raw=gzip.compress(big),
+                                 headers={"Content-Encoding": "gzip"})
+        assert (status, answer["error"]["code"]) == (413, "request_too_large")  # decoded, it is too large
+        assert (await a("GET", "/admin/v1/orgs/big"))[0] == 404
+
+
+async def test_a_body_is_decoded_as_the_completions_bodies_are(gw):
+    a = api(gw)
+    for id, encoding, raw in (("gz", "gzip", gzip.compress(b'{"id": "gz"}')),
+                              ("xgz", "x-gzip", gzip.compress(b'{"id": "xgz"}')),
+                              ("zl", "deflate", zlib.compress(b'{"id": "zl"}')),
+                              ("plain", "identity", b'{"id": "plain"}')):
+        status, made = await a("POST", "/admin/v1/orgs", raw=raw, headers={"Content-Encoding": encoding})
+        assert (status, made["id"]) == (201, id), encoding
+    for encoding in ("br", "gzip, gzip"):
+        status, answer = await a("POST", "/admin/v1/orgs", raw=b'{"id": "br"}', headers={"Content-Encoding": encoding})
+        assert (status, answer["error"]["code"]) == (415, "unsupported_content_encoding"), encoding
+    status, answer = await a("POST", "/admin/v1/orgs", raw=b'{"id": "bad"}', headers={"Content-Encoding": "gzip"})
+    assert (status, answer["error"]["code"], answer["error"]["param"]) == (400, "invalid_request", None)
+    assert [o["id"] for o in (await a("GET", "/admin/v1/orgs"))[1]["data"]] == [
+        "acme", "globex", "gz", "plain", "xgz", "zl"]

@@ -33,6 +33,7 @@ from aiohttp import web
 from ..proxy.gateway import GATEWAY
 from ..proxy.json_routes import expect_handler
 from ..proxy.read_endpoints import json_response
+from ..proxy.request_body import read_body
 from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble
 from ..proxy.tenant_views import gateway_view
 from ..store.tenancy_validation import invalid, parse_body
@@ -80,7 +81,9 @@ def whole_number(params: dict[str, str], name: str, default: int | None, low: in
 
 
 async def body(request: web.Request) -> object:
-    return parse_body(await request.read())
+    """The request's JSON body, read and decoded as the completions endpoints' are (408, 413
+    ``request_too_large``, 415 ``unsupported_content_encoding``), then parsed (400)."""
+    return parse_body(await read_body(request, request.app[GATEWAY].config.server))
 
 
 # -- orgs -------------------------------------------------------------------------------------------
