@@ -7,12 +7,14 @@ the exact status and error code, and nothing changed by a refusal.
 
 import gzip
 import logging
+import signal
 import sqlite3
 import zlib
 
+import aiohttp
 import orjson
-
-from test_admin_api import api
+from processes import GatewayProcess, gateway_config
+from test_admin_api import api, call
 
 from kilnproxy.testing import completion_body
 
@@ -100,3 +102,67 @@ async def test_a_body_is_decoded_as_the_completions_bodies_are(gw):
     assert (status, answer["error"]["code"], answer["error"]["param"]) == (400, "invalid_request", None)
     assert [o["id"] for o in (await a("GET", "/admin/v1/orgs"))[1]["data"]] == [
         "acme", "globex", "gz", "plain", "xgz", "zl"]
+
+
+async def reload_refused(gw, session, says):
+    """POST /admin/reload and SIGHUP both refuse the config on disk with one line that ``says`` it all."""
+    async with session.post(f"{gw.url}/admin/reload") as resp:
+        error = (await resp.json())["error"]
+        assert (resp.status, error["code"]) == (422, "config_invalid")
+    assert error["message"] == f"{gw.config_path}: {says}"
+    gw.send(signal.SIGHUP)
+    line = (await gw.wait_for("stderr", "config reload refused", count=2))[1]
+    assert line.endswith(f"config reload refused, the running config stays in force: {gw.config_path}: {says}")
+
+
+async def start_refused(tmp_path, config, says):
+    gw = await GatewayProcess(tmp_path, config).start_without_banner()
+    try:
+        assert await gw.wait() == 2
+        err = [line for line in gw.lines["stderr"] if line.strip()]
+        assert len(err) == 1 and err[0].endswith(says), err
+    finally:
+        await gw.stop()
+
+
+async def test_a_config_dropping_an_org_with_runtime_keys_or_grants_is_refused(tmp_path, mock_url):
+    config = gateway_config([mock_url])
+    gw = await GatewayProcess(tmp_path, config).start()
+    dropped = {**config, "orgs": config["orgs"][:1], "keys": config["keys"][:1]}
+    says = ("[[orgs]] has no org 'globex', which still has 1 runtime key(s) and grants of 5 USD in the store "
+            "(kilnproxy keys / the admin API): keep its [[orgs]] entry")
+    try:
+        async with aiohttp.ClientSession() as s:
+            a = lambda method, path, body=None: call(s, gw.url, method, path, body)  # noqa: E731
+            _, made = await a("POST", "/admin/v1/keys", {"org": "globex", "name": "rt"})
+            assert (await a("POST", "/admin/v1/orgs/globex/grants", {"amount": 5, "reference": "r1"}))[0] == 201
+            gw.write_config(dropped)
+            await reload_refused(gw, s, says)
+            status, globex = await a("GET", "/admin/v1/orgs/globex")
+            assert (status, globex["granted"], globex["source"]) == (200, 105.0, "config")
+            async with s.post(f"{gw.url}/v1/completions", json=completion_body(),
+                               headers={"Authorization": f"Bearer {made['key']}"}) as resp:
+                assert resp.status == 200
+    finally:
+        await gw.stop()
+    await start_refused(tmp_path, dropped, says)
+
+
+async def test_a_config_key_with_a_runtime_keys_secret_is_refused(tmp_path, mock_url):
+    config = gateway_config([mock_url])
+    gw = await GatewayProcess(tmp_path, config).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            _, made = await call(s, gw.url, "POST", "/admin/v1/keys", {"org": "acme", "name": "rt"})
+            assert (await call(s, gw.url, "DELETE", f"/admin/v1/keys/{made['data']['id']}"))[0] == 200
+            collides = {**config, "keys": [*config["keys"], {"key": made["key"], "org": "globex", "id": "dupcfg"}]}
+            says = (f"[[keys]] 'dupcfg' has the same secret as the runtime key '{made['data']['id']}' "
+                    "(kilnproxy keys / the admin API): give 'dupcfg' another secret")
+            gw.write_config(collides)
+            await reload_refused(gw, s, says)
+            async with s.post(f"{gw.url}/v1/completions", json=completion_body(),
+                              headers={"Authorization": f"Bearer {made['key']}"}) as resp:
+                assert (resp.status, (await resp.json())["error"]["code"]) == (401, "invalid_api_key")
+    finally:
+        await gw.stop()
+    await start_refused(tmp_path, collides, says)

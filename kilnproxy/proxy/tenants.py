@@ -11,7 +11,9 @@ awaited during the swap, so no request sees half of a change; requests already
 admitted go on.
 
 An org id may come from the config or the store, never both: a config naming
-an org made at runtime is refused at start-up and at reload.
+an org made at runtime is refused at start-up and at reload, and so is a config
+that drops an org the store's keys or grants still name, or that has a key
+with a runtime key's secret (``check_config``).
 """
 
 from __future__ import annotations
@@ -67,11 +69,39 @@ class Tenants:
             return True
 
     def check_config(self, config: Config) -> None:
-        """``ConfigError`` naming the orgs ``config`` lists that were made at runtime."""
+        """``ConfigError`` (one line) for a config that does not fit the store: it lists an org made at
+        runtime; it drops an org that still has runtime keys (not revoked) or grants; or one of its keys
+        has the secret of a runtime key (revoked or not)."""
         clash = sorted(o.id for o in config.orgs if o.id in self.snapshot.orgs)
         if clash:
             raise ConfigError(f"{config.source}: [[orgs]] {', '.join(clash)} already exist(s) in the store, made at "
                               "runtime (kilnproxy orgs / the admin API): remove it from the config")
+        self._check_orphans(config)
+        self._check_secrets(config)
+
+    def _check_orphans(self, config: Config) -> None:
+        known = {o.id for o in config.orgs} | set(self.snapshot.orgs)
+        keys: dict[str, int] = {}
+        for row in self.snapshot.keys.values():
+            if not row["revoked"] and row["org"] not in known:
+                keys[row["org"]] = keys.get(row["org"], 0) + 1
+        grants = {org: total for org, total in self.snapshot.granted.items() if org not in known}
+        orphans = sorted(keys.keys() | grants.keys())
+        if orphans:
+            org, held = orphans[0], []
+            if org in keys:
+                held.append(f"{keys[org]} runtime key(s)")
+            if org in grants:
+                held.append(f"grants of {grants[org]:g} USD")
+            raise ConfigError(f"{config.source}: [[orgs]] has no org '{org}', which still has {' and '.join(held)} "
+                              "in the store (kilnproxy keys / the admin API): keep its [[orgs]] entry")
+
+    def _check_secrets(self, config: Config) -> None:
+        for key in config.keys:
+            row = self.snapshot.keys.get(key.key_sha256)
+            if row is not None:
+                raise ConfigError(f"{config.source}: [[keys]] '{key.id}' has the same secret as the runtime key "
+                                  f"'{row['id']}' (kilnproxy keys / the admin API): give '{key.id}' another secret")
 
     def apply(self, config: Config) -> None:
         """Swap in the merge of ``config`` and the last snapshot (no await: all at once)."""
