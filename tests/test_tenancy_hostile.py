@@ -58,6 +58,9 @@ async def test_a_stored_expiry_that_cannot_be_read_refuses_that_key_alone(harnes
         assert (await a("DELETE", f"/admin/v1/keys/{good['data']['id']}"))[0] == 200
         assert await status_of_completion(h, good["key"]) == (401, "invalid_api_key")
         assert (await a("POST", "/admin/v1/orgs", {"id": "beta"}))[0] == 201
+        status, mended = await a("PATCH", f"/admin/v1/keys/{old_id}", {"expires_at": "2099-01-01T00:00:00Z"})
+        assert (status, mended["expires_at"]) == (200, "2099-01-01T00:00:00.000+00:00")
+        assert await status_of_completion(h, old["key"]) == (200, None)
     warnings = [r.getMessage() for r in caplog.records if r.name == "kilnproxy.tenancy"]
     assert len(warnings) == 1 and old_id in warnings[0], warnings
 
