@@ -92,6 +92,8 @@ REFUSALS = [
      "limit_reset"),
     ("POST", "/ui/api/keys", {"org": "acme", "name": "x", "expires_at": "soon"}, 400, "invalid_request",
      "expires_at"),
+    ("POST", "/ui/api/keys", {"org": "acme", "name": "x", "expires_at": "9999-12-31T23:59:59-23:59"}, 400,
+     "invalid_request", "expires_at"),
     ("POST", "/ui/api/keys", {"org": "nobody", "name": "x", "limit": -1}, 400, "invalid_request", "limit"),
     ("POST", "/ui/api/keys", {"org": "nobody", "name": "x"}, 404, "not_found", "org"),
     ("POST", "/ui/api/orgs/acme/grants", {"amount": "10", "reference": "r"}, 400, "invalid_request", "amount"),

@@ -33,6 +33,7 @@ from aiohttp import web
 from ..proxy.gateway import GATEWAY
 from ..proxy.json_routes import expect_handler
 from ..proxy.read_endpoints import json_response
+from ..proxy.request_body import read_body
 from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble
 from ..proxy.tenant_views import gateway_view
 from ..store.tenancy_validation import invalid, parse_body
@@ -69,16 +70,20 @@ def query(request: web.Request, *allowed: str) -> dict[str, str]:
 
 
 def whole_number(params: dict[str, str], name: str, default: int | None, low: int, high: int) -> int | None:
+    """The query parameter ``name`` as an int from ``low`` to ``high`` (ASCII digits only), ``default``
+    when absent, or 400 naming it."""
     if name not in params:
         return default
     text = params[name]
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
         raise invalid(f"`{name}` must be a whole number from {low} to {high}.", name)
     return int(text)
 
 
 async def body(request: web.Request) -> object:
-    return parse_body(await request.read())
+    """The request's JSON body, read and decoded as the completions endpoints' are (408, 413
+    ``request_too_large``, 415 ``unsupported_content_encoding``), then parsed (400)."""
+    return parse_body(await read_body(request, request.app[GATEWAY].config.server))
 
 
 # -- orgs -------------------------------------------------------------------------------------------
@@ -161,8 +166,7 @@ async def list_events(request: web.Request, changes: TenancyChanges) -> web.Resp
     params = query(request, "org", "limit", "before")
     limit = whole_number(params, "limit", 100, 1, MAX_EVENTS)
     before = whole_number(params, "before", None, 1, 2**62)
-    events = await changes.store.list_events(limit=limit, before=before, org=params.get("org"))
-    return json_response({"data": events})
+    return json_response({"data": await changes.events(params.get("org"), limit=limit, before=before)})
 
 
 def add_routes(app: web.Application) -> None:

@@ -1,4 +1,5 @@
 """Step 3 of the request rules (docs/reference.md): the request body, read, decoded and parsed, or a 4xx JSON error.
+``read_body`` is the reading and decoding alone, which the admin API's bodies share.
 
 * Not all there within ``request_body_timeout`` seconds (a client that
   announces more than it sends, or trickles it) -> 408 ``request_timeout``.
@@ -38,6 +39,25 @@ _ENCODINGS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "defla
 
 async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str, Any]:
     """The body as a JSON object with a string ``model``, or the ``GatewayError`` that refuses it."""
+    raw = await read_body(request, server)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # enough brackets to be too deep: look closer
+        _check_depth(body)
+    if "model" not in body:
+        raise bad_request("The request body has no `model`.", param="model")
+    if not isinstance(body["model"], str):
+        raise bad_request("`model` must be a string.", param="model")
+    return body
+
+
+async def read_body(request: web.Request, server: ServerConfig) -> bytes:
+    """The body's bytes, decoded from its ``Content-Encoding``, or the 408, 413, 415 or 400
+    ``GatewayError`` that refuses it (the rules above; nothing about JSON)."""
     max_bytes = server.max_request_bytes
     encoding = ", ".join(request.headers.getall("Content-Encoding", ())).strip().lower()  # two lines: a list
     if encoding not in _ENCODINGS and encoding not in ("", "identity"):
@@ -55,19 +75,7 @@ async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str
                                f"{server.request_body_timeout:g} s (server.request_body_timeout).") from None
     if encoding in _ENCODINGS:
         raw = _decoded(raw, encoding, max_bytes)
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # enough brackets to be too deep: look closer
-        _check_depth(body)
-    if "model" not in body:
-        raise bad_request("The request body has no `model`.", param="model")
-    if not isinstance(body["model"], str):
-        raise bad_request("`model` must be a string.", param="model")
-    return body
+    return raw
 
 
 def _arrived(request: web.Request, max_bytes: int) -> bytes:

@@ -122,6 +122,13 @@ class TenancyChanges:
             await self._org_row(org, "org")
         return await self.view.keys(org)
 
+    async def events(self, org: str | None = None, **page: Any) -> list[dict[str, Any]]:
+        """The audit events, newest first (``page``: the store's ``limit`` and ``before``); 404 naming
+        ``org`` when it is given and exists nowhere."""
+        if org is not None:
+            await self._org_row(org, "org")
+        return await self.store.list_events(org=org, **page)
+
     # -- changes --
 
     async def create_org(self, body: Any) -> dict[str, Any]:

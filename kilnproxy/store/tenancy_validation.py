@@ -27,6 +27,9 @@ from ..errors import GatewayError
 LIMIT_RESETS = ("daily", "weekly", "monthly")
 ORG_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 MAX_TEXT = 200  # characters of a name or a reference
+MAX_USD = 1e12  # the absolute value of a grant or a key limit, so that no sum of them overflows
+MAX_INT = 2**63 - 1  # a per-minute limit: what a BIGINT (and SQLite's INTEGER) holds
+MAX_IN_FLIGHT = 2**31 - 1  # what PostgreSQL's INTEGER column of max_in_flight holds
 
 
 def invalid(message: str, param: str | None) -> GatewayError:
@@ -43,10 +46,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def iso_utc(moment: datetime) -> str:
-    """``moment`` as the stores write times: ``2026-11-29T20:00:00.123+00:00`` (UTC, milliseconds),
-    so that comparing the texts compares the times."""
+    """``moment`` as the stores write times: ``2026-11-29T20:00:00.123+00:00`` (UTC, milliseconds,
+    a 4-digit year), so that comparing the texts compares the times. ``OverflowError`` when the
+    UTC time falls outside years 1 to 9999."""
     moment = moment.astimezone(timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}+00:00"
+    return f"{moment.year:04d}" + moment.strftime("-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}+00:00"
 
 
 # -- one field each: (value, field name) -> the value to store -------------------------------------
@@ -68,12 +72,16 @@ def _org_id(value: Any, field: str) -> str:
     return value
 
 
-def _positive_int(value: Any, field: str) -> int | None:
+def _positive_int(value: Any, field: str, high: int = MAX_INT) -> int | None:
     if value is None:
         return None
-    if type(value) is not int or value <= 0:
-        raise invalid(f"`{field}` must be an integer greater than 0, or null for none.", field)
+    if type(value) is not int or not 0 < value <= high:
+        raise invalid(f"`{field}` must be an integer from 1 to {high}, or null for none.", field)
     return value
+
+
+def _in_flight(value: Any, field: str) -> int | None:
+    return _positive_int(value, field, MAX_IN_FLIGHT)
 
 
 def _flag(value: Any, field: str) -> bool:
@@ -85,6 +93,8 @@ def _flag(value: Any, field: str) -> bool:
 def _usd(value: Any, field: str) -> float:
     if type(value) not in (int, float) or not math.isfinite(value):
         raise invalid(f"`{field}` must be a JSON number of USD (not a string).", field)
+    if abs(value) > MAX_USD:
+        raise invalid(f"`{field}` must be at most {MAX_USD:,.0f} USD, either way.", field)
     return float(value)
 
 
@@ -115,7 +125,10 @@ def _expires_at(value: Any, field: str) -> str | None:
                       "or null for never.", field)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
-    return iso_utc(moment)
+    try:
+        return iso_utc(moment)
+    except OverflowError:
+        raise invalid(f"`{field}` is out of range once converted to UTC (years 1 to 9999).", field) from None
 
 
 def _models(value: Any, field: str) -> list[str] | None:
@@ -129,7 +142,7 @@ def _models(value: Any, field: str) -> list[str] | None:
 Check = Callable[[Any, str], Any]
 
 _ORG_LIMITS: dict[str, Check] = {
-    "max_in_flight": _positive_int, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
+    "max_in_flight": _in_flight, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
 _KEY_FIELDS: dict[str, Check] = {
     "name": _text, "models": _models, "limit": _limit, "limit_reset": _limit_reset, "expires_at": _expires_at,
     "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
