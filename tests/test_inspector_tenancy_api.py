@@ -1,6 +1,8 @@
 """The JSON side of the inspector's "Orgs & keys" page (/ui/api/orgs, /ui/api/keys, grants):
 the admin API's objects and refusals, behind the inspector's own access rule, on both stores."""
 
+import gzip
+
 import orjson
 import pytest
 
@@ -147,3 +149,15 @@ async def test_meta_lists_runtime_orgs_for_the_filters(harness):
         await h.gw.tenants.refresh()
         status, meta = await call(h, "GET", "/ui/api/meta")
         assert meta["orgs"] == ["acme", "globex", "initech"]
+
+
+async def test_a_body_is_read_as_the_admin_apis_are(harness):
+    """Content-Encoding decoded (gzip, x-gzip, deflate), any other 415, as on the admin API and completions."""
+    async with harness() as h:
+        status, made = await call(h, "POST", "/ui/api/orgs/acme/grants", headers={"Content-Encoding": "gzip"},
+                                  raw=gzip.compress(orjson.dumps({"amount": 1, "reference": "gz"})))
+        assert (status, made["reference"]) == (201, "gz")
+        status, answer = await call(h, "POST", "/ui/api/orgs/acme/grants", headers={"Content-Encoding": "br"},
+                                    raw=orjson.dumps({"amount": 1, "reference": "br"}))
+        assert (status, answer["error"]["code"]) == (415, "unsupported_content_encoding")
+        assert [g["reference"] for g in (await call(h, "GET", "/ui/api/orgs/acme/grants"))[1]["data"]] == ["gz"]

@@ -32,6 +32,7 @@ import orjson
 from aiohttp import web
 
 from ..proxy.json_routes import expect_handler
+from ..proxy.request_body import read_body
 from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble
 from ..proxy.tenant_views import gateway_view
 from ..store.tenancy_validation import parse_body
@@ -105,7 +106,7 @@ class TenancyPage:
 
     async def _body(self, request: web.Request) -> Any:
         self.api.access(request, header_only=True)
-        return parse_body(await request.read())
+        return parse_body(await read_body(request, self.gateway.config.server))  # as the admin API reads it
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:

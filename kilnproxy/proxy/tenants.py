@@ -171,7 +171,6 @@ class Tenants:
         return next((k for k in self.gw.config.keys if k.id == key_id), None)
 
 
-
 EXPIRED = 0.0  # the POSIX time of a key whose expiry cannot be read
 
 
