@@ -332,9 +332,9 @@ async def test_chat_disconnect_counts_content_chunks_not_the_role_chunk(gw, even
     assert (row["disconnected"], row["completion_tokens"]) == (1, 2)
 
 
-async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_cuts_the_stream(gw, monkeypatch, eventually):
-    """An unexpected exception once the stream has begun: the client sees the body cut short
-    (never a second HTTP response inside the first), the row says internal_error."""
+async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_ends_the_stream(gw, monkeypatch, eventually):
+    """An unexpected exception once the stream has begun: the client gets an ``internal_error`` event and
+    ``[DONE]`` (never a second HTTP response inside the first), the row says internal_error."""
     from kilnproxy.proxy import stream as stream_module
 
     class Broken(stream_module.EventRelay):
@@ -350,8 +350,11 @@ async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_cuts_the_stream
     async with gw.post("/v1/completions", body(stream=True, max_tokens=8, mock={"delay": 0.01})) as resp:
         assert resp.status == 200
         gen_id = resp.headers[GEN]
-        with pytest.raises(aiohttp.ClientPayloadError):
-            await resp.read()
+        raw = await resp.read()
+    assert raw.endswith(b'data: {"error":{"message":"The gateway failed unexpectedly; see its log.",'
+                        b'"type":"server_error","param":null,"code":"internal_error"}}\n\ndata: [DONE]\n\n')
+    frames = raw.split(b"\n\n")[:-1]  # the first chunk's events, the error, [DONE]
+    assert len(frames) >= 3 and all(b'"choices"' in frame for frame in frames[:-2])
     row = await eventually(lambda: _row_or_none(gw, gen_id))
     assert (row["status"], row["error_code"], row["disconnected"]) == (200, "internal_error", 0)
     assert gw.app[GATEWAY].admission.count("acme") == 0
