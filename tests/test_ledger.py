@@ -3,7 +3,6 @@
 import asyncio
 from datetime import datetime, timedelta, timezone
 
-import aiohttp
 import orjson
 import pytest
 
