@@ -208,10 +208,11 @@ class EventRelay:
         if self.parse_all:
             data = self._plugged(payload)
             return None if data is None else data_frame(data)
-        finish = payload.find(FINISH)
+        finish = payload.find(FINISH)  # none, or one and null (several: another choice's may be a reason)
         if ((USAGE not in payload or USAGE_NULL in payload)
                 and ERROR not in payload
-                and (finish < 0 or payload.startswith(FINISH_NULL, finish) and payload.find(FINISH, finish + 15) < 0)):
+                and (finish < 0 or payload.startswith(FINISH_NULL, finish)
+                     and payload.find(FINISH, finish + FINISH_LEN) < 0)):
             if not self.rename or self.route.model_bytes in payload:
                 self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
                 return data_frame(payload)
@@ -450,6 +451,7 @@ TAIL_EVENTS = 4
 DONE_LINE = b"data: [DONE]"
 
 
+FINISH_LEN = len(FINISH)
 TOOL_CALLS = b'"tool_calls"'
 CONTENT, EMPTY_CONTENT = b'content":"', b'content":""'  # also reasoning_content
 
