@@ -153,8 +153,10 @@ class Answer(web.StreamResponse):
         if status_line is None:
             status_line = _STATUS_LINES[self._status] = f"HTTP/1.1 {self._status} {self.reason}\r\n".encode()
         lines = "".join(f"{key}: {value}\r\n" for key, value in self._extra.items()) if self._extra else ""
+        # surrogateescape: a header an upstream sent with bytes that are not UTF-8 goes back as those bytes
         return b"".join((status_line, (f"{lines}Content-Type: {self._content_type_value}\r\n"
-                                       f"Content-Length: {len(self._body)}\r\n").encode(), date_and_server()))
+                                       f"Content-Length: {len(self._body)}\r\n").encode("utf-8", "surrogateescape"),
+                         date_and_server()))
 
     def _response(self) -> web.Response:
         response = web.Response(status=self._status, reason=self._reason, body=self._body,

@@ -42,8 +42,9 @@ class Usage:
         cached = details.get("cached_tokens") if isinstance(details, dict) else 0
         prompt = _count(usage.get("prompt_tokens"))
         completion = _count(usage.get("completion_tokens"))
-        total = usage.get("total_tokens")
-        return cls(prompt, completion, _count(cached), _count(total) if total is not None else None)
+        total = usage.get("total_tokens")  # as reported; odd or missing: prompt + completion
+        total = total if type(total) is int and 0 <= total <= MAX_TOKENS else None
+        return cls(prompt, completion, _count(cached), total)
 
     @classmethod
     def of_endpoint(cls, endpoint: str, usage: Mapping[str, Any]) -> "Usage":
@@ -87,8 +88,11 @@ class Usage:
                 "cached={0.cached_tokens}, total={0.total_tokens})").format(self)
 
 
+MAX_TOKENS = 2**53 - 1  # a count beyond it is odd: no sum of a request's counts leaves a 64-bit column
+
+
 def _count(value: Any) -> int:
-    return value if type(value) is int and value > 0 else 0
+    return value if type(value) is int and 0 < value <= MAX_TOKENS else 0
 
 
 CHARS_PER_TOKEN = 4  # the usual rule of thumb for English text and BPE tokenizers

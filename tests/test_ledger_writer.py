@@ -89,7 +89,7 @@ async def test_odd_values_from_the_upstream_do_not_wedge_the_ledger(harness):
                         assert resp.status == 200
                         await resp.read()
                         row = await h.row(resp.headers[GEN])
-                assert row["finish_reason"] == "{'why': ['odd']}"
+                assert row["finish_reason"] == '{"why":["odd"]}'  # its JSON, as the client saw it
                 assert (row["prompt_tokens"], row["completion_tokens"]) == (2, 1)
     finally:
         await server.stop()

@@ -13,16 +13,18 @@ from aiohttp import web
 
 from ..answers import Answer
 from ..config import KeyConfig
-from ..errors import UpstreamFailure
+from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call
 from ..plugins.manager import plugin_headers, transformed_response
 from .deadlines import DeadlinePassed, watch
 from .fallbacks import open_upstream
 from .gateway import Gateway
+from .request_body import ENCODINGS, inflate
 from .request_record import RequestRecord
 from .upstream import Route
 
 PASS_THROUGH_STATUSES = (400, 422)
+MAX_REJECTION_BYTES = 16 * 1024 * 1024  # a rejection's body, decoded
 
 
 async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyConfig, route: Route,
@@ -62,6 +64,15 @@ async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: Reques
     """Upstream 400/422: the model server rejected the request; same status, same body."""
     raw = await read_upstream(resp)
     record.first_byte()
+    encoding = resp.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ENCODINGS:  # sent although the gateway asks for identity: the client gets it decoded
+        try:
+            raw = inflate(raw, encoding, MAX_REJECTION_BYTES)
+        except ValueError as exc:
+            raise UpstreamFailure(f"the upstream's {resp.status} answer is {exc}", code="upstream_bad_response") \
+                from None
+    elif encoding not in ("", "identity"):
+        raise UpstreamFailure(f"the upstream's {resp.status} answer is in {encoding!r}", code="upstream_bad_response")
     record.fail(resp.status, _error_code(raw))
     if record.tap is not None:
         record.tap.answer(raw, raw)
@@ -81,7 +92,14 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
     if not isinstance(answer, dict):
         raise UpstreamFailure("the upstream's answer is not a JSON object", code="upstream_bad_response")
     api.read_answer(call, record, answer)
-    out = await transformed_response(gw.hooks, call, answer)
+    try:
+        out = await transformed_response(gw.hooks, call, answer)
+    except GatewayError as err:
+        if _too_deep(err):  # the upstream's answer, not a plugin: nothing was served, nothing is charged
+            record.usage = None
+            raise UpstreamFailure("the upstream's answer nests deeper than the gateway can write JSON back",
+                                  code="upstream_bad_response") from None
+        raise
     if record.tap is not None:
         record.tap.answer(raw, out)
     await gw.submit(record)
@@ -96,6 +114,13 @@ async def read_upstream(resp: aiohttp.ClientResponse) -> bytes:
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise UpstreamFailure(f"the upstream failed while sending its answer: {type(exc).__name__}",
                               code="upstream_error") from None
+
+
+def _too_deep(err: GatewayError) -> bool:
+    """orjson reads JSON nested 1,024 levels deep but writes 254 at most: an answer it read, it could
+    not write back."""
+    cause = err.__cause__
+    return isinstance(cause, TypeError) and "Recursion limit reached" in str(cause)
 
 
 def _error_code(raw: bytes) -> str:

@@ -34,7 +34,7 @@ from ..errors import GatewayError, bad_request
 # schemas included) stay far below 128, which leaves room for what wraps a body (plugins, the
 # inspector's capture) before it is written again.
 MAX_DEPTH = 128
-_ENCODINGS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+ENCODINGS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
 
 
 async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str, Any]:
@@ -60,7 +60,7 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
     ``GatewayError`` that refuses it (the rules above; nothing about JSON)."""
     max_bytes = server.max_request_bytes
     encoding = ", ".join(request.headers.getall("Content-Encoding", ())).strip().lower()  # two lines: a list
-    if encoding not in _ENCODINGS and encoding not in ("", "identity"):
+    if encoding not in ENCODINGS and encoding not in ("", "identity"):
         raise GatewayError(415, "unsupported_content_encoding",
                            f"Content-Encoding {encoding!r} is not supported; send the body as it is, "
                            "or compressed with gzip or deflate.")
@@ -73,7 +73,7 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
         except TimeoutError:
             raise GatewayError(408, "request_timeout", f"The request body did not arrive within "
                                f"{server.request_body_timeout:g} s (server.request_body_timeout).") from None
-    if encoding in _ENCODINGS:
+    if encoding in ENCODINGS:
         raw = _decoded(raw, encoding, max_bytes)
     return raw
 
@@ -114,18 +114,33 @@ async def _read(request: web.Request, max_bytes: int) -> bytes:
 
 
 def _decoded(raw: bytes, encoding: str, max_bytes: int) -> bytes:
-    wbits = _ENCODINGS[encoding]
+    try:
+        return inflate(raw, encoding, max_bytes)
+    except TooLarge:
+        raise too_large(max_bytes) from None
+    except ValueError as exc:
+        raise bad_request(f"The request body is {exc}.") from None
+
+
+class TooLarge(ValueError):
+    pass
+
+
+def inflate(raw: bytes, encoding: str, max_bytes: int) -> bytes:
+    """``raw`` decoded from ``encoding`` (one of ``ENCODINGS``); ``TooLarge`` beyond ``max_bytes``,
+    ``ValueError`` saying what it is when it is not one whole stream of that encoding."""
+    wbits = ENCODINGS[encoding]
     if encoding == "deflate" and not _zlib_header(raw):
         wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib wrapper HTTP asks for
     decoder = zlib.decompressobj(wbits)
     try:
         out = decoder.decompress(raw, max_bytes + 1)
     except zlib.error:
-        raise bad_request(f"The request body is not valid {encoding} data.") from None
+        raise ValueError(f"not valid {encoding} data") from None
     if len(out) > max_bytes:
-        raise too_large(max_bytes)
+        raise TooLarge(f"more than {max_bytes} bytes once decoded")
     if not decoder.eof or decoder.unused_data:
-        raise bad_request(f"The request body is not one complete {encoding} stream.")
+        raise ValueError(f"not one complete {encoding} stream")
     return out
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
+
 from ..plugins.call import Call
 from ..usage import Usage, estimate_prompt_tokens
 
@@ -93,7 +95,17 @@ class RequestRecord:
             "cost": usage.cost(call.pricing),
             "duration_ms": round((time.perf_counter() - self.started) * 1000, 3),
             "ttft_ms": self.ttft_ms,
-            "finish_reason": self.finish_reason if self.finish_reason is None else str(self.finish_reason),
+            "finish_reason": _text(self.finish_reason),
             "disconnected": int(self.disconnected),
             "requested_model": self.requested_model or model,
         }
+
+
+def _text(reason: Any) -> str | None:
+    """A finish reason as the client saw it: a string, or the JSON of an odd one."""
+    if reason is None or type(reason) is str:
+        return reason
+    try:
+        return orjson.dumps(reason).decode()
+    except TypeError:
+        return str(reason)

@@ -113,6 +113,8 @@ class UpstreamConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamBadResponse(f"invalid HTTP response: {exc}"))
+        except httptools.HttpParserUpgrade:  # 101 Switching Protocols: no answer of ours follows
+            self._fail(UpstreamBadResponse("the upstream switched protocols"))
 
     def eof_received(self) -> None:
         return None  # the transport closes; connection_lost follows
@@ -154,7 +156,9 @@ class UpstreamConnection(asyncio.Protocol):
             return
         headers = CIMultiDict((name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
                               for name, value in self.header_list)
-        self.delimited_by_close = "Content-Length" not in headers and "Transfer-Encoding" not in headers
+        # no length and not chunked: the body ends with the connection (RFC 9112 6.3)
+        self.delimited_by_close = "Content-Length" not in headers \
+            and "chunked" not in headers.get("Transfer-Encoding", "").lower()
         if response is not None:
             response.headers_arrived(status, CIMultiDictProxy(headers))
 

@@ -163,7 +163,7 @@ class SQLiteLedger(GroupCommitted):
                 return
             except sqlite3.OperationalError as exc:  # locked, disk full, I/O error: wait and retry
                 log.error("usage ledger commit of %d rows failed, retrying: %s", len(rows), exc)
-            except sqlite3.Error as exc:  # a value SQLite cannot bind: store it as text
+            except (sqlite3.Error, OverflowError) as exc:  # a value SQLite cannot bind: store it as text
                 log.error("usage ledger commit of %d rows failed, storing odd values as text: %s", len(rows), exc)
                 params = [tuple(map(_storable, p)) for p in params]
             self.commit_failures += 1
@@ -243,7 +243,9 @@ def connect_for_the_loop(path: Path) -> sqlite3.Connection:
 
 
 def _storable(value: Any) -> Any:
-    return value if value is None or isinstance(value, (int, float, str)) else str(value)
+    if type(value) is int:
+        return value if -2**63 <= value < 2**63 else str(value)
+    return value if value is None or isinstance(value, (float, str)) else str(value)
 
 
 def prepare_file(path: Path) -> None:
