@@ -131,3 +131,51 @@ async def test_a_second_signal_stops_waiting(tmp_path, mock):
         await gw.wait_for("stderr", "ending 3 stream(s) still open")
     finally:
         await gw.stop()
+
+
+async def test_requests_still_waiting_for_an_upstream_when_the_grace_period_ends_get_503(tmp_path, mock, eventually):
+    """One request waits for a head that never comes, two wait in the queue of a one-slot upstream whose
+    slot a long stream holds: when the grace period ends, the stream ends with its event and the three get
+    503 ``shutting_down`` at once; the slot the stream frees goes to nobody."""
+    reached = asyncio.Event()
+
+    async def never_answers(reader, writer):
+        await reader.read(65536)
+        reached.set()
+        await asyncio.Event().wait()
+    hanging = await asyncio.start_server(never_answers, "127.0.0.1", 0)
+    hang_url = f"http://127.0.0.1:{hanging.sockets[0].getsockname()[1]}/v1"
+    models = [{"id": MODEL, "upstreams": [{"url": f"{mock.url}/v1", "max_in_flight": 1}], "queue_timeout": 600,
+               "upstream_model": MODEL}, {"id": "hang", "upstreams": [hang_url], "upstream_model": MODEL}]
+    gw = await GatewayProcess(tmp_path, gateway_config([], models=models, server={
+        "shutdown_grace_seconds": 0.5})).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            holder, heads = await open_streams(s, gw.url, 1, words=200, delay=0.2)
+
+            async def post(model: str, stream: bool) -> tuple[int, dict]:
+                async with s.post(f"{gw.url}/v1/completions", headers=AUTH, json={
+                        "model": model, "prompt": "hi", "max_tokens": 5, "stream": stream}) as resp:
+                    return resp.status, await resp.json()
+            waiting = [asyncio.create_task(post(model, stream)) for model, stream in
+                       (("hang", False), (MODEL, True), (MODEL, False))]
+            await reached.wait()
+
+            async def queued() -> bool:
+                async with s.get(f"{gw.url}/metrics") as resp:
+                    return f'kilnproxy_upstream_queued_requests{{upstream="{mock.url}/v1"}} 2.0' in await resp.text()
+            await eventually(queued)
+            gw.send(signal.SIGTERM)
+            answers = await asyncio.gather(*waiting)
+            [body] = await finish(holder, heads)
+        assert await gw.wait(timeout=30) == 0
+        assert answers == [(503, {"error": {"message": "The gateway is shutting down; retry the request.",
+                                            "type": "service_unavailable", "param": None, "code": "shutting_down"}})] * 3
+        assert_ended_by_shutdown(body)
+        rows = sorted((r["model"], r["status"], r["error_code"], r["disconnected"]) for r in gw.rows())
+        assert rows == sorted([(MODEL, 200, "shutting_down", 0), ("hang", 503, "shutting_down", 0)]
+                              + [(MODEL, 503, "shutting_down", 0)] * 2)
+        assert mock.app[STATS]["requests"] == 1  # the queued requests never reached the upstream
+    finally:
+        await gw.stop()
+        hanging.close()

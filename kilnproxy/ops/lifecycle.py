@@ -15,8 +15,10 @@ runs once the gateway listens:
   closed, and the idle keep-alive connections; requests in flight may finish
   for up to ``[server] shutdown_grace_seconds``. Streams still open then are ended
   with an error event (code ``shutting_down``) and ``data: [DONE]``, their
-  rows committed like any other; a request still waiting for its upstream is
-  answered 502. Then the ledger commits what is queued and the process exits 0.
+  rows committed like any other; a request still waiting for an upstream slot
+  or an upstream's answer is answered 503 ``shutting_down``, and none starts
+  another (a slot freed then goes to nobody). Then the ledger commits what is
+  queued and the process exits 0.
 - A second SIGTERM/SIGINT ends the drain and the grace period at once (same ending, same
   rows, no waiting); a third exits on the spot (committed rows are on disk).
 
@@ -33,6 +35,7 @@ import signal
 
 from aiohttp import web
 
+from ..errors import GatewayError
 from ..proxy.stream import ShuttingDown
 
 log = logging.getLogger("kilnproxy")
@@ -83,6 +86,7 @@ class Shutdown:
             log.info("shutting down: waiting up to %g s for %d request(s) in flight", grace, self.active)
         if await self._wait_idle(grace):
             return
+        self.gw.refuse_upstream_requests(shutting_down)
         ended = end_streams(self.gw)
         log.warning("shutting down: ending %d stream(s) still open%s", ended,
                     "" if self.hurry.is_set() else f" after {grace:g} s")
@@ -104,6 +108,12 @@ def close_after_response(request: web.BaseRequest) -> None:
     """The response will say ``Connection: close``, and aiohttp closes the connection once it is
     sent. (A response left to decide takes keep-alive from the request's parsed message.)"""
     request._message = request._message._replace(should_close=True)
+
+
+def shutting_down() -> GatewayError:
+    """The answer of a request still waiting for an upstream when the grace period ends."""
+    return GatewayError(503, "shutting_down", "The gateway is shutting down; retry the request.",
+                        type="service_unavailable", headers={"Retry-After": "1"})
 
 
 def end_streams(gw) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import aiohttp
 import pluggy
@@ -135,6 +135,15 @@ class Gateway:
         if self.upstream_client is not None:
             self.upstream_client.close()
             self.upstream_client = None
+
+    def refuse_upstream_requests(self, error: Callable[[], Exception]) -> None:
+        """The gateway is stopping: requests still waiting for an upstream slot or for an upstream's
+        response head, and every request that would send one from now on, get ``error()``."""
+        if self.upstream_client is not None:
+            self.upstream_client.refuse(error)
+        for route in self.routes.values():
+            for upstream in route.upstreams:
+                upstream.slots.refuse(error)
 
     def plugin_settings(self, name: str) -> Mapping[str, Any]:
         """The ``[plugins.settings.<name>]`` table (empty when absent)."""

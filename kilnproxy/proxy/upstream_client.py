@@ -20,7 +20,7 @@ its aiohttp ``ClientSession``.
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping
+from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 from ..config import ServerConfig
@@ -73,6 +73,14 @@ class UpstreamClient:
         self.connect_timeout = server.upstream_connect_timeout
         self.idle_timeout = server.upstream_idle_timeout
         self.pools: dict[Origin, ConnectionPool] = {}
+        self.refusal: Callable[[], Exception] | None = None  # the gateway is stopping: nothing is sent
+
+    def refuse(self, error: Callable[[], Exception]) -> None:
+        """From now on nothing is sent: requests still waiting for a response's head, and every later
+        one, get ``error()``."""
+        self.refusal = error
+        for pool in self.pools.values():
+            pool.fail_waiting(error)
 
     def pool(self, origin: Origin) -> ConnectionPool:
         pool = self.pools.get(origin)
@@ -83,6 +91,8 @@ class UpstreamClient:
     async def post(self, target: RequestTarget, extra: Mapping[str, str] | None, body: bytes) -> UpstreamResponse:
         """Send the request; the response once its headers have arrived. Raises ``aiohttp.ClientError``s,
         ``TimeoutError`` (connect or idle timeout) or ``OSError``; see ``upstream_connections``."""
+        if self.refusal is not None:
+            raise self.refusal()
         data = target.request(extra, body)
         pool = self.pool(target.origin)
         conn = pool.take()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as ssl_module
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import aiohttp
 import httptools
@@ -240,6 +240,12 @@ class ConnectionPool:
             conn.hang_up()
         if self.idle:
             self.sweep = self.loop.call_at(self.idle[0].idle_since + self.keepalive, self._sweep)
+
+    def fail_waiting(self, error: Callable[[], Exception]) -> None:
+        """Every request still waiting for its response's head gets ``error()``; its connection is closed."""
+        for conn in list(self.open):
+            if conn.response is not None and conn.response.headers is None:
+                conn._fail(error())
 
     def close(self) -> None:
         """Close every connection, idle or not."""

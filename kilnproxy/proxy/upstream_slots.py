@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..errors import GatewayError
 
@@ -28,13 +28,22 @@ from ..errors import GatewayError
 class SlotPool:
     """The slots of one upstream URL: ``limit`` (None: no cap) and ``busy``, with their queue."""
 
-    __slots__ = ("url", "limit", "busy", "waiters")
+    __slots__ = ("url", "limit", "busy", "waiters", "refusal")
 
     def __init__(self, url: str, limit: int | None):
         self.url = url
         self.limit = limit
         self.busy = 0
         self.waiters: deque[_Waiter] = deque()
+        self.refusal: Callable[[], Exception] | None = None  # the gateway is stopping: no slot is taken
+
+    def refuse(self, error: Callable[[], Exception]) -> None:
+        """From now on no slot is taken: the waiters, and every request after them, get ``error()``."""
+        self.refusal = error
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(error())
 
     def free(self) -> bool:
         return self.limit is None or self.busy < self.limit
@@ -100,7 +109,11 @@ def least_busy(pools: Iterable[SlotPool]) -> SlotPool | None:
 async def take_slot(pools: Sequence[SlotPool], deadline: float | None) -> SlotPool:
     """A slot on one of ``pools``: free now (the least busy), or the first to free before
     ``deadline`` (loop time; None or past: no waiting). The caller gives it back with
-    ``pool.give_back()``. Raises ``UpstreamBusy``; cancelled, it leaves nothing taken."""
+    ``pool.give_back()``. Raises ``UpstreamBusy``, or a pool's ``refusal``; cancelled, it leaves nothing
+    taken."""
+    for p in pools:
+        if p.refusal is not None:
+            raise p.refusal()
     pool = least_busy(pools)  # a pool with a free slot has no live waiter: nobody is overtaken
     if pool is not None:
         pool.take()
@@ -124,7 +137,8 @@ async def take_slot(pools: Sequence[SlotPool], deadline: float | None) -> SlotPo
 def _leave(pools: Sequence[SlotPool], waiter: _Waiter) -> None:
     """A waiter gives up its place; a slot granted to it in that same moment is given back."""
     if waiter.future.done():
-        waiter.future.result().give_back()
+        if not waiter.future.cancelled() and waiter.future.exception() is None:
+            waiter.future.result().give_back()
     else:
         waiter.future.cancel()
     for pool in pools:
