@@ -69,8 +69,8 @@ async def test_a_chain_where_every_model_is_down_is_503_with_one_row(harness):
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "no_backend_available"
         rows = await h.rows()
-        assert [(r["status"], r["error_code"], r["requested_model"]) for r in rows] == [
-            (503, "no_backend_available", MODEL)]
+        assert [(r["status"], r["error_code"], r["model"], r["requested_model"]) for r in rows] == [
+            (503, "no_backend_available", MODEL, MODEL)]  # no model served: the one asked for
         assert h.mock.app[STATS]["requests"] == 0
 
 

@@ -14,7 +14,7 @@ take the request, the client gets what the last one tried answered.
 From a fallback on, ``call.model``, ``call.upstream_model`` and
 ``call.pricing`` name the fallback (the answer's ``model``, the row's
 ``model`` and its cost); the row's ``requested_model`` keeps the model asked
-for. ``rewrite_request`` plugins ran once, for the requested model; the
+for. When no model of the chain serves, they name the model asked for again. ``rewrite_request`` plugins ran once, for the requested model; the
 fallback's upstream gets the same body with its own ``upstream_model``.
 """
 
@@ -49,6 +49,7 @@ async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, r
     """The first model of the chain that takes the request, with its upstream's response.
     Raises what the last model tried answered (``GatewayError`` or ``UpstreamFailure``)."""
     chain = [route] + [gw.routes.get(f) for f in route.model.fallbacks]
+    requested = call.model, call.upstream_model, call.pricing
     problem: Exception | None = None
     for i, model in enumerate(chain):
         last = i == len(chain) - 1
@@ -70,6 +71,7 @@ async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, r
             problem = UpstreamFailure(f"{opened.upstream.base_url} answered HTTP {opened.resp.status}")
             continue
         return opened
+    call.model, call.upstream_model, call.pricing = requested  # none served: the row names the model asked for
     raise problem
 
 
