@@ -287,3 +287,27 @@ async def test_plugins_are_told_the_endpoint(tmp_path):
     assert seen == [("embeddings", "body"), ("messages", "message_start"), ("messages", "content_block_start"),
                     ("messages", "ping"), ("messages", "content_block_delta"), ("messages", "content_block_stop"),
                     ("messages", "message_delta"), ("messages", "message_stop")]
+
+
+BODIES = {"/v1/embeddings": {"input": "x"}, "/v1/responses": {"max_output_tokens": 5, "input": "x"},
+          "/v1/messages": {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+@pytest.mark.parametrize("fail, code", [("reset", "upstream_unreachable"), ("garbage", "upstream_bad_response")])
+async def test_the_mocks_failures_before_the_head_reach_every_api(tmp_path, path, fail, code):
+    """The mock upstream's ``fail`` modes steer the other endpoints as they steer completions."""
+    async with Harness(tmp_path, configure=serving()) as h:
+        async with h.post(path, {**BODIES[path], "model": h.model, "mock": {"fail": fail}}) as resp:
+            assert resp.status == 502
+        assert [(r["status"], r["error_code"]) for r in await h.rows()] == [(502, code)]
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_the_mocks_stream_that_just_ends_is_an_upstream_error(tmp_path, path):
+    async with Harness(tmp_path, configure=serving()) as h:
+        async with h.post(path, {**BODIES[path], "model": h.model, "stream": True,
+                                 "mock": {"fail": "eof", "after": 3}}) as resp:
+            raw = await resp.read()
+        assert raw.split(b"\n\n")[-2].startswith(b"event: error\n")
+        assert [(r["status"], r["error_code"]) for r in await h.rows()] == [(200, "upstream_error")]
