@@ -88,7 +88,8 @@ def invalid_api_key() -> GatewayError:
     return GatewayError(
         401,
         "invalid_api_key",
-        "Invalid API key. Send 'Authorization: Bearer <key>' with a key from the gateway's config.",
+        "Invalid API key. Send 'Authorization: Bearer <key>' (on /v1/messages, or 'x-api-key: <key>') with a key "
+        "the gateway knows.",
         type="authentication_error",
     )
 
