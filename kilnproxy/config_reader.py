@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import ConfigError
@@ -10,7 +11,8 @@ NUMBER = (int, float)
 
 
 class Reader:
-    """Reads one TOML table, checking names and types; errors name file and key."""
+    """Reads one TOML table, checking names and types; errors name file and key.
+    A float is never ``nan``, ``inf`` or ``-inf``: no setting means anything by them."""
 
     def __init__(self, source: str, where: str, table: Any):
         self.source = source
@@ -38,6 +40,8 @@ class Reader:
             self.fail(self.key(name), f"must be {_describe(kinds)}, got {value!r}")
         if not isinstance(value, kinds):
             self.fail(self.key(name), f"must be {_describe(kinds)}, got {type(value).__name__} {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            self.fail(self.key(name), f"must be a finite number, got {value!r}")
         return value
 
     def positive(self, name: str, default: float, *, integer: bool = False) -> Any:

@@ -88,6 +88,22 @@ def test_bad_config_is_one_clear_error(tmp_path, text, needle):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("table, name", [
+    ("[server]", "keepalive_seconds"), ("[server]", "upstream_connect_timeout"), ("[server]", "drain_seconds"),
+    ("[storage]", "replica_timeout_seconds"), ("[health]", "interval"), ("[tracing]", "sample_ratio"),
+    ("[[models]]\nid = \"n\"\nupstreams = [\"http://x/v1\"]", "first_byte_timeout"),
+    ("[[models]]\nid = \"n\"\nupstreams = [\"http://x/v1\"]", "queue_timeout"),
+    ("[[models]]\nid = \"n\"\nupstreams = [\"http://x/v1\"]\n[models.pricing]", "cached_prompt"),
+    ("[[orgs]]\nid = \"beta\"", "credits"),
+])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_number_setting_refuses_nan_and_infinity(tmp_path, table, name, value):
+    path = write(tmp_path, f"{GOOD}{table}\n{name} = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).endswith(f".{name}: must be a finite number, got {value}")
+
+
 def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
     path = write(tmp_path, GOOD.replace('org = "acme"', 'org = "nobody"'))
     proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path)], capture_output=True,
