@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 from .errors import ConfigError
 
@@ -49,6 +50,18 @@ class Reader:
         if value <= 0:
             self.fail(self.key(name), f"must be greater than 0, got {value!r}")
         return value
+
+    def url(self, key: str, url: str, *, port: bool = True, quote: bool = True) -> SplitResult:
+        """``url`` split; a malformed host (``http://[::1/v1``) fails naming ``key``, and so does a port that is
+        not a number in 0-65535 unless ``port`` is false (a PostgreSQL URL may list several ``host:port``).
+        The failure quotes ``url`` only if ``quote`` (a database URL may hold a password)."""
+        try:
+            parts = urlsplit(url)
+            if port:
+                parts.port  # noqa: B018 -- the property raises ValueError for a bad port
+        except ValueError as exc:
+            self.fail(key, f"{url!r} is not a valid URL: {exc}" if quote else f"is not a valid URL: {exc}")
+        return parts
 
     def strings(self, name: str, default: Any = None) -> tuple[str, ...] | None:
         value = self.get(name, list, default)

@@ -104,6 +104,38 @@ def test_a_number_setting_refuses_nan_and_infinity(tmp_path, table, name, value)
     assert str(info.value).endswith(f".{name}: must be a finite number, got {value}")
 
 
+UPSTREAM = 'upstreams = ["http://127.0.0.1:8000/v1"]'
+
+
+@pytest.mark.parametrize("text, needle", [
+    (GOOD.replace(UPSTREAM, 'upstreams = ["http://[::1/v1"]'),
+     "models[0] (m).upstreams: 'http://[::1/v1' is not a valid URL: Invalid IPv6 URL"),
+    (GOOD.replace(UPSTREAM, 'upstreams = [{url = "http://[zz/v1"}]'),
+     "models[0] (m).upstreams: 'http://[zz/v1' is not a valid URL: Invalid IPv6 URL"),
+    (GOOD.replace(UPSTREAM, 'upstreams = ["http://127.0.0.1:99999/v1"]'),
+     "models[0] (m).upstreams: 'http://127.0.0.1:99999/v1' is not a valid URL: Port out of range 0-65535"),
+    (GOOD.replace(UPSTREAM, 'upstreams = ["http://h:abc/v1"]'),
+     "models[0] (m).upstreams: 'http://h:abc/v1' is not a valid URL: Port could not be cast to integer value"),
+    ('[tracing]\nendpoint = "http://[::1/v1/traces"\n' + GOOD,
+     "tracing.endpoint: 'http://[::1/v1/traces' is not a valid URL: Invalid IPv6 URL"),
+    ('[tracing]\ntrace_url = "http://[::1/{trace_id}"\n' + GOOD,
+     "tracing.trace_url: 'http://[::1/{trace_id}' is not a valid URL: Invalid IPv6 URL"),
+    ('[storage]\nurl = "postgresql://kiln:hunter2@[::1/kiln"\n' + GOOD,
+     "storage.url: is not a valid URL: Invalid IPv6 URL"),
+])
+def test_a_url_with_a_malformed_host_or_port_is_one_line(tmp_path, text, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: {needle}")
+    assert "\n" not in str(info.value) and "hunter2" not in str(info.value)
+
+
+def test_a_database_url_may_list_several_hosts(tmp_path):
+    path = write(tmp_path, '[storage]\nurl = "postgresql://kiln@db1:5432,db2:5433/kiln"\n' + GOOD)
+    assert load_config(path).storage.url == "postgresql://kiln@db1:5432,db2:5433/kiln"
+
+
 def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
     path = write(tmp_path, GOOD.replace('org = "acme"', 'org = "nobody"'))
     proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path)], capture_output=True,
