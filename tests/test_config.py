@@ -147,6 +147,14 @@ def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_option_out_of_range_is_one_line(tmp_path, port):
+    path = write(tmp_path, GOOD)
+    proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path), f"--port={port}"],
+                          capture_output=True, text=True, timeout=20)
+    assert (proc.returncode, proc.stderr) == (2, f"kilnproxy: error: --port: must be between 0 and 65535, got {port}\n")
+
+
 def test_missing_config_file_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(tmp_path / "none.toml")],
                           capture_output=True, text=True, timeout=60)
