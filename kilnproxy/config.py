@@ -56,7 +56,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     maint_r = Reader(source, "maintenance", top.get("maintenance", dict, {}))
     maintenance = MaintenanceConfig(
         enabled=maint_r.get("enabled", bool, False),
-        retry_after=maint_r.get("retry_after", str, MaintenanceConfig.retry_after),
+        retry_after=maint_r.header("retry_after", MaintenanceConfig.retry_after),
     )
     maint_r.done()
     models = tuple(_model(source, i, t) for i, t in enumerate(top.get("models", list, [])))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .config_reader import NUMBER, Reader
+from .config_reader import NUMBER, Reader, header_safe
 from .config_types import (
     AdminConfig,
     HealthConfig,
@@ -81,6 +81,9 @@ def tracing(r: Reader) -> TracingConfig:
             if not eq or not name.strip():
                 r.fail(r.key("headers_env"), f"the variable {headers_env} must hold name=value pairs separated "
                                              "by commas (the value is not shown)")
+            if not header_safe(item):
+                r.fail(r.key("headers_env"), f"the variable {headers_env} holds a control character in header "
+                                             f"{name.strip()!r} (the value is not shown)")
             headers.append((name.strip(), value.strip()))
     ratio = r.get("sample_ratio", NUMBER, d.sample_ratio)
     if not 0 <= ratio <= 1:

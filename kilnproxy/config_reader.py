@@ -63,6 +63,14 @@ class Reader:
             self.fail(key, f"{url!r} is not a valid URL: {exc}" if quote else f"is not a valid URL: {exc}")
         return parts
 
+    def header(self, name: str, default: str) -> str:
+        """The string ``name``, sent as an HTTP header's value: one with a control character fails."""
+        value = self.get(name, str, default)
+        if not header_safe(value):
+            self.fail(self.key(name), f"must not hold a control character (it is sent as an HTTP header), "
+                                      f"got {value!r}")
+        return value
+
     def strings(self, name: str, default: Any = None) -> tuple[str, ...] | None:
         value = self.get(name, list, default)
         if value is default:
@@ -75,6 +83,12 @@ class Reader:
         unknown = sorted(set(self.table) - self.seen)
         if unknown:
             self.fail(self.key(unknown[0]), "unknown key (check its spelling against config.example.toml)")
+
+
+def header_safe(text: str) -> bool:
+    """Whether ``text`` can go into an HTTP header as written: no control character but tab (a newline
+    would end the header, and aiohttp refuses to send it)."""
+    return not any(c != "\t" and (c < " " or c == "\x7f") for c in text)
 
 
 def _describe(kinds: tuple) -> str:

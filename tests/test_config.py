@@ -136,6 +136,25 @@ def test_a_database_url_may_list_several_hosts(tmp_path):
     assert load_config(path).storage.url == "postgresql://kiln@db1:5432,db2:5433/kiln"
 
 
+@pytest.mark.parametrize("toml_value, shown", [(r'"a\nb"', r"'a\nb'"), (r'"120\r"', r"'120\r'"),
+                                               (r'"x\u007f"', r"'x\x7f'")])
+def test_a_header_setting_refuses_a_control_character(tmp_path, toml_value, shown):
+    path = write(tmp_path, f"[maintenance]\nenabled = true\nretry_after = {toml_value}\n{GOOD}")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: maintenance.retry_after: must not hold a control character (it is sent "
+                               f"as an HTTP header), got {shown}")
+
+
+def test_a_tracing_header_refuses_a_control_character(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILNPROXY_TEST_OTLP", "x-api-key=s3\ncret")
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, '[tracing]\nheaders_env = "KILNPROXY_TEST_OTLP"\n' + GOOD))
+    assert str(info.value).endswith("tracing.headers_env: the variable KILNPROXY_TEST_OTLP holds a control "
+                                    "character in header 'x-api-key' (the value is not shown)")
+    assert "s3" not in str(info.value)
+
+
 def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
     path = write(tmp_path, GOOD.replace('org = "acme"', 'org = "nobody"'))
     proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path)], capture_output=True,
