@@ -188,6 +188,9 @@ def cmd_check_config(args) -> int:
     from ..plugins.manager import build_plugin_manager
     config = load_config(args.file)
     build_plugin_manager(config)
+    if config.storage.url is None and config.db_path.exists():  # a check makes no file: start-up makes it
+        from ..store.sqlite import check_writable
+        check_writable(config.db_path)
     print(f"{args.file}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
     if config.storage.url:
