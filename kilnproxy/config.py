@@ -11,7 +11,6 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import urlparse
 
 from . import config_ops
 from .config_reader import NUMBER, Reader
@@ -57,7 +56,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: 
     maint_r = Reader(source, "maintenance", top.get("maintenance", dict, {}))
     maintenance = MaintenanceConfig(
         enabled=maint_r.get("enabled", bool, False),
-        retry_after=maint_r.get("retry_after", str, MaintenanceConfig.retry_after),
+        retry_after=maint_r.header("retry_after", MaintenanceConfig.retry_after),
     )
     maint_r.done()
     models = tuple(_model(source, i, t) for i, t in enumerate(top.get("models", list, [])))
@@ -83,9 +82,11 @@ def _storage(r: Reader) -> StorageConfig:
         url = os.environ.get(url_env)
         if not url:
             r.fail(r.key("url_env"), f"the environment variable {url_env} is not set or empty")
-    if url is not None and urlparse(url).scheme not in ("postgresql", "postgres"):
-        r.fail(r.key("url_env" if url_env else "url"),
-               f"must be a postgresql:// URL, got scheme {urlparse(url).scheme or '(none)'!r}")
+    if url is not None:
+        key = r.key("url_env" if url_env else "url")
+        scheme = r.url(key, url, port=False, quote=False).scheme
+        if scheme not in ("postgresql", "postgres"):
+            r.fail(key, f"must be a postgresql:// URL, got scheme {scheme or '(none)'!r}")
     storage = StorageConfig(
         path=r.get("path", str, d.path), url=url, url_env=url_env,
         replica_timeout_seconds=float(r.positive("replica_timeout_seconds", d.replica_timeout_seconds)),
@@ -190,7 +191,7 @@ def _upstreams(r: Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
             url = entry
         else:
             r.fail(r.key("upstreams"), "each upstream is a base URL or a table {url = \"...\", max_in_flight = N}")
-        parsed = urlparse(url)
+        parsed = r.url(r.key("upstreams"), url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             r.fail(r.key("upstreams"), f"{url!r} is not an http(s) base URL")
         urls.append(url.rstrip("/"))

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import os
-from urllib.parse import urlparse
 
-from .config_reader import NUMBER, Reader
+from .config_reader import NUMBER, Reader, header_safe
 from .config_types import (
     AdminConfig,
     HealthConfig,
@@ -71,7 +70,7 @@ def inspector(r: Reader) -> InspectorConfig:
 def tracing(r: Reader) -> TracingConfig:
     d = TracingConfig()
     endpoint = r.get("endpoint", str, d.endpoint)
-    parsed = urlparse(endpoint)
+    parsed = r.url(r.key("endpoint"), endpoint)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         r.fail(r.key("endpoint"), f"must be an http(s) URL, e.g. \"{d.endpoint}\", got {endpoint!r}")
     headers_env = r.get("headers_env", str, None)
@@ -82,6 +81,9 @@ def tracing(r: Reader) -> TracingConfig:
             if not eq or not name.strip():
                 r.fail(r.key("headers_env"), f"the variable {headers_env} must hold name=value pairs separated "
                                              "by commas (the value is not shown)")
+            if not header_safe(item):
+                r.fail(r.key("headers_env"), f"the variable {headers_env} holds a control character in header "
+                                             f"{name.strip()!r} (the value is not shown)")
             headers.append((name.strip(), value.strip()))
     ratio = r.get("sample_ratio", NUMBER, d.sample_ratio)
     if not 0 <= ratio <= 1:
@@ -90,7 +92,8 @@ def tracing(r: Reader) -> TracingConfig:
     if not service.strip():
         r.fail(r.key("service_name"), "must not be empty")
     trace_url = r.get("trace_url", str, None)
-    if trace_url is not None and (urlparse(trace_url).scheme not in ("http", "https") or "{trace_id}" not in trace_url):
+    trace_scheme = None if trace_url is None else r.url(r.key("trace_url"), trace_url).scheme
+    if trace_url is not None and (trace_scheme not in ("http", "https") or "{trace_id}" not in trace_url):
         r.fail(r.key("trace_url"), "must be an http(s) URL with {trace_id} in it, e.g. "
                                    f"\"https://grafana.example/explore?traceId={{trace_id}}\", got {trace_url!r}")
     tracing = TracingConfig(enabled=r.get("enabled", bool, d.enabled), endpoint=endpoint, headers_env=headers_env,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 from .errors import ConfigError
 
@@ -10,7 +12,8 @@ NUMBER = (int, float)
 
 
 class Reader:
-    """Reads one TOML table, checking names and types; errors name file and key."""
+    """Reads one TOML table, checking names and types; errors name file and key.
+    A float is never ``nan``, ``inf`` or ``-inf``: no setting means anything by them."""
 
     def __init__(self, source: str, where: str, table: Any):
         self.source = source
@@ -38,12 +41,34 @@ class Reader:
             self.fail(self.key(name), f"must be {_describe(kinds)}, got {value!r}")
         if not isinstance(value, kinds):
             self.fail(self.key(name), f"must be {_describe(kinds)}, got {type(value).__name__} {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            self.fail(self.key(name), f"must be a finite number, got {value!r}")
         return value
 
     def positive(self, name: str, default: float, *, integer: bool = False) -> Any:
         value = self.get(name, int if integer else NUMBER, default)
         if value <= 0:
             self.fail(self.key(name), f"must be greater than 0, got {value!r}")
+        return value
+
+    def url(self, key: str, url: str, *, port: bool = True, quote: bool = True) -> SplitResult:
+        """``url`` split; a malformed host (``http://[::1/v1``) fails naming ``key``, and so does a port that is
+        not a number in 0-65535 unless ``port`` is false (a PostgreSQL URL may list several ``host:port``).
+        The failure quotes ``url`` only if ``quote`` (a database URL may hold a password)."""
+        try:
+            parts = urlsplit(url)
+            if port:
+                parts.port  # noqa: B018 -- the property raises ValueError for a bad port
+        except ValueError as exc:
+            self.fail(key, f"{url!r} is not a valid URL: {exc}" if quote else f"is not a valid URL: {exc}")
+        return parts
+
+    def header(self, name: str, default: str) -> str:
+        """The string ``name``, sent as an HTTP header's value: one with a control character fails."""
+        value = self.get(name, str, default)
+        if not header_safe(value):
+            self.fail(self.key(name), f"must not hold a control character (it is sent as an HTTP header), "
+                                      f"got {value!r}")
         return value
 
     def strings(self, name: str, default: Any = None) -> tuple[str, ...] | None:
@@ -58,6 +83,12 @@ class Reader:
         unknown = sorted(set(self.table) - self.seen)
         if unknown:
             self.fail(self.key(unknown[0]), "unknown key (check its spelling against config.example.toml)")
+
+
+def header_safe(text: str) -> bool:
+    """Whether ``text`` can go into an HTTP header as written: no control character but tab (a newline
+    would end the header, and aiohttp refuses to send it)."""
+    return not any(c != "\t" and (c < " " or c == "\x7f") for c in text)
 
 
 def _describe(kinds: tuple) -> str:

@@ -65,6 +65,24 @@ def test_a_bad_config_exits_non_zero_with_one_line(tmp_path, capsys, change, mes
     assert out.err.startswith(f"kilnproxy: error: {path}: {message}")
 
 
+def test_a_storage_path_that_cannot_be_a_database_is_one_line_as_at_start_up(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    (tmp_path / "ledger").mkdir()
+    path.write_text(toml(gateway_config(["http://10.0.0.7:8000/v1"], storage={"path": "ledger"})))
+    assert main(["check-config", str(path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert out.err.startswith(f"kilnproxy: error: cannot open the usage database '{tmp_path / 'ledger'}' for "
+                              "writing: unable to open database file (check [storage] path")
+
+
+def test_check_config_makes_no_database_file(tmp_path):
+    path = tmp_path / "gw.toml"
+    path.write_text(toml(gateway_config(["http://10.0.0.7:8000/v1"], storage={"path": "new/usage.db"})))
+    assert check(path).returncode == 0
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_missing_file_or_bad_toml_is_one_line(tmp_path):
     out = check(tmp_path / "nope.toml")
     assert (out.returncode, out.stderr) == (2, f"kilnproxy: error: {tmp_path / 'nope.toml'}: file not found\n")

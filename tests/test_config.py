@@ -88,6 +88,73 @@ def test_bad_config_is_one_clear_error(tmp_path, text, needle):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("table, name", [
+    ("[server]", "keepalive_seconds"), ("[server]", "upstream_connect_timeout"), ("[server]", "drain_seconds"),
+    ("[storage]", "replica_timeout_seconds"), ("[health]", "interval"), ("[tracing]", "sample_ratio"),
+    ("[[models]]\nid = \"n\"\nupstreams = [\"http://x/v1\"]", "first_byte_timeout"),
+    ("[[models]]\nid = \"n\"\nupstreams = [\"http://x/v1\"]", "queue_timeout"),
+    ("[[models]]\nid = \"n\"\nupstreams = [\"http://x/v1\"]\n[models.pricing]", "cached_prompt"),
+    ("[[orgs]]\nid = \"beta\"", "credits"),
+])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_number_setting_refuses_nan_and_infinity(tmp_path, table, name, value):
+    path = write(tmp_path, f"{GOOD}{table}\n{name} = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).endswith(f".{name}: must be a finite number, got {value}")
+
+
+UPSTREAM = 'upstreams = ["http://127.0.0.1:8000/v1"]'
+
+
+@pytest.mark.parametrize("text, needle", [
+    (GOOD.replace(UPSTREAM, 'upstreams = ["http://[::1/v1"]'),
+     "models[0] (m).upstreams: 'http://[::1/v1' is not a valid URL: Invalid IPv6 URL"),
+    (GOOD.replace(UPSTREAM, 'upstreams = [{url = "http://[zz/v1"}]'),
+     "models[0] (m).upstreams: 'http://[zz/v1' is not a valid URL: Invalid IPv6 URL"),
+    (GOOD.replace(UPSTREAM, 'upstreams = ["http://127.0.0.1:99999/v1"]'),
+     "models[0] (m).upstreams: 'http://127.0.0.1:99999/v1' is not a valid URL: Port out of range 0-65535"),
+    (GOOD.replace(UPSTREAM, 'upstreams = ["http://h:abc/v1"]'),
+     "models[0] (m).upstreams: 'http://h:abc/v1' is not a valid URL: Port could not be cast to integer value"),
+    ('[tracing]\nendpoint = "http://[::1/v1/traces"\n' + GOOD,
+     "tracing.endpoint: 'http://[::1/v1/traces' is not a valid URL: Invalid IPv6 URL"),
+    ('[tracing]\ntrace_url = "http://[::1/{trace_id}"\n' + GOOD,
+     "tracing.trace_url: 'http://[::1/{trace_id}' is not a valid URL: Invalid IPv6 URL"),
+    ('[storage]\nurl = "postgresql://kiln:hunter2@[::1/kiln"\n' + GOOD,
+     "storage.url: is not a valid URL: Invalid IPv6 URL"),
+])
+def test_a_url_with_a_malformed_host_or_port_is_one_line(tmp_path, text, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: {needle}")
+    assert "\n" not in str(info.value) and "hunter2" not in str(info.value)
+
+
+def test_a_database_url_may_list_several_hosts(tmp_path):
+    path = write(tmp_path, '[storage]\nurl = "postgresql://kiln@db1:5432,db2:5433/kiln"\n' + GOOD)
+    assert load_config(path).storage.url == "postgresql://kiln@db1:5432,db2:5433/kiln"
+
+
+@pytest.mark.parametrize("toml_value, shown", [(r'"a\nb"', r"'a\nb'"), (r'"120\r"', r"'120\r'"),
+                                               (r'"x\u007f"', r"'x\x7f'")])
+def test_a_header_setting_refuses_a_control_character(tmp_path, toml_value, shown):
+    path = write(tmp_path, f"[maintenance]\nenabled = true\nretry_after = {toml_value}\n{GOOD}")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: maintenance.retry_after: must not hold a control character (it is sent "
+                               f"as an HTTP header), got {shown}")
+
+
+def test_a_tracing_header_refuses_a_control_character(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILNPROXY_TEST_OTLP", "x-api-key=s3\ncret")
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, '[tracing]\nheaders_env = "KILNPROXY_TEST_OTLP"\n' + GOOD))
+    assert str(info.value).endswith("tracing.headers_env: the variable KILNPROXY_TEST_OTLP holds a control "
+                                    "character in header 'x-api-key' (the value is not shown)")
+    assert "s3" not in str(info.value)
+
+
 def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
     path = write(tmp_path, GOOD.replace('org = "acme"', 'org = "nobody"'))
     proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path)], capture_output=True,
@@ -97,6 +164,14 @@ def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
         f"kilnproxy: error: {path}: keys[0].org: org 'nobody' does not exist; "
         "add an [[orgs]] entry with id = 'nobody'"]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_option_out_of_range_is_one_line(tmp_path, port):
+    path = write(tmp_path, GOOD)
+    proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path), f"--port={port}"],
+                          capture_output=True, text=True, timeout=20)
+    assert (proc.returncode, proc.stderr) == (2, f"kilnproxy: error: --port: must be between 0 and 65535, got {port}\n")
 
 
 def test_missing_config_file_is_one_line(tmp_path):

@@ -116,6 +116,30 @@ async def test_bad_config_is_refused_with_one_line(tmp_path, mock):
         await gw.stop()
 
 
+async def test_a_malformed_upstream_url_is_refused_by_post_and_by_sighup(tmp_path, mock):
+    config = gateway_config([f"{mock.url}/v1"])
+    gw = await GatewayProcess(tmp_path, config).start()
+    try:
+        gw.write_config(gateway_config(["http://[::1/v1"]))
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{gw.url}/admin/reload") as r:
+                assert r.status == 422
+                error = (await r.json())["error"]
+            assert error["code"] == "config_invalid"
+            assert error["message"] == (f"{gw.config_path}: models[0] ({MODEL}).upstreams: 'http://[::1/v1' is not "
+                                        "a valid URL: Invalid IPv6 URL")
+            gw.write_config(gateway_config(["http://127.0.0.1:99999/v1"]))
+            gw.send(signal.SIGHUP)
+            _, line = await gw.wait_for("stderr", "config reload refused", count=2)
+            assert line.endswith("'http://127.0.0.1:99999/v1' is not a valid URL: Port out of range 0-65535")
+            async with s.post(f"{gw.url}/v1/completions", headers=auth(KEY),
+                              json={"model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200
+        assert not [line for line in gw.lines["stderr"] if "Traceback" in line or "never retrieved" in line]
+    finally:
+        await gw.stop()
+
+
 async def test_reload_command_by_pidfile_and_by_url(tmp_path, mock):
     config = gateway_config([f"{mock.url}/v1"])
     pidfile = tmp_path / "gw.pid"

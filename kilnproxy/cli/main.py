@@ -97,9 +97,16 @@ def load_or_none(path: str | None) -> Config | None:
     return load_config(path) if path else None
 
 
+def check_port(option: str, port: int | None) -> None:
+    """Refuses a port outside 0-65535, as the config's ``port`` is (a socket would take 99999 mod 65536)."""
+    if port is not None and not 0 <= port <= 65535:
+        raise KilnError(f"{option}: must be between 0 and 65535, got {port}")
+
+
 def cmd_serve(args) -> int:
     from ..web import server
     config = load_or_none(args.config)
+    check_port("--port", args.port)
     if config is not None and args.upstream:
         raise KilnError("--upstream only applies to the demo; set [[models]] upstreams in the config instead")
     if args.pidfile:
@@ -181,6 +188,9 @@ def cmd_check_config(args) -> int:
     from ..plugins.manager import build_plugin_manager
     config = load_config(args.file)
     build_plugin_manager(config)
+    if config.storage.url is None and config.db_path.exists():  # a check makes no file: start-up makes it
+        from ..store.sqlite import check_writable
+        check_writable(config.db_path)
     print(f"{args.file}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
     if config.storage.url:

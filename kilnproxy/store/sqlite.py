@@ -106,9 +106,7 @@ class SQLiteLedger(GroupCommitted):
                 await self._db.execute_fetchall(f"PRAGMA {pragma}")
         except (sqlite3.Error, OSError) as exc:
             await self._close_connections()
-            raise StorageError(f"cannot open the usage database {str(self.path)!r} for writing: {exc}"
-                               " (check [storage] path, its permissions, and that no other program"
-                               " holds a lock on it)") from None
+            raise cannot_open(self.path, exc) from None
         self._db.row_factory = sqlite3.Row
         await self.checkpointer.start()
         self.rows.start()
@@ -262,6 +260,20 @@ def prepare_file(path: Path) -> None:
         db.execute("ROLLBACK")
     finally:
         db.close()
+
+
+def check_writable(path: Path) -> None:
+    """``prepare_file``, a failure raised as the one line a gateway's start-up gives (``cannot_open``)."""
+    try:
+        prepare_file(path)
+    except (sqlite3.Error, OSError) as exc:
+        raise cannot_open(path, exc) from None
+
+
+def cannot_open(path: Path, exc: BaseException) -> StorageError:
+    """The one line saying that the ledger at ``path`` cannot be opened for writing, and why."""
+    return StorageError(f"cannot open the usage database {str(path)!r} for writing: {exc}"
+                        " (check [storage] path, its permissions, and that no other program holds a lock on it)")
 
 
 def add_missing_columns(db: sqlite3.Connection) -> None:
