@@ -129,6 +129,26 @@ async def test_a_large_file_in_batches_with_progress_and_a_run_that_goes_on(pg_u
     assert set(spent) == {"acme", "globex", "initech"} and spent == pytest.approx(sums, rel=1e-12)
 
 
+async def test_a_row_whose_text_is_not_utf8_stops_the_import_in_one_line(pg_url, tmp_path):
+    """Refused, not imported with its bytes replaced; once the row is corrected a run again goes on."""
+    path = synthetic(tmp_path / "odd.db", rows=5)
+    db = sqlite3.connect(path)
+    db.execute("UPDATE usage_events SET org = CAST(x'eda080' AS TEXT) WHERE rowid = 3")
+    db.commit()
+    config = write_config(tmp_path, pg_url)
+    code, out, err = await run(str(path), "--config", config, "--batch", "2")
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("kilnproxy: error: import into postgresql://kiln:***@")
+    assert (f"stopped after row gen-000001 (2 rows added): row 3 of '{path}' holds text that is not UTF-8"
+            " in its org column") in err
+    db.execute("UPDATE usage_events SET org = 'initech' WHERE rowid = 3")
+    db.commit()
+    db.close()
+    code, out, err = await run(str(path), "--config", config, "--batch", "2")
+    assert (code, err) == (0, "") and out.startswith("imported 3 rows ") and out.endswith(" (2 already there)\n")
+    assert await pg_usage_rows(pg_url) == usage_rows(path)
+
+
 def not_sqlite(tmp_path):
     path = tmp_path / "notes.db"
     path.write_text("these are my notes, not a database\n" * 100)

@@ -1,6 +1,7 @@
 """The inspector's JSON API, page files, access rule and live feed, through a real gateway."""
 
 import asyncio
+import base64
 import json
 
 import aiohttp
@@ -144,9 +145,16 @@ async def test_requests_pages_follow_the_cursor(any_gw):
     assert seen == ids[::-1] and pages == 3
 
 
+def cursor_for(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
 @pytest.mark.parametrize("query, param", [("limit=0", "limit"), ("limit=abc", "limit"), ("limit=501", "limit"),
                                           ("status=abc", "status"), ("status=999", "status"),
-                                          ("before=garbage", "before")])
+                                          ("before=garbage", "before"),
+                                          ("before=" + cursor_for("x~9223372036854775808"), "before"),
+                                          ("before=" + cursor_for(f"2026-12-01T06:02:28.730+00:00~{'9' * 20}"),
+                                           "before")])
 async def test_bad_list_parameters_get_400(gw, query, param):
     body = await get_json(gw, f"/ui/api/requests?{query}", 400)
     assert body["error"]["code"] == "invalid_request" and body["error"]["param"] == param
@@ -365,6 +373,17 @@ async def test_usage_buckets_add_up_to_the_rows(any_gw):
 async def test_bad_usage_parameters_get_400(gw, query, param):
     body = await get_json(gw, f"/ui/api/usage?{query}", 400)
     assert body["error"]["param"] == param
+
+
+@pytest.mark.parametrize("query, param", [("since=9999-12-31T23:00&until=9999-12-31T23:59:59.999999", "until"),
+                                          ("until=0001-01-01T00:30", "until"),
+                                          ("until=0001-01-02&bucket=day", "until"),
+                                          ("since=0001-01-01T00:00%2B01:00&until=0001-01-01T05:00", "since"),
+                                          ("since=9999-12-31T23:00-01:00", "since"),
+                                          ("since=9999-12-31T20:00&until=9999-12-31T23:59:59-01:00", "until")])
+async def test_times_at_the_ends_of_the_calendar_get_400(gw, query, param):
+    body = await get_json(gw, f"/ui/api/usage?{query}", 400)
+    assert body["error"]["code"] == "invalid_request" and body["error"]["param"] == param
 
 
 async def test_detail_of_a_streamed_request_the_upstream_rejected(harness):

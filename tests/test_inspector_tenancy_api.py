@@ -105,6 +105,13 @@ REFUSALS = [
     ("GET", "/ui/api/keys?org=nobody", None, 404, "not_found", "org"),
     ("DELETE", "/ui/api/keys/key_nope", None, 404, "not_found", None),
     ("DELETE", "/ui/api/keys/acme-key", None, 409, "managed_by_config", None),
+    ("GET", "/ui/api/orgs?x=1", None, 400, "invalid_request", "x"),
+    ("GET", "/ui/api/keys?org=acme&foo=1", None, 400, "invalid_request", "foo"),
+    ("GET", "/ui/api/orgs/acme/grants?org=acme", None, 400, "invalid_request", "org"),
+    ("POST", "/ui/api/keys?dry_run=1", {"org": "acme", "name": "x"}, 400, "invalid_request", "dry_run"),
+    ("POST", "/ui/api/orgs/acme/grants?amount=1", {"amount": 1, "reference": "q"}, 400, "invalid_request",
+     "amount"),
+    ("DELETE", "/ui/api/keys/key_nope?force=1", None, 400, "invalid_request", "force"),
 ]
 
 

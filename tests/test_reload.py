@@ -1,6 +1,7 @@
 """Reloading the config: SIGHUP, POST /admin/reload and `python -m kilnproxy reload`."""
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import aiohttp
 import pytest
 from processes import GatewayProcess, gateway_config
 
+from kilnproxy.cli.main import main
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.mock_upstream import STATS
 from kilnproxy.ops.admin import RELOADER
@@ -168,6 +170,26 @@ async def test_reload_command_by_pidfile_and_by_url(tmp_path, mock):
         assert out.returncode == 2 and out.stderr.startswith("kilnproxy: error: ")
     finally:
         await gw.stop()
+
+
+@pytest.mark.parametrize("pid", ["-1", "0", "-7", "2147483648", "99999999999999999999"])
+def test_a_pid_that_names_no_single_process_is_refused_without_a_signal(pid, tmp_path, monkeypatch, capsys):
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda *args: sent.append(args))
+    pidfile = tmp_path / "gw.pid"
+    pidfile.write_text(f"{pid}\n")
+    for args in (["--pid", pid], ["--pidfile", str(pidfile)]):
+        assert main(["reload", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kilnproxy: error: ") and err.count("\n") == 1 and "not a process id" in err
+    assert sent == []
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://h/", "http://", "http://[::1", "http://h:99999"])
+def test_a_url_that_is_not_http_is_one_line(url, capsys):
+    assert main(["reload", "--url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kilnproxy: error: --url ") and err.count("\n") == 1
 
 
 async def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -141,6 +141,8 @@ REFUSALS = [  # (arguments, what the one line says)
     (("keys", "create", "--org", "acme", "--name", "n", "--expires-at", "soon"), "--expires-at:"),
     (("keys", "create", "--org", "acme", "--name", "n", "--expires-at", "9999-12-31T23:59:59-23:59"),
      "--expires-at: `expires_at` is out of range"),
+    (("keys", "create", "--org", "acme", "--name", "n", "--models", ""), "--models: expected model ids"),
+    (("keys", "update", "key_nope", "--models", " "), "--models: expected model ids"),
     (("keys", "update", "acme-key", "--name", "x"), "is in the gateway's config"),
     (("keys", "revoke", "acme-key"), "is in the gateway's config"),
     (("keys", "revoke", "key_nope"), "No key `key_nope`"),

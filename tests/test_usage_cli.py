@@ -4,6 +4,8 @@ import asyncio
 import json
 import sys
 
+import pytest
+
 from kilnproxy.testing import MODEL, OTHER_KEY
 
 PRICE = {"prompt": 0.10, "completion": 0.30}
@@ -85,10 +87,23 @@ async def test_bad_since_is_one_line_and_exit_2(gw):
     assert err.count("\n") == 1 and err.startswith("kilnproxy: error: --since 'last tuesday'")
 
 
+@pytest.mark.parametrize("since", ["9999-12-31T23:59:59-01:00", "0001-01-01T00:00+01:00"])
+async def test_since_out_of_range_is_one_line_and_exit_2(gw, since):
+    code, out, err = await usage("--db", str(gw.db), "--since", since)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith(f"kilnproxy: error: --since {since!r}: out of range")
+
+
 async def test_missing_database_is_one_line_and_exit_2(tmp_path):
     code, out, err = await usage("--db", str(tmp_path / "nope.db"))
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and "no usage database" in err
+
+
+async def test_a_directory_as_database_is_one_line_and_exit_2(tmp_path):
+    code, out, err = await usage("--db", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("kilnproxy: error: ") and "is a directory" in err
 
 
 async def test_empty_ledger(gw):

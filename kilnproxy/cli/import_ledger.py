@@ -9,8 +9,11 @@ So spending moves with the rows, an import can run while replicas serve, and a
 second run (or a run again after an interruption) adds nothing twice.
 
 Bad input is one line and exit status 2 (``KilnError``): a missing file, a
-file that is not a kilnproxy ledger, a config without ``[storage] url``, a
-database out of reach (its URL shown without the password).
+file that is not a kilnproxy ledger, a row holding text that is not UTF-8
+(refused, not imported with its bytes replaced: a changed org or id would
+charge another org or break the skipping of rows already there), a config
+without ``[storage] url``, a database out of reach (its URL shown without the
+password).
 """
 
 from __future__ import annotations
@@ -104,15 +107,44 @@ class SQLiteSource:
         return StorageError(f"{str(self.path)!r} is not a kilnproxy ledger: {why}")
 
     def batches(self, size: int) -> Iterator[list[dict[str, Any]]]:
-        """The rows, oldest first (by rowid), ``size`` at a time; never the whole file in memory."""
+        """The rows, oldest first (by rowid), ``size`` at a time; never the whole file in memory.
+        A batch that cannot be read is a ``StorageError`` naming the row and column whose text is
+        not UTF-8, or else SQLite's reason."""
         sql = f"SELECT rowid AS _rowid, {self.select} FROM usage_events WHERE rowid > ? ORDER BY rowid LIMIT ?"
         last = -1
-        while rows := self.db.execute(sql, (last, size)).fetchall():
+        while rows := self._read(sql, (last, size)):
             last = rows[-1]["_rowid"]
             yield [{c: r[c] for c in COLUMNS} for r in rows]
 
+    def _read(self, sql: str, params: tuple) -> list[sqlite3.Row]:
+        try:
+            return self.db.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise self._not_utf8(sql, params) or StorageError(f"cannot read {str(self.path)!r}: {exc}") from None
+
+    def _not_utf8(self, sql: str, params: tuple) -> StorageError | None:
+        """The error naming the first row and column of this batch whose text is not UTF-8, if any."""
+        self.db.text_factory = bytes
+        try:
+            for row in self.db.execute(sql, params):
+                for column in COLUMNS:
+                    if isinstance(row[column], bytes) and not _is_utf8(row[column]):
+                        return StorageError(f"row {row['_rowid']} of {str(self.path)!r} holds text that is not"
+                                            f" UTF-8 in its {column} column: correct or delete that row")
+            return None
+        finally:
+            self.db.text_factory = str
+
     def close(self) -> None:
         self.db.close()
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 async def import_rows(source: SQLiteSource, url: str, batch: int, show_progress: bool) -> tuple[int, int]:
@@ -141,6 +173,10 @@ async def import_rows(source: SQLiteSource, url: str, batch: int, show_progress:
         where = f"after row {done_until}" if done_until else "at the first row"
         raise StorageError(f"import into {redacted(url)} stopped {where} ({added} rows added): "
                            f"{reason(exc, url)}; run it again to go on (rows already there are skipped)") from None
+    except StorageError as exc:
+        where = f"after row {done_until}" if done_until else "at the first row"
+        raise StorageError(f"import into {redacted(url)} stopped {where} ({added} rows added): {exc},"
+                           " then run it again (rows already there are skipped)") from None
     finally:
         await pg_close(conn)  # nothing to commit: every batch was its own transaction
     return added, present

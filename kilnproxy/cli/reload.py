@@ -4,6 +4,10 @@
 process SIGHUP; the outcome is in the gateway's log. ``--url`` asks
 ``POST /admin/reload`` instead and reports the outcome here: exit 0 when the
 new config is in force, 1 when it was refused (the running one stays).
+
+A pid outside 1 .. ``PID_MAX`` and a URL that is not ``http(s)://host...`` are
+refused before anything is sent: ``os.kill`` reads -1 as "every process" and
+0 as "my process group", so neither may ever reach it.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..errors import KilnError
+
+PID_MAX = 2**31 - 1
 
 
 def add_reload_command(sub) -> None:
@@ -32,8 +39,8 @@ def add_reload_command(sub) -> None:
 
 def cmd_reload(args: argparse.Namespace) -> int:
     if args.url:
-        return _post_reload(args.url.rstrip("/"), args.token)
-    pid = args.pid if args.pid is not None else _read_pid(args.pidfile)
+        return _post_reload(_checked_url(args.url), args.token)
+    pid = _checked_pid(args.pid, "--pid") if args.pid is not None else _read_pid(args.pidfile)
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:
@@ -44,13 +51,34 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_pid(pid: int, source: str) -> int:
+    """``pid`` if it names one process (1 .. PID_MAX); else a KilnError naming ``source``."""
+    if not 1 <= pid <= PID_MAX:
+        raise KilnError(f"{source}: {pid} is not a process id (1 to {PID_MAX})")
+    return pid
+
+
 def _read_pid(path: str) -> int:
+    """The checked process id held by the pidfile at ``path``."""
     try:
-        return int(Path(path).read_text().strip())
+        pid = int(Path(path).read_text().strip())
     except FileNotFoundError:
         raise KilnError(f"{path}: no such pidfile (start the gateway with serve --pidfile {path})") from None
     except (OSError, ValueError) as exc:
         raise KilnError(f"{path}: not a pidfile: {exc}") from None
+    return _checked_pid(pid, path)
+
+
+def _checked_url(url: str) -> str:
+    """``url`` without a trailing slash if it is an http(s) URL with a host; else a KilnError."""
+    try:
+        parts = urlsplit(url)
+        host, _port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise KilnError(f"--url {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise KilnError(f"--url {url!r}: not an http(s) URL (e.g. http://127.0.0.1:8080)")
+    return url.rstrip("/")
 
 
 def _post_reload(url: str, token: str | None) -> int:

@@ -12,7 +12,8 @@ bodies instead (``{"data": [...]}`` for a listing, the object for one).
 ``keys create`` prints the secret once; nothing else ever prints it.
 
 In an option's value, ``none`` clears a field (no limit, no expiry, the
-default ``max_in_flight``); ``--models all`` lifts a key's allow-list.
+default ``max_in_flight``); ``--models all`` lifts a key's allow-list, and an
+empty ``--models`` is refused.
 """
 
 from __future__ import annotations
@@ -62,8 +63,13 @@ def _flag(text: str) -> bool:
 
 
 def _models(text: str) -> list[str] | None:
-    if text.strip().lower() in ("", "all"):
+    """``all``: None, the allow-list lifted; else the comma-separated model ids. An empty value is
+    refused, so that an unset shell variable (``--models "$MODELS"``) never lifts the allow-list."""
+    if text.strip().lower() == "all":
         return None
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected model ids separated by commas, or all to lift the allow-list,"
+                                         f" not {text!r}")
     return [m.strip() for m in text.split(",")]
 
 

@@ -31,13 +31,18 @@ def add_usage_command(sub, config_arg) -> None:
 
 
 def _since(value: str) -> str:
+    """``value`` (naive: UTC) in the ledger's own UTC format; a KilnError if it is not an ISO-8601
+    date or time, or falls outside the years 1 to 9999 in UTC."""
     try:
         when = datetime.fromisoformat(value)
     except ValueError:
         raise KilnError(f"--since {value!r}: not a date; use e.g. 2026-11-01 or 2026-11-01T12:00") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+    try:
+        return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+    except OverflowError:
+        raise KilnError(f"--since {value!r}: out of range (in UTC it falls outside the years 1 to 9999)") from None
 
 
 def totals(db: Path, since: str | None = None, org: str | None = None, model: str | None = None,

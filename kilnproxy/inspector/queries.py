@@ -50,6 +50,7 @@ BUCKETS = {"minute": (16, timedelta(minutes=1)), "hour": (13, timedelta(hours=1)
 DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``since`` is not given
 MAX_BUCKETS = 10_000
 MAX_LIMIT = 500
+MAX_ROWID = 2**63 - 1  # SQLite's INTEGER and PostgreSQL's BIGINT
 SELECT_COLUMNS = ", ".join(COLUMNS)  # never ``*``: PostgreSQL's table has two columns more
 
 
@@ -103,11 +104,13 @@ def parse_status(status: str) -> int:
 
 
 def parse_cursor(cursor: str) -> tuple[str, int]:
+    """``(created_at, rowid)`` of a ``next`` cursor; a QueryError on ``before`` for anything else,
+    a row id beyond the largest both databases store included."""
     try:
         created_at, sep, rowid = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().rpartition("~")
     except (ValueError, UnicodeDecodeError):
         sep = ""
-    if not sep or not created_at or not rowid.isdigit():
+    if not sep or not created_at or not rowid.isdigit() or int(rowid) > MAX_ROWID:
         raise QueryError("before", "before must be the `next` cursor of a previous page")
     return created_at, int(rowid)
 
@@ -125,7 +128,10 @@ def parse_time(value: str, param: str) -> str:
         raise QueryError(param, f"{param} must be an ISO-8601 time, e.g. 2026-11-29T20:00:00Z") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+    try:
+        return when.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+    except OverflowError:
+        raise QueryError(param, f"{param} is out of range: in UTC it falls outside the years 1 to 9999") from None
 
 
 class Reader(Protocol):
@@ -209,16 +215,16 @@ class InspectorStore:
             raise QueryError("bucket", f"bucket must be one of {', '.join(BUCKETS)}")
         width, step = BUCKETS[bucket]
         end = datetime.fromisoformat(parse_time(until, "until")) if until else datetime.now(timezone.utc)
-        start = datetime.fromisoformat(parse_time(since, "since")) if since else end - DEFAULT_SPAN[bucket] * step
+        start = datetime.fromisoformat(parse_time(since, "since")) if since else _default_start(end, bucket)
         if start >= end:
             raise QueryError("since", "since must be before until")
         if (end - start) / step > MAX_BUCKETS:
             raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
+        labels = _bucket_labels(start, end, step, width)
         # Without ``until`` the span ends now, and a row stamped in this very millisecond is in it.
         sql, params = usage_query(width, _iso(start), _iso(end), org, model, up_to_now=not until)
         series = sorted(await self.reader.fetch(sql, params), key=_series_order)
-        return {"bucket": bucket, "since": _iso(start), "until": _iso(end),
-                "buckets": _bucket_labels(start, end, step, width), "series": series}
+        return {"bucket": bucket, "since": _iso(start), "until": _iso(end), "buckets": labels, "series": series}
 
 
 def usage_query(width: int, start: str, end: str, org: str | None = None,
@@ -249,12 +255,25 @@ def _iso(when: datetime) -> str:
     return when.isoformat(timespec="milliseconds")
 
 
+def _default_start(end: datetime, bucket: str) -> datetime:
+    """The start of the default span ending at ``end``; a QueryError on ``until`` if it would
+    fall before year 1."""
+    try:
+        return end - DEFAULT_SPAN[bucket] * BUCKETS[bucket][1]
+    except OverflowError:
+        raise QueryError("until", "until is too early for the default span: give since as well") from None
+
+
 def _bucket_labels(start: datetime, end: datetime, step: timedelta, width: int) -> list[str]:
-    """Every bucket of the span, empty ones included, so charts keep a true time axis."""
+    """Every bucket of the span, empty ones included, so charts keep a true time axis; a
+    QueryError on ``until`` if the last bucket would end after year 9999."""
     labels, t = [], _floor(start, step)
-    while t < end:
-        labels.append(t.isoformat()[:width])
-        t += step
+    try:
+        while t < end:
+            labels.append(t.isoformat()[:width])
+            t += step
+    except OverflowError:
+        raise QueryError("until", "until is too late: its bucket would end after year 9999") from None
     return labels
 
 

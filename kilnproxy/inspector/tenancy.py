@@ -17,9 +17,11 @@ which only the live feed's ``EventSource`` needs), so a link cannot make one.
 
 The objects, the checks and their order are the admin API's (``/admin/v1``,
 ``kilnproxy.proxy.tenant_changes``): 400 ``invalid_request`` naming the
-field, 404 ``not_found``, 409 ``managed_by_config`` for a config key; a refused
-request changes nothing; a change is in force on this replica
-(``Tenants.refresh``) before its answer, and on the others within a second.
+field, or the query parameter a route does not take (the reads take ``token``,
+and the keys ``org``; the changes none), 404 ``not_found``, 409
+``managed_by_config`` for a config key; a refused request changes nothing; a
+change is in force on this replica (``Tenants.refresh``) before its answer, and
+on the others within a second.
 Audit events name the actor ``inspector``. 503 ``store_unavailable`` when the
 database is out of reach.
 """
@@ -35,9 +37,10 @@ from ..proxy.json_routes import expect_handler
 from ..proxy.request_body import read_body
 from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble
 from ..proxy.tenant_views import gateway_view
-from ..store.tenancy_validation import parse_body
+from ..store.tenancy_validation import parse_body, query
 
 ACTOR = "inspector"
+READ_PARAMS = ("token",)  # the inspector's ``?token=``, which reads may carry
 LAST_USED = "SELECT MAX(created_at) AS t FROM usage_events WHERE key_id = ?"  # the (key_id, created_at) index
 
 
@@ -64,12 +67,13 @@ class TenancyPage:
 
     async def orgs(self, request: web.Request) -> web.Response:
         self.api.access(request)
+        query(request, *READ_PARAMS)
         with answer_store_trouble():
             return _json({"data": await self.changes().view.orgs()})
 
     async def keys(self, request: web.Request) -> web.Response:
         self.api.access(request)
-        org = request.query.get("org") or None
+        org = query(request, "org", *READ_PARAMS).get("org") or None
         with answer_store_trouble():
             keys = await self.changes().keys(org)
             for key in keys:
@@ -78,6 +82,7 @@ class TenancyPage:
 
     async def grants(self, request: web.Request) -> web.Response:
         self.api.access(request)
+        query(request, *READ_PARAMS)
         with answer_store_trouble():
             return _json({"data": await self.changes().grants(request.match_info["org_id"])})
 
@@ -95,6 +100,7 @@ class TenancyPage:
 
     async def revoke_key(self, request: web.Request) -> web.Response:
         self.api.access(request, header_only=True)
+        query(request)
         with answer_store_trouble():
             return _json(await self.changes().revoke_key(request.match_info["key_id"]))
 
@@ -106,6 +112,7 @@ class TenancyPage:
 
     async def _body(self, request: web.Request) -> Any:
         self.api.access(request, header_only=True)
+        query(request)
         return parse_body(await read_body(request, self.gateway.config.server))  # as the admin API reads it
 
 

@@ -36,7 +36,7 @@ from ..proxy.read_endpoints import json_response
 from ..proxy.request_body import read_body
 from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble
 from ..proxy.tenant_views import gateway_view
-from ..store.tenancy_validation import invalid, parse_body
+from ..store.tenancy_validation import invalid, parse_body, query
 from .admin import check_admin
 
 ACTOR = "admin-api"
@@ -57,16 +57,6 @@ def admin_route(handler: Handler) -> Callable[[web.Request], Awaitable[web.Respo
             return await handler(request, changes)
 
     return route
-
-
-def query(request: web.Request, *allowed: str) -> dict[str, str]:
-    """The query's parameters, or 400 naming one the route does not take."""
-    for name in request.query:
-        if name not in allowed:
-            raise invalid(f"Unknown query parameter `{name}`"
-                          + (f"; this route takes: {', '.join(allowed)}." if allowed else "; this route takes none."),
-                          name)
-    return dict(request.query)
 
 
 def whole_number(params: dict[str, str], name: str, default: int | None, low: int, high: int) -> int | None:

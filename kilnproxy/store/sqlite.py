@@ -288,10 +288,16 @@ def add_missing_columns(db: sqlite3.Connection) -> None:
 
 
 def read_rows(path: Path, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
-    """Read the ledger from another process (the ``usage`` command), read-only."""
+    """Read the ledger from another process (the ``usage`` command), read-only. A file that is
+    missing, a directory or no readable SQLite database is a ``StorageError``."""
     if not Path(path).exists():
         raise StorageError(f"no usage database at {str(path)!r} (check [storage] path)")
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    if Path(path).is_dir():
+        raise StorageError(f"{str(path)!r} is a directory, not a usage database (check [storage] path)")
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    except sqlite3.Error as exc:
+        raise StorageError(f"cannot open the usage database {str(path)!r}: {exc}") from None
     try:
         db.row_factory = sqlite3.Row
         return db.execute(sql, tuple(params)).fetchall()
