@@ -10,6 +10,7 @@ depends on it.
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -31,6 +32,17 @@ class RawResponse:
     @property
     def error_code(self):
         return self.json()["error"]["code"]
+
+
+@asynccontextmanager
+async def raw_server(serve):
+    """A server running ``serve(reader, writer)`` on each connection: its base URL (``.../v1``)."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 def address(url: str) -> tuple[str, int]:

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 import orjson
 import pytest
-from rawhttp import exchange_all, read_request, request
+from rawhttp import exchange_all, raw_server, read_request, request
 
 from kilnproxy.store.sqlite import SQLiteLedger
 from kilnproxy.testing import KEY, MODEL
@@ -29,19 +29,13 @@ def http(body: bytes, status: str = "200 OK", **headers: str) -> bytes:
 @asynccontextmanager
 async def answering(raw: bytes):
     """An upstream that answers every request with ``raw``, then closes the connection: its base URL."""
-    import asyncio
-
     async def serve(reader, writer):
         await read_request(reader)
         writer.write(raw)
         await writer.drain()
         writer.close()
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_server(serve) as url:
+        yield url
 
 
 async def answered(harness, raw: bytes) -> tuple[int, dict, bytes, dict]:

@@ -8,7 +8,7 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
-from rawhttp import read_request
+from rawhttp import raw_server, read_request
 
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 from kilnproxy.usage import round_usd
@@ -294,12 +294,8 @@ async def raw_upstream(go: asyncio.Event | None = None, stream: bytes = WHOLE_ST
         writer.write(stream)
         await writer.drain()
         writer.close()
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_server(serve) as url:
+        yield url
 
 
 def sent_by_server(monkeypatch) -> list[bytes]:
