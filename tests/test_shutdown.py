@@ -137,12 +137,13 @@ async def test_requests_still_waiting_for_an_upstream_when_the_grace_period_ends
     """One request waits for a head that never comes, two wait in the queue of a one-slot upstream whose
     slot a long stream holds: when the grace period ends, the stream ends with its event and the three get
     503 ``shutting_down`` at once; the slot the stream frees goes to nobody."""
-    reached = asyncio.Event()
+    reached, done = asyncio.Event(), asyncio.Event()
 
     async def never_answers(reader, writer):
         await reader.read(65536)
         reached.set()
-        await asyncio.Event().wait()
+        await done.wait()  # no answer, until the test is over
+        writer.close()
     hanging = await asyncio.start_server(never_answers, "127.0.0.1", 0)
     hang_url = f"http://127.0.0.1:{hanging.sockets[0].getsockname()[1]}/v1"
     models = [{"id": MODEL, "upstreams": [{"url": f"{mock.url}/v1", "max_in_flight": 1}], "queue_timeout": 600,
@@ -178,4 +179,6 @@ async def test_requests_still_waiting_for_an_upstream_when_the_grace_period_ends
         assert mock.app[STATS]["requests"] == 1  # the queued requests never reached the upstream
     finally:
         await gw.stop()
+        done.set()
         hanging.close()
+        await hanging.wait_closed()
