@@ -130,3 +130,20 @@ async def test_harness_takes_fixture_objects_and_the_sdk_matches_by_model_and_st
         assert h.client_body() == {"model": h.model, "prompt": "p", "max_tokens": 1}
     assert (out.model, out.choices[0].text, out.usage.completion_tokens) == (h.model, " recorded", 1)
     assert seen["body"]["model"] == "served-name" and seen["body"]["prompt"] == "something else"
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda d: d.update(kilnproxy_fixture=True), "not a kilnproxy fixture of format 1"),
+    (lambda d: d["response"]["chunks"].append({"ms": 0, "text": 123}), "a chunk's text must be a string"),
+    (lambda d: d["response"].update(status=0), "status must be from 100 to 599"),
+    (lambda d: d["response"].update(status=99999), "status must be from 100 to 599"),
+    (lambda d: d["response"]["headers"].update({"X-Evil": "a\r\nInjected: yes"}), "without CR, LF or NUL"),
+])
+def test_load_refuses_what_replay_could_not_send(tmp_path, change, says):
+    """Refused at load with one line naming the file, not at the first request (a traceback, a 500, or a
+    connection closed with no answer)."""
+    doc = fixture("x", {"model": "m"}, [b"ok"]).to_json()
+    change(doc)
+    (tmp_path / "odd.json").write_bytes(orjson.dumps(doc))
+    with pytest.raises(FixtureError, match=f"odd.json: .*{says}"):
+        load(tmp_path / "odd.json")
