@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .config_reader import NUMBER, Reader, header_safe
+from .config_reader import HEADER_NAME, NUMBER, Reader, header_safe
 from .config_types import (
     AdminConfig,
     HealthConfig,
@@ -81,6 +81,9 @@ def tracing(r: Reader) -> TracingConfig:
             if not eq or not name.strip():
                 r.fail(r.key("headers_env"), f"the variable {headers_env} must hold name=value pairs separated "
                                              "by commas (the value is not shown)")
+            if not HEADER_NAME.fullmatch(name.strip()):
+                r.fail(r.key("headers_env"), f"the variable {headers_env} names a header {name.strip()!r} that is "
+                                             "not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~)")
             if not header_safe(item):
                 r.fail(r.key("headers_env"), f"the variable {headers_env} holds a control character in header "
                                              f"{name.strip()!r} (the value is not shown)")

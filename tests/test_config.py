@@ -155,6 +155,14 @@ def test_a_tracing_header_refuses_a_control_character(tmp_path, monkeypatch):
     assert "s3" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["a b", "x:y", "caf\u00e9"])
+def test_a_tracing_header_name_must_be_an_http_token(tmp_path, monkeypatch, name):
+    """Else every export is refused by the receiver (and every span dropped) while the config said OK."""
+    monkeypatch.setenv("KILNPROXY_TEST_OTLP", f"{name}=v")
+    with pytest.raises(ConfigError, match="tracing.headers_env: .* not an HTTP header name"):
+        load_config(write(tmp_path, '[tracing]\nheaders_env = "KILNPROXY_TEST_OTLP"\n' + GOOD))
+
+
 def test_bad_config_stops_start_up_with_one_line_and_no_traceback(tmp_path):
     path = write(tmp_path, GOOD.replace('org = "acme"', 'org = "nobody"'))
     proc = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(path)], capture_output=True,
