@@ -166,3 +166,20 @@ async def test_connections_dropped_under_load_lose_no_row_and_charge_none_twice(
             assert await db.consistent()
     finally:
         await stop_all(a)
+
+
+def test_asyncpgs_reconnect_warnings_are_one_line(caplog):
+    """While PostgreSQL is away asyncpg's pool retries and logs each failure with a traceback; the
+    gateway keeps those to one line each (its own line says what happens to requests)."""
+    import logging
+
+    import kilnproxy.store.postgres  # noqa: F401  (puts the filter on asyncpg's logger)
+    try:
+        raise ConnectionRefusedError(111, "Connection refused")
+    except ConnectionRefusedError:
+        logging.getLogger("asyncpg.pool").warning("Failed to restore the pool connection floor; retrying",
+                                                  exc_info=True)
+    [record] = [r for r in caplog.records if r.name == "asyncpg.pool"]
+    assert caplog.text.count("\n") == 1 and "Traceback" not in caplog.text
+    assert record.getMessage() == ("Failed to restore the pool connection floor; retrying: "
+                                   "ConnectionRefusedError: [Errno 111] Connection refused")

@@ -49,6 +49,21 @@ from .spool import Spool
 
 log = logging.getLogger("kilnproxy.ledger")
 
+
+class OneLine(logging.Filter):
+    """asyncpg's pool logs a traceback at each failed reconnect while PostgreSQL is away, which the
+    gateway reports in its own line: its records keep the exception's type and message, one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger("asyncpg.pool").addFilter(OneLine())
+
 POOL_SIZE = 5  # besides the admitter's and the writer's own connections (``Pinned``)
 STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
 CONNECT_TIMEOUT = 5.0
