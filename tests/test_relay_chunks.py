@@ -206,6 +206,7 @@ ODD_STREAMS = {
         + event(model=UPSTREAM_MODEL, choices=[], usage={"prompt_tokens": 5, "completion_tokens": 3}) * 2,
     "usage not an object": event(model=UPSTREAM_MODEL, **TEXT) * 6 + event(model=UPSTREAM_MODEL, choices=[], usage=[5, 3]),
     "[DONE] with a trailing space": event(model=UPSTREAM_MODEL, **TEXT) * 6 + b"data: [DONE] \n\n",
+    "a model the server names otherwise": event(model="served-alias", **TEXT) * 12,
 }
 
 

@@ -209,3 +209,15 @@ async def test_a_fault_of_the_messages_relay_ends_the_stream_with_its_error_even
                   b'"message":"The gateway failed unexpectedly; see its log."}}\n\n'
     assert (row["status"], row["error_code"]) == (200, "internal_error")
     assert "RuntimeError: a bug" in caplog.text
+
+
+async def test_events_carry_the_catalog_id_when_it_is_the_upstream_model_too(harness):
+    """A model whose catalog id is also the name sent upstream (the default, and every discovered model),
+    served by a server that names its model otherwise (llama.cpp names its alias): every event is renamed."""
+    chunks = [text_chunk(t, f, model="served-alias") for t, f in (("Hello", None), (" world", None), ("!", "stop"))] * 3
+    stream = b"".join(map(frame, chunks)) + frame({**usage(5, 3), "model": "served-alias"}) + DONE
+    async with raw_upstream(stream=stream) as url:
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url], upstream_model=MODEL)) as h:
+            async with h.post("/v1/completions", {"model": MODEL, "stream": True, "prompt": "hi"}) as resp:
+                raw = await resp.read()
+    assert raw == b"".join(renamed(c) for c in chunks) + DONE

@@ -159,7 +159,9 @@ class PlainRun:
             if null not in frames:  # else every event holds the null; if not, none may hold the key
                 plain = plain and key not in frames
             banned.append(key)  # in a middle: a usage or finish reason of its own (another choice's)
-        if self.rename:  # the upstream's name once in every event: once in the frames, nowhere else
+        if not self.rename:  # the name once in every event (a server may name its model otherwise)
+            plain = plain and frames.count(self.upstream) == 1
+        else:  # the upstream's name once in every event: once in the frames, nowhere else
             upstream, catalog = self.upstream, self.catalog
             plain = plain and catalog not in frames and frames.count(upstream) == 1
             banned += (upstream, catalog)
@@ -179,13 +181,12 @@ class PlainRun:
         n = lines >> 1
         eol = head.find(b"\n")
         framed = False  # each event is one data: line, shown by a frame check
-        if self.rename:
-            at = head.find(self.upstream, 0, eol)
-            if at < 0 or head.count(MODEL_KEY) != n:
-                return 0
-            framed = self._framed(head, n, eol, at, at + len(self.upstream), 0)
-            if not framed and not self._one_each(head, n):
-                return 0
+        at = head.find(self.upstream, 0, eol)  # the name to rename, or the catalog id itself: in every event
+        if at < 0 or head.count(MODEL_KEY) != n:
+            return 0
+        framed = self._framed(head, n, eol, at, at + len(self.upstream), 0)
+        if not framed and not self._one_each(head, n):
+            return 0
         at = head.find(FINISH_NULL, 0, eol)
         if at >= 0 and self._framed(head, n, eol, at, at + len(FINISH_NULL), 1):
             framed = True

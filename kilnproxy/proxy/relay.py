@@ -213,10 +213,10 @@ class EventRelay:
                 and ERROR not in payload
                 and (finish < 0 or payload.startswith(FINISH_NULL, finish)
                      and payload.find(FINISH, finish + FINISH_LEN) < 0)):
-            if not self.rename or self.route.model_bytes in payload:
+            if self.route.model_bytes in payload:
                 self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
                 return data_frame(payload)
-            if self.route.upstream_model_bytes in payload:
+            if self.rename and self.route.upstream_model_bytes in payload:
                 self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
                 return data_frame(payload.replace(self.route.upstream_model_bytes, self.route.model_bytes, 1))
         return self._parsed_event(payload)
