@@ -149,6 +149,24 @@ async def test_transform_event_leaving_no_json_is_named(harness):
         assert row["error_code"] == "plugin_error"
 
 
+class UnserialisableBody:
+    @hookimpl
+    def rewrite_request(self, body):
+        body["when"] = object()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_rewrite_request_leaving_no_json_is_named(harness, stream):
+    async with harness(plugins=[UnserialisableBody()], overrides=ONE_SLOT) as h:
+        async with h.post("/v1/completions", {"model": h.model, "prompt": PROMPT, "stream": stream}) as resp:
+            answer = await resp.json()
+            row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+        assert resp.status == 500 and answer["error"]["code"] == "plugin_error"
+        assert answer["error"]["message"].startswith("Plugin 'UnserialisableBody' raised in rewrite_request: "
+                                                     "TypeError: the body is no longer JSON")
+        assert (row["status"], row["error_code"]) == (500, "plugin_error")
+
+
 class WrongReturns:
     @hookimpl
     def check_request(self, body):

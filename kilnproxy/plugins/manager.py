@@ -40,6 +40,7 @@ DEFAULT_PLUGINS = (
     "kilnproxy.plugins.builtin.upstream_body",
     "kilnproxy.plugins.builtin.pricing",
 )
+BUILT_IN = frozenset(module.rpartition(".")[2] for module in DEFAULT_PLUGINS)  # their plugin names
 
 ENTRY_POINT_GROUP = "kilnproxy"
 HOOK_NAMES = tuple(name for name, f in vars(hookspecs).items()

@@ -26,8 +26,9 @@ from typing import NamedTuple
 import orjson
 
 from ..config import KeyConfig
-from ..errors import GatewayError, UpstreamFailure
+from ..errors import GatewayError, UpstreamFailure, plugin_failed
 from ..plugins.call import Call
+from ..plugins.manager import BUILT_IN
 from ..store.limits import Hold
 from .deadlines import RequestTimedOut, deadline_of, request_deadline_passed
 from .gateway import Gateway
@@ -78,7 +79,10 @@ async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, r
 async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestRecord, body: dict,
                       headers: dict[str, str] | None) -> Opened:
     model = route.model
-    payload = orjson.dumps(body)
+    try:
+        payload = orjson.dumps(body)
+    except TypeError as exc:  # only a plugin shown the body can have put something there
+        raise _body_spoilt(gw, exc) from exc
     if record.tap is not None:
         record.tap.sent_upstream(payload)
     loop = asyncio.get_running_loop()
@@ -97,6 +101,14 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None
     return Opened(route, upstream, resp, first, deadline)
+
+
+def _body_spoilt(gw: Gateway, exc: TypeError) -> GatewayError:
+    """``plugin_error`` naming the plugins (not the built-in ones) whose hooks were shown the request body."""
+    impls = [i for i in gw.hooks.check_request + gw.hooks.rewrite_request if i.plugin not in BUILT_IN]
+    names = ", ".join(dict.fromkeys(i.plugin for i in impls)) or "?"
+    hooks = " or ".join(dict.fromkeys(i.hook for i in impls)) or "rewrite_request"
+    return plugin_failed(names, hooks, TypeError(f"the body is no longer JSON: {exc}"))
 
 
 def _usable(route: Route, key: KeyConfig, endpoint: str) -> bool:
