@@ -89,3 +89,14 @@ def test_a_missing_file_or_bad_toml_is_one_line(tmp_path):
     (tmp_path / "broken.toml").write_text("[server\n")
     out = check(tmp_path / "broken.toml")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not valid TOML" in out.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """``check-config FILE | head -1``: the pipe closes before the output is written."""
+    path = tmp_path / "config.toml"
+    path.write_text(toml(gateway_config(["http://10.0.0.7:8000/v1"])))
+    proc = subprocess.Popen([sys.executable, "-m", "kilnproxy", "check-config", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
