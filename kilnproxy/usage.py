@@ -128,12 +128,15 @@ def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
 # The hold's bound on a prompt (``prompt_token_bound``): a BPE token is at least one UTF-8 byte, so a
 # text's byte length bounds its tokens whatever the tokenizer; a chat template adds a few tokens around
 # each message (ChatML's ``<|im_start|>user\n ... <|im_end|>\n`` is 5, Llama 3's header and ``<|eot_id|>``
-# 5 too): ``TEMPLATE_TOKENS_PER_MESSAGE`` is a safe allowance for them; ``TEMPLATE_TOKENS`` covers the
-# rest (BOS, a default system prompt's frame, the generation prompt after the last message).
+# 5 too, the role's bytes included here): ``TEMPLATE_TOKENS_PER_MESSAGE`` is a safe allowance for them;
+# ``TEMPLATE_TOKENS`` covers the rest (BOS, a default system prompt such as Llama 3.1's dated one, about
+# 30 tokens with its frame, the generation prompt after the last message), and is added again for each
+# field rendered as JSON, for the preamble a template puts before tool definitions. Those fields count
+# twice their length: templates' ``tojson`` escapes non-ASCII text (6 bytes for a 3-byte character).
 TEMPLATE_TOKENS_PER_MESSAGE = 8
-TEMPLATE_TOKENS = 32
+TEMPLATE_TOKENS = 64
 _PROMPT_FIELDS = ("prompt", "messages", "input", "system", "instructions")
-_RENDERED_AS_JSON = ("tools", "functions", "tool_choice")  # chat templates render tool definitions as JSON
+_RENDERED_AS_JSON = ("tools", "functions", "tool_choice", "documents")
 
 
 def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | None = None) -> int:
