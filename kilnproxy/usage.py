@@ -123,3 +123,72 @@ def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
         elif isinstance(item, dict):
             stack.extend(v for k, v in item.items() if k in ("content", "text", "input"))
     return max(1, ids + -(-chars // CHARS_PER_TOKEN))
+
+
+# The hold's bound on a prompt (``prompt_token_bound``): a BPE token is at least one UTF-8 byte, so a
+# text's byte length bounds its tokens whatever the tokenizer; a chat template adds a few tokens around
+# each message (ChatML's ``<|im_start|>user\n ... <|im_end|>\n`` is 5, Llama 3's header and ``<|eot_id|>``
+# 5 too, the role's bytes included here): ``TEMPLATE_TOKENS_PER_MESSAGE`` is a safe allowance for them;
+# ``TEMPLATE_TOKENS`` covers the rest (BOS, a default system prompt such as Llama 3.1's dated one, about
+# 30 tokens with its frame, the generation prompt after the last message), and is added again for each
+# field rendered as JSON, for the preamble a template puts before tool definitions. Those fields count
+# twice their length: templates' ``tojson`` escapes non-ASCII text (6 bytes for a 3-byte character).
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+TEMPLATE_TOKENS = 64
+_PROMPT_FIELDS = ("prompt", "messages", "input", "system", "instructions")
+_RENDERED_AS_JSON = ("tools", "functions", "tool_choice", "documents")
+
+
+def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | None = None) -> int:
+    """The most tokens the request's prompt can be, for any real tokenizer and chat template: the UTF-8
+    bytes of every string in the fields that make the prompt (``prompt``, ``messages``, ``input``,
+    ``system``, ``instructions``; tool definitions as their JSON), one token per token id,
+    ``TEMPLATE_TOKENS_PER_MESSAGE`` per message (or per prompt of a list, or per input), plus
+    ``TEMPLATE_TOKENS``; never more than ``context_window`` per prompt when the model has one (the
+    upstream refuses a longer prompt).
+    """
+    if not body:
+        return 0
+    tokens = TEMPLATE_TOKENS
+    for field in _PROMPT_FIELDS:
+        value = body.get(field)
+        if isinstance(value, list):  # messages, prompts or inputs; a list of token ids is one prompt
+            tokens += TEMPLATE_TOKENS_PER_MESSAGE * sum(not isinstance(item, int) for item in value)
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                tokens += len(item.encode("utf-8", "surrogatepass"))
+            elif isinstance(item, int) and not isinstance(item, bool):
+                tokens += 1
+            elif isinstance(item, list):
+                stack.extend(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+    for field in _RENDERED_AS_JSON:
+        value = body.get(field)
+        if value is not None:
+            tokens += 2 * len(repr(value).encode("utf-8", "surrogatepass")) + TEMPLATE_TOKENS
+    if context_window:
+        tokens = min(tokens, context_window * prompt_count(body))
+    return tokens
+
+
+def prompt_count(body: Mapping[str, Any]) -> int:
+    """How many prompts a completions request sends (a list of strings or of token-id lists is one
+    prompt each, every one answered with its own choices); 1 otherwise."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def choice_count(body: Mapping[str, Any]) -> int:
+    """The choices a request asks the upstream to generate for each prompt: the larger of ``n`` and
+    ``best_of`` (an int >= 1; anything else counts as 1)."""
+    count = 1
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if type(value) is int and value > count:
+            count = value
+    return count

@@ -1,8 +1,8 @@
 """Request rule 5 (docs/reference.md): the credit hold placed with the in-flight slot, on both stores.
 
-A hold is the most a request can cost: its prompt estimated from its length
-plus ``max_tokens`` (or the model's ``context_window``) at the completion
-price. An org whose remaining credits minus its other holds are not above zero
+A hold is the most a request can cost: a bound on its prompt (its UTF-8 bytes
+plus a chat template's tokens) plus ``max_tokens`` (or the model's
+``context_window``) at the completion price (tests/test_hold_bounds.py). An org whose remaining credits minus its other holds are not above zero
 gets 402, so it is never overdrawn by more than one request.
 """
 
@@ -14,12 +14,12 @@ from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import completion_body
 
 # test model: prompt 0.10 and completion 0.30 USD per million tokens, context_window 4096
-PROMPT = "The capital of France is"  # 24 characters: a hold counts 6 prompt tokens
+PROMPT = "The capital of France is"  # 24 bytes: a hold counts 24 + 64 (TEMPLATE_TOKENS) prompt tokens
 GRANT = 0.001  # USD
 
 
 def hold_of(max_tokens: int) -> float:
-    return (6 * 0.10 + max_tokens * 0.30) / 1e6
+    return (88 * 0.10 + max_tokens * 0.30) / 1e6
 
 
 def grant(store: dict, credits: float = GRANT) -> dict:

@@ -43,22 +43,23 @@ async def test_a_runtime_key_has_its_own_requests_per_minute(harness, store):
 
 
 async def test_tokens_are_reserved_at_admission_and_settled_to_the_real_count(harness, store, committed):
-    # the prompt "The capital of France is" is estimated at 6 tokens: max_tokens=60 reserves 66
-    async with harness(overrides={**store, "orgs": orgs(tokens_per_minute=100)}) as h:
+    # the prompt "The capital of France is" is bounded at 88 tokens (24 bytes + 64 for the template):
+    # max_tokens=60 reserves 148
+    async with harness(overrides={**store, "orgs": orgs(tokens_per_minute=200)}) as h:
         stalled = completion_body(stream=True, max_tokens=60, mock={"fail": "stall", "after": 1})
         first = await h.post("/v1/completions", stalled)
         assert first.status == 200
         await first.content.readline()
-        second = await h.post("/v1/completions", stalled)  # 66 reserved by the other: below 100
+        second = await h.post("/v1/completions", stalled)  # 148 reserved by the other: below 200
         assert second.status == 200
         await second.content.readline()
         assert await status_and_code(h, completion_body(max_tokens=1)) == (429, "rate_limit_exceeded")
         first.close()
         second.close()
         await committed(h, 3, org="acme")  # the 429's row and the two closed streams'
-        # the two rows settled what was streamed (a few tokens each), not the 132 reserved
+        # the two rows settled what was streamed (a few tokens each), not the 296 reserved
         used = sum(r["total_tokens"] for r in await h.rows(org="acme") if r["status"] == 200)
-        assert used < 100
+        assert used < 200
         assert await status_and_code(h, completion_body(max_tokens=1)) == (200, None)
 
 

@@ -85,13 +85,11 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
 def api_hold(call: Call, created_at: str, body: dict, context_window: int | None) -> Hold:
     """The most the request can cost: embeddings produce no tokens; the Responses API caps its
     output with ``max_output_tokens``; Anthropic's ``max_tokens`` is read as a completion's is."""
-    hold = Hold(call, created_at, body, context_window)
     if call.endpoint in ("embeddings", "responses"):
         limit = body.get("max_output_tokens") if call.endpoint == "responses" else 0
         completion = limit if type(limit) is int and limit >= 0 else context_window or 0
-        hold.amount = hold.prompt_cost + (call.pricing.cost(0, completion, 0) if call.pricing else 0.0)
-        hold.tokens = hold.prompt_tokens + completion  # reserved against tokens_per_minute bounds
-    return hold
+        return Hold(call, created_at, body, context_window, completion)
+    return Hold(call, created_at, body, context_window)
 
 
 def _upstream_headers(request: web.BaseRequest) -> dict[str, str]:

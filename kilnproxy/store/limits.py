@@ -19,21 +19,26 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from ..errors import GatewayError
-from ..usage import estimate_prompt_tokens
+from ..usage import choice_count, estimate_prompt_tokens, prompt_count, prompt_token_bound
 from .minute_windows import MinuteWindows
 
 
 class Hold:
-    """The most one request can cost: its prompt estimated from its length, plus
-    ``max_tokens`` (or the model's ``context_window`` when absent) at the completion price.
+    """The most one request can cost: a bound on its prompt's tokens (``prompt_token_bound``: its UTF-8
+    bytes plus a chat template's tokens, at most the context window) at the prompt price, plus
+    ``max_tokens`` (or the model's ``context_window`` when absent) for each choice it asks for (``n``,
+    ``best_of``, and each prompt of a list) at the completion price. ``amount`` is held against the
+    org's credits and the key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
 
-    It also carries what a ``replica_lost`` row needs, should its replica die.
+    It also carries what a ``replica_lost`` row needs, should its replica die: ``prompt_tokens`` and
+    ``prompt_cost`` are the prompt's estimate (about four characters a token), what such a row is charged.
     """
 
     __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "prompt_tokens",
                  "prompt_cost", "amount", "key_limit", "key_since", "tokens", "per_minute")
 
-    def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None):
+    def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None,
+                 completion: int | None = None):
         self.id = call.generation_id
         self.org = call.org
         self.key_id = call.key_id
@@ -44,11 +49,14 @@ class Hold:
         self.prompt_tokens = estimate_prompt_tokens(body)
         pricing = call.pricing
         self.prompt_cost = pricing.cost(self.prompt_tokens, 0, 0) if pricing else 0.0
-        completion = _max_tokens(body)
         if completion is None:
-            completion = context_window or 0
-        self.amount = self.prompt_cost + (pricing.cost(0, completion, 0) if pricing else 0.0)
-        self.tokens = self.prompt_tokens + completion  # reserved against tokens_per_minute bounds
+            completion = _max_tokens(body)
+            if completion is None:
+                completion = context_window or 0
+            completion *= choice_count(body) * prompt_count(body)
+        prompt = prompt_token_bound(body, context_window)
+        self.amount = pricing.cost(prompt, completion, 0) if pricing else 0.0
+        self.tokens = prompt + completion  # reserved against tokens_per_minute bounds
         # (window name, requests_per_minute, tokens_per_minute) of the org and key, when they have any
         self.per_minute: list[tuple[str, int | None, int | None]] = []
         self.key_limit: float | None = None  # the key's USD limit in its period starting at key_since
