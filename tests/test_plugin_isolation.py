@@ -7,10 +7,12 @@ only one request in flight, so a leaked slot would make the next request a
 429), and the next request succeeds.
 """
 
+import asyncio
 import subprocess
 import sys
 import textwrap
 
+import aiohttp
 import orjson
 import pytest
 
@@ -22,17 +24,17 @@ ONE_SLOT = {"limits": {"max_in_flight_per_org": 1}}
 
 
 class RaisesOnce:
-    """Raises ValueError("boom") the first time ``hook`` runs (and ``when(event)`` holds), then behaves."""
+    """Raises ``exc`` (ValueError("boom")) the first time ``hook`` runs (and ``when(event)`` holds), then behaves."""
 
     __name__ = "boomer"
 
-    def __init__(self, hook, when=lambda event: True):
+    def __init__(self, hook, when=lambda event: True, exc=ValueError):
         self.failed = False
 
         def maybe_raise(event=None):
             if not self.failed and when(event):
                 self.failed = True
-                raise ValueError("boom")
+                raise exc("boom")
 
         if hook == "transform_event":
             impl = lambda call, event: maybe_raise(event)  # noqa: E731
@@ -41,8 +43,8 @@ class RaisesOnce:
         setattr(self, hook, hookimpl(specname=hook)(impl))
 
 
-def plugin_error(hook: str) -> dict:
-    return {"error": {"message": f"Plugin 'boomer' raised in {hook}: ValueError: boom", "type": "server_error",
+def plugin_error(hook: str, exc: str = "ValueError") -> dict:
+    return {"error": {"message": f"Plugin 'boomer' raised in {hook}: {exc}: boom", "type": "server_error",
                       "param": None, "code": "plugin_error"}}
 
 
@@ -59,12 +61,12 @@ async def assert_next_request_succeeds(h, stream=False):
     assert rows[-1]["status"] == 200 and rows[-1]["error_code"] is None
 
 
-async def _fails_before_response(h, hook, stream):
+async def _fails_before_response(h, hook, stream, exc="ValueError"):
     body = {"model": h.model, "prompt": PROMPT, "max_tokens": 2, "stream": stream}
     async with h.post("/v1/completions", body) as resp:
         assert resp.status == 500
         assert resp.content_type == "application/json"
-        assert await resp.json() == plugin_error(hook)
+        assert await resp.json() == plugin_error(hook, exc)
         row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
     assert (row["status"], row["error_code"]) == (500, "plugin_error")
     return row
@@ -131,6 +133,65 @@ async def test_raising_in_transform_event_on_the_usage_chunk(harness):
         assert b"\n\n".join(frames[-3:]) == _error_frame() + b"data: [DONE]\n\n"
         assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, "plugin_error", 6)
         await assert_next_request_succeeds(h, stream=True)
+
+
+class Custom(BaseException):
+    """A plugin's own exception outside ``Exception``."""
+
+
+BASE_EXCEPTIONS = (KeyboardInterrupt, SystemExit, GeneratorExit, Custom, asyncio.CancelledError)
+
+
+class AsyncRaisesOnce:
+    """``RaisesOnce`` as an ``async def`` hook: the ``CancelledError`` it raises is its own, not a cancellation."""
+
+    __name__ = "boomer"
+
+    def __init__(self, hook, exc):
+        self.failed = False
+
+        async def maybe_raise(call):
+            await asyncio.sleep(0)
+            if not self.failed:
+                self.failed = True
+                raise exc("boom")
+
+        setattr(self, hook, hookimpl(specname=hook)(maybe_raise))
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS, ids=lambda exc: exc.__name__)
+@pytest.mark.parametrize("hook", ["check_request", "rewrite_request", "response_headers", "transform_response"])
+@pytest.mark.parametrize("plugin", [RaisesOnce, AsyncRaisesOnce])
+async def test_a_base_exception_of_a_plugin_is_its_plugin_error(harness, caplog, plugin, hook, exc):
+    async with harness(plugins=[plugin(hook, exc=exc)], overrides=ONE_SLOT) as h:
+        await _fails_before_response(h, hook, stream=False, exc=exc.__name__)
+        await assert_next_request_succeeds(h)
+    assert f"plugin 'boomer' raised in {hook}" in caplog.text
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS, ids=lambda exc: exc.__name__)
+async def test_a_base_exception_in_transform_event_ends_the_stream(harness, exc):
+    async with harness(plugins=[RaisesOnce("transform_event", exc=exc)], overrides=ONE_SLOT) as h:
+        raw, row = await _stream_raw(h, mock={"delay": 0.02})
+        assert raw == _error_frame(error=f"{exc.__name__}: boom") + b"data: [DONE]\n\n"
+        assert (row["status"], row["error_code"], row["disconnected"]) == (200, "plugin_error", 0)
+        await assert_next_request_succeeds(h, stream=True)
+
+
+class SlowCheck:
+    @hookimpl
+    async def check_request(self):
+        await asyncio.sleep(30)
+
+
+async def test_a_client_leaving_during_an_async_hook_is_a_disconnect_not_a_plugin_error(harness, eventually):
+    async with harness(plugins=[SlowCheck()], overrides=ONE_SLOT) as h:
+        body = {"model": h.model, "prompt": PROMPT, "max_tokens": 2}
+        with pytest.raises(asyncio.TimeoutError):
+            async with h.post("/v1/completions", body, timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+        rows = await eventually(h.rows)
+        assert [(r["status"], r["error_code"], r["disconnected"]) for r in rows] == [(499, None, 1)]
 
 
 class Unserialisable:

@@ -16,6 +16,7 @@ exception can be pinned on the plugin that raised it.
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import importlib
 import importlib.metadata
@@ -204,14 +205,27 @@ async def call_maybe_async(impl: Impl, kwargs: dict[str, Any]) -> Any:
 # -- the hooks that run once per request, before the response has started -----
 
 
+def being_cancelled(exc: BaseException) -> bool:
+    """``exc`` is the cancellation of the running task (the client went away, the gateway stops), which
+    must propagate; not a ``CancelledError`` a plugin raised itself, nor any other exception."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def call_pinned(impl: Impl, kwargs: dict[str, Any]) -> Any:
     """Call (and await) one implementation. A ``Refusal`` it raises answers the
-    request; any other exception becomes the request's 500 ``plugin_error``."""
+    request; any other exception, ``BaseException`` included (``KeyboardInterrupt``,
+    ``SystemExit``, a ``CancelledError`` of its own), becomes the request's 500
+    ``plugin_error``. Only a real cancellation of the request's task propagates."""
     try:
         return await call_maybe_async(impl, kwargs)
     except GatewayError:
         raise
-    except Exception as exc:
+    except BaseException as exc:
+        if being_cancelled(exc):
+            raise
         log.error("plugin %r raised in %s", impl.plugin, impl.hook, exc_info=exc)
         raise plugin_failed(impl.plugin, impl.hook, exc) from exc
 
