@@ -232,14 +232,20 @@ async def test_hooks_returning_the_wrong_type_are_plugin_errors(harness):
 
 
 class FailingRecorder:
-    def __init__(self):
+    def __init__(self, exc=ValueError):
         self.calls = 0
+        self.exc = exc
+        self.shut = False
 
     @hookimpl
     def record_usage(self, usage):
         self.calls += 1
         if self.calls == 1:
-            raise ValueError("boom")
+            raise self.exc("boom")
+
+    @hookimpl
+    def shutdown(self):
+        self.shut = True
 
 
 class GoodRecorder:
@@ -251,8 +257,9 @@ class GoodRecorder:
         self.ids.append(usage["id"])
 
 
-async def test_raising_in_record_usage(harness, caplog):
-    failing, good = FailingRecorder(), GoodRecorder()
+@pytest.mark.parametrize("exc", (ValueError, *BASE_EXCEPTIONS), ids=lambda exc: exc.__name__)
+async def test_raising_in_record_usage(harness, caplog, exc):
+    failing, good = FailingRecorder(exc), GoodRecorder()
     async with harness(plugins=[failing, good], overrides=ONE_SLOT) as h:
         await assert_next_request_succeeds(h)
         await assert_next_request_succeeds(h, stream=True)
@@ -261,6 +268,7 @@ async def test_raising_in_record_usage(harness, caplog):
         assert [r["status"] for r in rows] == [200, 200]
         assert failing.calls == 2 and good.ids == [r["id"] for r in rows]
     assert f"plugin 'FailingRecorder' failed in record_usage for {rows[0]['id']}" in caplog.text
+    assert f"{exc.__name__}: boom" in caplog.text and failing.shut
 
 
 class FailingStartup:
