@@ -308,13 +308,53 @@ async def test_raising_in_startup(harness):
 
 
 def test_raising_in_startup_stops_serve_with_one_line(tmp_path):
-    (tmp_path / "grumpy.py").write_text(textwrap.dedent("""
+    done = _serve_with(tmp_path, """
         from kilnproxy import hookimpl
 
         @hookimpl
         async def startup(gateway):
             raise RuntimeError("settings.grumpy.url is required")
-    """))
+    """)
+    assert done.returncode == 2
+    assert done.stderr == ("kilnproxy: error: plugin 'grumpy': startup failed: RuntimeError: "
+                           "settings.grumpy.url is required\n")
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("exc", ["SystemExit", "KeyboardInterrupt", "Custom", "asyncio.CancelledError"])
+@pytest.mark.parametrize("define", ["async def", "def"])
+def test_a_base_exception_in_startup_stops_serve_with_one_line(tmp_path, exc, define):
+    done = _serve_with(tmp_path, f"""
+        import asyncio
+        from kilnproxy import hookimpl
+
+        class Custom(BaseException):
+            pass
+
+        @hookimpl
+        {define} startup(gateway):
+            raise {exc}("no")
+    """)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"kilnproxy: error: plugin 'grumpy': startup failed: {exc.split('.')[-1]}: no\n"
+
+
+@pytest.mark.parametrize("exc", ["SystemExit", "KeyboardInterrupt", "Custom"])
+def test_a_base_exception_at_import_stops_serve_with_one_line(tmp_path, exc):
+    done = _serve_with(tmp_path, f"""
+        class Custom(BaseException):
+            pass
+
+        raise {exc}("no")
+    """)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"kilnproxy: error: plugin 'grumpy': {tmp_path / 'grumpy.py'} failed to import: "
+                           f"{exc}: no\n")
+
+
+def _serve_with(tmp_path, plugin: str) -> subprocess.CompletedProcess:
+    """``python -m kilnproxy`` with the one plugin ``grumpy.py``, whose source is ``plugin``."""
+    (tmp_path / "grumpy.py").write_text(textwrap.dedent(plugin))
     (tmp_path / "kiln.toml").write_text(textwrap.dedent("""
         [server]
         port = 0
@@ -330,12 +370,8 @@ def test_raising_in_startup_stops_serve_with_one_line(tmp_path):
         modules = ["grumpy.py"]
         entry_points = false
     """))
-    done = subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(tmp_path / "kiln.toml")],
+    return subprocess.run([sys.executable, "-m", "kilnproxy", "--config", str(tmp_path / "kiln.toml")],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert done.returncode == 2
-    assert done.stderr == ("kilnproxy: error: plugin 'grumpy': startup failed: RuntimeError: "
-                           "settings.grumpy.url is required\n")
-    assert done.stdout == ""
 
 
 async def test_raising_in_shutdown(harness, caplog):

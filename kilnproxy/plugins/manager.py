@@ -67,7 +67,7 @@ def build_plugin_manager(config: Config, extra_plugins: Iterable[Any] = ()) -> p
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 plugin = ep.load()
-            except Exception as exc:
+            except BaseException as exc:
                 raise PluginError(ep.name, f"entry point {ep.value!r} failed to import: "
                                            f"{type(exc).__name__}: {exc}") from None
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
@@ -132,14 +132,14 @@ def _import_config_module(config: Config, spec: str) -> tuple[str, ModuleType]:
         sys.modules[module_name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as exc:
+        except BaseException as exc:
             sys.modules.pop(module_name, None)
             raise PluginError(name, f"{path} failed to import: {type(exc).__name__}: {exc}") from None
         return name, module
     name = spec.rsplit(".", 1)[-1]
     try:
         return name, importlib.import_module(spec)
-    except Exception as exc:
+    except BaseException as exc:
         raise PluginError(name, f"[plugins] modules: cannot import {spec!r}: {type(exc).__name__}: {exc}") from None
 
 

@@ -76,6 +76,8 @@ class Gateway:
     # -- life cycle -----------------------------------------------------------
 
     async def start(self) -> None:
+        """Open the stores and run the ``startup`` hooks. Whatever a ``startup`` raises (``BaseException``
+        included, but not the cancellation of this task) stops the gateway and becomes a ``PluginError``."""
         await self.ledger.open()
         self.credits.load(await self.ledger.spent_by_org())
         await self._open_tenancy()
@@ -87,7 +89,9 @@ class Gateway:
         for i, impl in enumerate(self.hooks.startup):
             try:
                 await call_maybe_async(impl, {"gateway": self})
-            except Exception as exc:
+            except BaseException as exc:
+                if being_cancelled(exc):
+                    raise
                 await self.stop(not_started={later.plugin for later in self.hooks.startup[i:]})
                 raise PluginError(impl.plugin, f"startup failed: {type(exc).__name__}: {exc}") from None
 
