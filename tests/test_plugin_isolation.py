@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy import hookimpl
+from kilnproxy import Refusal, hookimpl
 from kilnproxy.errors import PluginError
 
 PROMPT = "The capital of France is"
@@ -229,6 +229,66 @@ async def test_hooks_returning_the_wrong_type_are_plugin_errors(harness):
                 got = "bool" if hook == "check_request" else "dict"
                 assert (await resp.json())["error"]["message"] == (
                     f"Plugin 'WrongReturns' raised in {hook}: TypeError: returned {got}; expected {expected}")
+
+
+BAD_HEADERS = ({"X-A": "1\r\nX-Inj: 2"}, {"X-A": "1\x00"}, {"x-neocloud-generation-id": "forged"},
+               {"X-Neocloud-Generation-Id": "forged"}, {"Content-Length": "3"}, {"transfer-encoding": "chunked"},
+               {"Connection": "close"}, {"Content-Type": "text/plain"}, {"X-\u00e9": "v"}, {"X A": "v"},
+               {"X:A": "v"}, {"": "v"})
+
+
+class ReturnsHeaders:
+    def __init__(self, headers):
+        self.headers = headers
+
+    @hookimpl
+    def response_headers(self):
+        return self.headers
+
+
+def _may_not(hook: str, plugin: str):
+    return f"Plugin '{plugin}' raised in {hook}: ValueError: returned something it may not: "
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("headers", BAD_HEADERS, ids=repr)
+async def test_response_headers_the_gateway_may_not_send_are_plugin_errors(harness, headers, stream):
+    async with harness(plugins=[ReturnsHeaders(headers)], overrides=ONE_SLOT) as h:
+        body = {"model": h.model, "prompt": PROMPT, "max_tokens": 2, "stream": stream}
+        async with h.post("/v1/completions", body) as resp:
+            assert resp.status == 500 and resp.content_type == "application/json"
+            assert resp.headers.getall("X-Neocloud-Generation-Id") != ["forged"]
+            error = (await resp.json())["error"]
+            assert error["code"] == "plugin_error"
+            assert error["message"].startswith(_may_not("response_headers", "ReturnsHeaders"))
+            row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+        assert (row["status"], row["error_code"]) == (500, "plugin_error")
+
+
+class Refuses:
+    def __init__(self, refusal, raised):
+        self.refusal, self.raised = refusal, raised
+
+    @hookimpl
+    def check_request(self):
+        if self.raised:
+            raise self.refusal
+        return self.refusal
+
+
+@pytest.mark.parametrize("raised", [False, True])
+@pytest.mark.parametrize("refusal", [
+    *(Refusal(status, "nope", "no") for status in (99, 200, 204, 304, 600, "400", 400.0, True)),
+    *(Refusal(400, "nope", "no", headers=headers) for headers in BAD_HEADERS)], ids=repr)
+async def test_a_refusal_the_gateway_may_not_send_is_a_plugin_error(harness, refusal, raised):
+    async with harness(plugins=[Refuses(refusal, raised)], overrides=ONE_SLOT) as h:
+        async with h.post("/v1/completions", {"model": h.model, "prompt": PROMPT}) as resp:
+            assert resp.status == 500
+            error = (await resp.json())["error"]
+            assert error["message"].startswith(_may_not("check_request", "Refuses"))
+            row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+        assert (row["status"], row["error_code"]) == (500, "plugin_error")
+        assert await h.mock_requests() == []
 
 
 class FailingRecorder:

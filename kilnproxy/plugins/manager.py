@@ -32,6 +32,7 @@ import orjson
 import pluggy
 
 from .. import hookspecs
+from ..answers import header_fault
 from ..config import Config
 from ..errors import GatewayError, PluginError, plugin_failed
 
@@ -221,8 +222,8 @@ async def call_pinned(impl: Impl, kwargs: dict[str, Any]) -> Any:
     ``plugin_error``. Only a real cancellation of the request's task propagates."""
     try:
         return await call_maybe_async(impl, kwargs)
-    except GatewayError:
-        raise
+    except GatewayError as refusal:
+        raise _checked_refusal(impl, refusal) from None
     except BaseException as exc:
         if being_cancelled(exc):
             raise
@@ -238,7 +239,7 @@ async def run_request_hooks(hooks: Hooks, call: Any, body: dict) -> None:
         if refusal is None:
             continue
         if isinstance(refusal, GatewayError):
-            raise refusal
+            raise _checked_refusal(impl, refusal)
         raise _bad_return(impl, "None or a kilnproxy.Refusal", refusal)
     for impl in hooks.rewrite_request:
         await call_pinned(impl, kwargs)
@@ -254,6 +255,7 @@ async def plugin_headers(hooks: Hooks, call: Any) -> dict[str, str]:
         if not isinstance(extra, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
             raise _bad_return(impl, "None or a dict of str to str", extra)
+        _check_headers(impl, extra)
         out.update(extra)
     return out
 
@@ -268,6 +270,32 @@ async def transformed_response(hooks: Hooks, call: Any, body: dict) -> bytes:
     except TypeError as exc:
         names = ", ".join(i.plugin for i in hooks.transform_response)
         raise plugin_failed(names, "transform_response", TypeError(f"the body is no longer JSON: {exc}")) from exc
+
+
+def _checked_refusal(impl: Impl, refusal: GatewayError) -> GatewayError:
+    """``refusal`` when the gateway can send it: a status from 400 to 599 and headers
+    ``header_fault`` accepts; else the plugin's ``plugin_error``."""
+    status = refusal.status
+    if type(status) is not int or not 400 <= status <= 599:
+        return _may_not(impl, f"a Refusal's status must be an int from 400 to 599, not {status!r}")
+    try:
+        _check_headers(impl, refusal.headers)
+    except GatewayError as exc:
+        return exc
+    return refusal
+
+
+def _check_headers(impl: Impl, headers: Mapping) -> None:
+    for name, value in headers.items():
+        fault = header_fault(name, value)
+        if fault is not None:
+            raise _may_not(impl, fault)
+
+
+def _may_not(impl: Impl, fault: str) -> GatewayError:
+    exc = ValueError(f"returned something it may not: {fault}")
+    log.error("plugin %r: %s %s", impl.plugin, impl.hook, exc)
+    return plugin_failed(impl.plugin, impl.hook, exc)
 
 
 def _bad_return(impl: Impl, expected: str, got: Any) -> GatewayError:
