@@ -48,6 +48,10 @@ RESERVED = frozenset(("content-type", "content-length", "date", "server", "conne
 # The characters aiohttp refuses in a header (http_writer's header-injection check).
 FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 JSON = "application/json"
+# What a plugin may not set: the response's framing and type, and the gateway's own id.
+GATEWAY_OWNED = RESERVED - {"date", "server"} | frozenset((
+    "keep-alive", "proxy-connection", "te", "trailer", "upgrade", "x-neocloud-generation-id"))
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: a header's name
 
 _STATUS_LINES: dict[int, bytes] = {}
 _date_second = -1
@@ -164,6 +168,20 @@ class Answer(web.StreamResponse):
         if self._keep_alive is False:
             response.force_close()
         return response
+
+
+def header_fault(name: object, value: object) -> str | None:
+    """Why a plugin may not send the header ``name: value`` (None when it may): both must be str,
+    the name an HTTP token the gateway does not own (any case), the value free of control characters."""
+    if type(name) is not str or type(value) is not str:
+        return f"header {name!r}: {value!r} is not str to str"
+    if not _TOKEN.fullmatch(name):
+        return f"header name {name!r} is not an HTTP token"
+    if name.lower() in GATEWAY_OWNED:
+        return f"header {name!r} is the gateway's"
+    if not _plain(value):
+        return f"header {name!r} has a control character in its value"
+    return None
 
 
 def _plain(text: str) -> bool:

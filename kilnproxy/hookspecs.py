@@ -187,8 +187,13 @@ def response_headers(call):
     upstream's answer becomes: the stream, the JSON answer, or a
     passed-through 400/422. Responses the gateway makes itself (refusals,
     401-429, 502, 503) carry only the gateway's headers.
-    ``X-Neocloud-Generation-Id`` cannot be replaced. When several plugins set
-    the same header, the last to run wins. May be ``async def``.
+    ``X-Neocloud-Generation-Id`` cannot be replaced. A name must be an HTTP
+    token the gateway does not own (any case: the id, ``Content-Type`` and the
+    framing headers, ``kilnproxy.answers.GATEWAY_OWNED``), a value free of
+    control characters; else the request's 500 ``plugin_error``. The same
+    holds for a ``Refusal``'s headers, and its status must be an int from 400
+    to 599. When several plugins set the same header, the last to run wins.
+    May be ``async def``.
     """
 
 

@@ -1,13 +1,17 @@
 """The relay of the streams that keep their ``event:`` framing (Responses API, Anthropic Messages):
 the same bytes and the same usage whatever the chunk boundaries, text deltas passed as they came."""
 
+import asyncio
+
 import orjson
 import pytest
 
 from kilnproxy.config import Pricing
 from kilnproxy.plugins.call import Call
+from kilnproxy.plugins.manager import Impl
 from kilnproxy.proxy.framed_relay import FramedRelay
 from kilnproxy.proxy.request_record import RequestRecord
+from kilnproxy.proxy.stream_errors import StreamPluginError
 
 
 def frame(kind: str, data: dict) -> bytes:
@@ -56,3 +60,16 @@ def test_every_chunk_boundary_gives_the_same_bytes_and_counts():
         assert got == expected, cut
         assert (record.streamed_chunks, record.usage.prompt_tokens, record.usage.completion_tokens,
                 r.sequence) == (whole_record.streamed_chunks, 5, 3, whole.sequence), cut
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError])
+def test_a_plugin_raising_a_base_exception_is_its_stream_error(exc):
+    def transform_event(event):
+        raise exc("boom")
+
+    call = Call("gen-1", "acme", "key-1", "responses", lambda name: {})
+    call.model, call.pricing = "catalog-model", Pricing(0.10, 0.30, None)
+    r = FramedRelay(call, RequestRecord(call), (Impl("boomer", "transform_event", transform_event, ("event",)),))
+    with pytest.raises(StreamPluginError) as err:
+        r.feed_chunk(RESPONSES)
+    assert err.value.error.message == f"Plugin 'boomer' raised in transform_event: {exc.__name__}: boom"

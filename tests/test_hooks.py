@@ -200,8 +200,7 @@ async def test_hook_transform_response(harness):
 class Tagger:
     @hookimpl
     def response_headers(self, call):
-        return {"X-Org": call.org, "X-Served-By": call.upstream, "X-Stream": str(call.stream).lower(),
-                "X-Neocloud-Generation-Id": "mine"}
+        return {"X-Org": call.org, "X-Served-By": call.upstream, "X-Stream": str(call.stream).lower()}
 
 
 class LateTagger:

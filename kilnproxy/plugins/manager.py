@@ -16,6 +16,7 @@ exception can be pinned on the plugin that raised it.
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import importlib
 import importlib.metadata
@@ -31,6 +32,7 @@ import orjson
 import pluggy
 
 from .. import hookspecs
+from ..answers import header_fault
 from ..config import Config
 from ..errors import GatewayError, PluginError, plugin_failed
 
@@ -67,7 +69,7 @@ def build_plugin_manager(config: Config, extra_plugins: Iterable[Any] = ()) -> p
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 plugin = ep.load()
-            except Exception as exc:
+            except BaseException as exc:
                 raise PluginError(ep.name, f"entry point {ep.value!r} failed to import: "
                                            f"{type(exc).__name__}: {exc}") from None
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
@@ -132,14 +134,14 @@ def _import_config_module(config: Config, spec: str) -> tuple[str, ModuleType]:
         sys.modules[module_name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as exc:
+        except BaseException as exc:
             sys.modules.pop(module_name, None)
             raise PluginError(name, f"{path} failed to import: {type(exc).__name__}: {exc}") from None
         return name, module
     name = spec.rsplit(".", 1)[-1]
     try:
         return name, importlib.import_module(spec)
-    except Exception as exc:
+    except BaseException as exc:
         raise PluginError(name, f"[plugins] modules: cannot import {spec!r}: {type(exc).__name__}: {exc}") from None
 
 
@@ -205,14 +207,27 @@ async def call_maybe_async(impl: Impl, kwargs: dict[str, Any]) -> Any:
 # -- the hooks that run once per request, before the response has started -----
 
 
+def being_cancelled(exc: BaseException) -> bool:
+    """``exc`` is the cancellation of the running task (the client went away, the gateway stops), which
+    must propagate; not a ``CancelledError`` a plugin raised itself, nor any other exception."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def call_pinned(impl: Impl, kwargs: dict[str, Any]) -> Any:
     """Call (and await) one implementation. A ``Refusal`` it raises answers the
-    request; any other exception becomes the request's 500 ``plugin_error``."""
+    request; any other exception, ``BaseException`` included (``KeyboardInterrupt``,
+    ``SystemExit``, a ``CancelledError`` of its own), becomes the request's 500
+    ``plugin_error``. Only a real cancellation of the request's task propagates."""
     try:
         return await call_maybe_async(impl, kwargs)
-    except GatewayError:
-        raise
-    except Exception as exc:
+    except GatewayError as refusal:
+        raise _checked_refusal(impl, refusal) from None
+    except BaseException as exc:
+        if being_cancelled(exc):
+            raise
         log.error("plugin %r raised in %s", impl.plugin, impl.hook, exc_info=exc)
         raise plugin_failed(impl.plugin, impl.hook, exc) from exc
 
@@ -225,7 +240,7 @@ async def run_request_hooks(hooks: Hooks, call: Any, body: dict) -> None:
         if refusal is None:
             continue
         if isinstance(refusal, GatewayError):
-            raise refusal
+            raise _checked_refusal(impl, refusal)
         raise _bad_return(impl, "None or a kilnproxy.Refusal", refusal)
     for impl in hooks.rewrite_request:
         await call_pinned(impl, kwargs)
@@ -241,6 +256,7 @@ async def plugin_headers(hooks: Hooks, call: Any) -> dict[str, str]:
         if not isinstance(extra, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
             raise _bad_return(impl, "None or a dict of str to str", extra)
+        _check_headers(impl, extra)
         out.update(extra)
     return out
 
@@ -255,6 +271,32 @@ async def transformed_response(hooks: Hooks, call: Any, body: dict) -> bytes:
     except TypeError as exc:
         names = ", ".join(i.plugin for i in hooks.transform_response)
         raise plugin_failed(names, "transform_response", TypeError(f"the body is no longer JSON: {exc}")) from exc
+
+
+def _checked_refusal(impl: Impl, refusal: GatewayError) -> GatewayError:
+    """``refusal`` when the gateway can send it: a status from 400 to 599 and headers
+    ``header_fault`` accepts; else the plugin's ``plugin_error``."""
+    status = refusal.status
+    if type(status) is not int or not 400 <= status <= 599:
+        return _may_not(impl, f"a Refusal's status must be an int from 400 to 599, not {status!r}")
+    try:
+        _check_headers(impl, refusal.headers)
+    except GatewayError as exc:
+        return exc
+    return refusal
+
+
+def _check_headers(impl: Impl, headers: Mapping) -> None:
+    for name, value in headers.items():
+        fault = header_fault(name, value)
+        if fault is not None:
+            raise _may_not(impl, fault)
+
+
+def _may_not(impl: Impl, fault: str) -> GatewayError:
+    exc = ValueError(f"returned something it may not: {fault}")
+    log.error("plugin %r: %s %s", impl.plugin, impl.hook, exc)
+    return plugin_failed(impl.plugin, impl.hook, exc)
 
 
 def _bad_return(impl: Impl, expected: str, got: Any) -> GatewayError:

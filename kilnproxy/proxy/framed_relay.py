@@ -229,7 +229,7 @@ class FramedRelay:
         for impl, function in zip(self.impls, self.transforms):
             try:
                 result = function(event)
-            except Exception as exc:
+            except BaseException as exc:
                 log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
                 raise StreamPluginError(impl.plugin, exc) from exc
             if result is STOP or result is DROP:

@@ -20,7 +20,7 @@ from aiohttp import web
 from ..config import Config
 from ..errors import PluginError
 from ..plugins.call import Call
-from ..plugins.manager import Hooks, call_maybe_async
+from ..plugins.manager import Hooks, being_cancelled, call_maybe_async
 from ..store.ledger import Ledger
 from ..store.limits import Admission, Credits, LocalAdmission
 from ..store.sqlite import SQLiteLedger
@@ -76,6 +76,8 @@ class Gateway:
     # -- life cycle -----------------------------------------------------------
 
     async def start(self) -> None:
+        """Open the stores and run the ``startup`` hooks. Whatever a ``startup`` raises (``BaseException``
+        included, but not the cancellation of this task) stops the gateway and becomes a ``PluginError``."""
         await self.ledger.open()
         self.credits.load(await self.ledger.spent_by_org())
         await self._open_tenancy()
@@ -87,7 +89,9 @@ class Gateway:
         for i, impl in enumerate(self.hooks.startup):
             try:
                 await call_maybe_async(impl, {"gateway": self})
-            except Exception as exc:
+            except BaseException as exc:
+                if being_cancelled(exc):
+                    raise
                 await self.stop(not_started={later.plugin for later in self.hooks.startup[i:]})
                 raise PluginError(impl.plugin, f"startup failed: {type(exc).__name__}: {exc}") from None
 
@@ -188,14 +192,19 @@ class Gateway:
                 self._usage_queue.put_nowait((call, row))
 
     async def _notify_usage(self) -> None:
+        """Each committed row to every ``record_usage`` plugin, in order. Whatever a plugin raises
+        (``BaseException`` included) is logged, and the next plugin and the next row still run; only
+        the task's own cancellation ends it."""
         while (item := await self._usage_queue.get()) is not None:
             call, row = item
             kwargs = {"call": call, "usage": _ReadOnlyRow(row)}
             for impl in self.hooks.record_usage:
                 try:
                     await call_maybe_async(impl, kwargs)
-                except Exception:
-                    log.exception("plugin %r failed in record_usage for %s", impl.plugin, row["id"])
+                except BaseException as exc:
+                    if being_cancelled(exc):
+                        raise
+                    log.error("plugin %r failed in record_usage for %s", impl.plugin, row["id"], exc_info=exc)
             self._usage_queue.task_done()
 
     async def usage_recorded(self) -> None:

@@ -276,7 +276,7 @@ class EventRelay:
                 self.last_event = event
                 try:
                     verdict = one(event)
-                except Exception as exc:
+                except BaseException as exc:
                     raise self._failed(self.impls[0], exc) from exc
                 if verdict is DROP:
                     self._dropped(event)
@@ -329,7 +329,7 @@ class EventRelay:
         if len(self.transforms) == 1:  # the usual case, without the loop
             try:
                 verdict = self.transforms[0](event)
-            except Exception as exc:
+            except BaseException as exc:
                 raise self._failed(self.impls[0], exc) from exc
         else:
             verdict = self._transform(event)
@@ -406,14 +406,16 @@ class EventRelay:
         for impl, function in zip(self.impls, self.transforms):
             try:
                 result = function(event)
-            except Exception as exc:
+            except BaseException as exc:
                 raise self._failed(impl, exc) from exc
             if result is STOP or result is DROP:
                 verdict = result if verdict is None else verdict
         return verdict
 
     @staticmethod
-    def _failed(impl: Impl, exc: Exception) -> "StreamPluginError":
+    def _failed(impl: Impl, exc: BaseException) -> "StreamPluginError":
+        """The stream's error for ``exc``, whatever it is: a plugin's ``KeyboardInterrupt`` or
+        ``CancelledError`` too (a plain function runs to its end: no cancellation reaches it)."""
         log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
         return StreamPluginError(impl.plugin, exc)
 
