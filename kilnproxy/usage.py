@@ -110,7 +110,7 @@ def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
         return 0
     chars = 0
     ids = 0
-    source = body.get("prompt", body.get("messages", body.get("input")))
+    source = next((body[k] for k in ("prompt", "messages", "input") if body.get(k) is not None), None)
     stack = [source, body.get("system"), body.get("instructions")]  # Anthropic's and the Responses API's own
     while stack:
         item = stack.pop()

@@ -107,3 +107,10 @@ def test_the_prompt_bound_covers_every_field_that_makes_a_prompt():
     assert [choice_count({"n": n}) for n in (8, 0, -1, True, "8", 2.0, None)] == [8, 1, 1, 1, 1, 1, 1]
     assert choice_count({"n": 2, "best_of": 5}) == 5
     assert prompt_count({"prompt": ["a", "b", "c"]}) == 3 and prompt_count({"prompt": [1, 2]}) == 1
+
+
+def test_the_estimate_reads_the_first_field_that_holds_a_prompt():
+    """A chat body that also carries ``"prompt": null`` is estimated from its messages (it was 1 token)."""
+    messages = [{"role": "user", "content": "The capital of France is a long question with many words in it"}]
+    assert estimate_prompt_tokens({"prompt": None, "messages": messages}) == \
+        estimate_prompt_tokens({"messages": messages}) == 16

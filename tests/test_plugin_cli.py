@@ -80,6 +80,15 @@ def test_a_misspelled_hook_is_one_line_naming_the_plugin(tmp_path):
         " did you mean 'rewrite_request'?\n"))
 
 
+def test_a_hook_argument_not_in_the_spec_is_one_line_naming_the_plugin(tmp_path):
+    (tmp_path / "extra.py").write_text("from kilnproxy import hookimpl\n\n@hookimpl\n"
+                                       "def rewrite_request(call, body, extra):\n    pass\n")
+    config = write_config(tmp_path, '[plugins]\nmodules = ["extra.py"]\n')
+    code, out, err = run(tmp_path, "plugins", "--config", config)
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert err.startswith("kilnproxy: error: plugin 'extra': ") and "extra" in err[len("kilnproxy: error: plugin 'extra': "):]
+
+
 def test_async_transform_event_is_refused(tmp_path):
     (tmp_path / "slow.py").write_text("from kilnproxy import hookimpl\n\n@hookimpl\nasync def transform_event(event):"
                                       "\n    pass\n")

@@ -91,8 +91,8 @@ def _register(pm: pluggy.PluginManager, plugin: Any, name: str, source: str) -> 
                                 " rename one of them")
     try:
         pm.register(plugin, name=name)
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(name, str(exc)) from None
+    except pluggy.PluginValidationError as exc:  # pluggy's message spans lines: one line, as every refusal
+        raise PluginError(name, " ".join(str(exc).split())) from None
     except ValueError as exc:  # the same object registered twice
         raise PluginError(name, str(exc)) from None
     pm.plugin_sources[name] = source
