@@ -142,7 +142,7 @@ _RENDERED_AS_JSON = ("tools", "functions", "tool_choice", "documents")
 def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | None = None) -> int:
     """The most tokens the request's prompt can be, for any real tokenizer and chat template: the UTF-8
     bytes of every string in the fields that make the prompt (``prompt``, ``messages``, ``input``,
-    ``system``, ``instructions``; tool definitions as their JSON), one token per token id,
+    ``system``, ``instructions``; tool definitions twice the bytes of their text), one token per token id,
     ``TEMPLATE_TOKENS_PER_MESSAGE`` per message (or per prompt of a list, or per input), plus
     ``TEMPLATE_TOKENS``; never more than ``context_window`` per prompt when the model has one (the
     upstream refuses a longer prompt).

@@ -31,11 +31,12 @@ class Hold:
     org's credits and the key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
 
     It also carries what a ``replica_lost`` row needs, should its replica die: ``prompt_tokens`` and
-    ``prompt_cost`` are the prompt's estimate (about four characters a token), what such a row is charged.
+    ``prompt_cost`` are the prompt's estimate (about four characters a token), what such a row is charged;
+    worked out when read (only the shared store reads them, at admission).
     """
 
-    __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "prompt_tokens",
-                 "prompt_cost", "amount", "key_limit", "key_since", "tokens", "per_minute")
+    __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "body", "pricing",
+                 "amount", "key_limit", "key_since", "tokens", "per_minute")
 
     def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None,
                  completion: int | None = None):
@@ -46,9 +47,8 @@ class Hold:
         self.endpoint = call.endpoint
         self.stream = int(body.get("stream") in (True, "true", 1))
         self.created_at = created_at
-        self.prompt_tokens = estimate_prompt_tokens(body)
-        pricing = call.pricing
-        self.prompt_cost = pricing.cost(self.prompt_tokens, 0, 0) if pricing else 0.0
+        self.body = body
+        self.pricing = pricing = call.pricing
         if completion is None:
             completion = _max_tokens(body)
             if completion is None:
@@ -61,6 +61,14 @@ class Hold:
         self.per_minute: list[tuple[str, int | None, int | None]] = []
         self.key_limit: float | None = None  # the key's USD limit in its period starting at key_since
         self.key_since: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return estimate_prompt_tokens(self.body)
+
+    @property
+    def prompt_cost(self) -> float:
+        return self.pricing.cost(self.prompt_tokens, 0, 0) if self.pricing else 0.0
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
