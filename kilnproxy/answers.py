@@ -51,7 +51,7 @@ JSON = "application/json"
 # What a plugin may not set: the response's framing and type, and the gateway's own id.
 GATEWAY_OWNED = RESERVED - {"date", "server"} | frozenset((
     "keep-alive", "proxy-connection", "te", "trailer", "upgrade", "x-neocloud-generation-id"))
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: a header's name
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: what a header's name is
 
 _STATUS_LINES: dict[int, bytes] = {}
 _date_second = -1
@@ -175,7 +175,7 @@ def header_fault(name: object, value: object) -> str | None:
     the name an HTTP token the gateway does not own (any case), the value free of control characters."""
     if type(name) is not str or type(value) is not str:
         return f"header {name!r}: {value!r} is not str to str"
-    if not _TOKEN.fullmatch(name):
+    if not HEADER_NAME.fullmatch(name):
         return f"header name {name!r} is not an HTTP token"
     if name.lower() in GATEWAY_OWNED:
         return f"header {name!r} is the gateway's"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from .config_reader import HEADER_NAME, NUMBER, Reader, header_safe
+from .answers import HEADER_NAME
+from .config_reader import NUMBER, Reader, header_safe
 from .config_types import (
     AdminConfig,
     HealthConfig,

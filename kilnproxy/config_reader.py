@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
+from .answers import FORBIDDEN
 from .errors import ConfigError
 
 NUMBER = (int, float)
@@ -89,10 +89,7 @@ class Reader:
 def header_safe(text: str) -> bool:
     """Whether ``text`` can go into an HTTP header as written: no control character but tab (a newline
     would end the header, and aiohttp refuses to send it)."""
-    return not any(c != "\t" and (c < " " or c == "\x7f") for c in text)
-
-
-HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110 5.1)
+    return not FORBIDDEN.search(text)
 
 
 def _describe(kinds: tuple) -> str:
