@@ -35,9 +35,9 @@ from aiohttp import web
 
 from ..proxy.json_routes import expect_handler
 from ..proxy.request_body import read_body
-from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble
+from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble, query
 from ..proxy.tenant_views import gateway_view
-from ..store.tenancy_validation import parse_body, query
+from ..store.tenancy_validation import parse_body
 
 ACTOR = "inspector"
 READ_PARAMS = ("token",)  # the inspector's ``?token=``, which reads may carry

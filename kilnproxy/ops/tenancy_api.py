@@ -34,9 +34,9 @@ from ..proxy.gateway import GATEWAY
 from ..proxy.json_routes import expect_handler
 from ..proxy.read_endpoints import json_response
 from ..proxy.request_body import read_body
-from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble
+from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble, query
 from ..proxy.tenant_views import gateway_view
-from ..store.tenancy_validation import invalid, parse_body, query
+from ..store.tenancy_validation import invalid, parse_body
 from .admin import check_admin
 
 ACTOR = "admin-api"

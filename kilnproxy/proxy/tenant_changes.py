@@ -27,11 +27,24 @@ import asyncio
 import sqlite3
 import sys
 from contextlib import contextmanager
-from typing import Any, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 from ..errors import GatewayError
 from ..store import tenancy_validation as bodies
 from .tenant_views import TenancyView, grant_object
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+
+def query(request: web.Request, *allowed: str) -> dict[str, str]:
+    """The query's parameters, or 400 naming one the route does not take (the admin API's and the
+    inspector's tenancy routes)."""
+    for name in request.query:
+        if name not in allowed:
+            raise bodies.invalid(f"Unknown query parameter `{name}`" + (
+                f"; this route takes: {', '.join(allowed)}." if allowed else "; this route takes none."), name)
+    return dict(request.query)
 
 
 def not_found(what: str, id: str, param: str | None = None) -> GatewayError:

@@ -21,14 +21,11 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import orjson
 
 from ..errors import GatewayError
-
-if TYPE_CHECKING:
-    from aiohttp import web
 
 LIMIT_RESETS = ("daily", "weekly", "monthly")
 ORG_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
@@ -40,16 +37,6 @@ MAX_IN_FLIGHT = 2**31 - 1  # what PostgreSQL's INTEGER column of max_in_flight h
 
 def invalid(message: str, param: str | None) -> GatewayError:
     return GatewayError(400, "invalid_request", message, param=param)
-
-
-def query(request: web.Request, *allowed: str) -> dict[str, str]:
-    """The query's parameters, or 400 naming one the route does not take."""
-    for name in request.query:
-        if name not in allowed:
-            raise invalid(f"Unknown query parameter `{name}`"
-                          + (f"; this route takes: {', '.join(allowed)}." if allowed else "; this route takes none."),
-                          name)
-    return dict(request.query)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
