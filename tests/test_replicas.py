@@ -13,6 +13,7 @@ import pytest
 from replicas import Ledger, open_stream, replica, stalled, stop_all, two_replicas
 
 from kilnproxy.store.postgres_schema import MIGRATIONS, migrate
+from kilnproxy.usage import prompt_token_bound
 from kilnproxy.testing import KEY, OTHER_KEY, completion_body
 
 GEN = "X-Neocloud-Generation-Id"
@@ -89,8 +90,9 @@ async def test_a_killed_replicas_slots_are_freed_and_its_requests_get_one_replic
             assert {r["id"] for r in rows} == ids
             for row in rows:
                 assert (row["status"], row["disconnected"], row["org"], row["completion_tokens"]) == (502, 1, "acme", 0)
-                assert row["prompt_tokens"] == 6  # "The capital of France is": 24 characters
-                assert row["cost"] == pytest.approx(6 * 0.10 / 1e6)  # the prompt part of the hold
+                # the prompt part of the hold: its bound (usage.prompt_token_bound), not the chars/4 estimate (6)
+                assert row["prompt_tokens"] == prompt_token_bound(stalled(), None) == 88
+                assert row["cost"] == pytest.approx(88 * 0.10 / 1e6)
             await b.wait_for("stderr", "replica_lost")  # written by the survivor
             assert await db.holds() == []
             assert await db.consistent()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from ..errors import GatewayError
-from ..usage import choice_count, estimate_prompt_tokens, prompt_count, prompt_token_bound
+from ..usage import choice_count, prompt_count, prompt_token_bound
 from .minute_windows import MinuteWindows
 
 
@@ -31,12 +31,11 @@ class Hold:
     org's credits and the key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
 
     It also carries what a ``replica_lost`` row needs, should its replica die: ``prompt_tokens`` and
-    ``prompt_cost`` are the prompt's estimate (about four characters a token), what such a row is charged;
-    worked out when read (only the shared store reads them, at admission).
+    ``prompt_cost``, the prompt part of the hold (its bound), what such a row is charged.
     """
 
-    __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "body", "pricing",
-                 "amount", "key_limit", "key_since", "tokens", "per_minute")
+    __slots__ = ("id", "org", "key_id", "model", "endpoint", "stream", "created_at", "pricing",
+                 "amount", "key_limit", "key_since", "tokens", "per_minute", "prompt_tokens")
 
     def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None,
                  completion: int | None = None):
@@ -47,24 +46,19 @@ class Hold:
         self.endpoint = call.endpoint
         self.stream = int(body.get("stream") in (True, "true", 1))
         self.created_at = created_at
-        self.body = body
         self.pricing = pricing = call.pricing
         if completion is None:
             completion = _max_tokens(body)
             if completion is None:
                 completion = context_window or 0
             completion *= choice_count(body) * prompt_count(body)
-        prompt = prompt_token_bound(body, context_window)
+        prompt = self.prompt_tokens = prompt_token_bound(body, context_window)
         self.amount = pricing.cost(prompt, completion, 0) if pricing else 0.0
         self.tokens = prompt + completion  # reserved against tokens_per_minute bounds
         # (window name, requests_per_minute, tokens_per_minute) of the org and key, when they have any
         self.per_minute: list[tuple[str, int | None, int | None]] = []
         self.key_limit: float | None = None  # the key's USD limit in its period starting at key_since
         self.key_since: str | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return estimate_prompt_tokens(self.body)
 
     @property
     def prompt_cost(self) -> float:
