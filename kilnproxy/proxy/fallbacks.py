@@ -4,8 +4,8 @@
 request rules: the requested model's upstreams first (``Route.open``), then
 each of its ``fallbacks`` in order, while nothing has reached the client.
 A model cannot take the request when every upstream is marked down, refused,
-timed out, missed its ``first_byte_timeout``, answered 429 or 5xx, or kept
-every slot busy past its ``queue_timeout``. A fallback is skipped when the
+timed out, missed its ``first_byte_timeout``, answered bytes that are not HTTP,
+answered 429 or 5xx, or kept every slot busy past its ``queue_timeout``. A fallback is skipped when the
 key may not use it, it does not serve the endpoint, or the request's hold,
 re-placed at its prices, does not fit the org's credits or the key's limit.
 A fallback's own fallbacks are not followed. When no model of the chain can

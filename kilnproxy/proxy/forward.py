@@ -22,6 +22,7 @@ from .gateway import Gateway
 from .request_body import ENCODINGS, inflate
 from .request_record import RequestRecord
 from .upstream import Route
+from .upstream_connections import UpstreamBadResponse
 
 PASS_THROUGH_STATUSES = (400, 422)
 MAX_REJECTION_BYTES = 16 * 1024 * 1024  # a rejection's body, decoded
@@ -111,6 +112,8 @@ async def read_upstream(resp: aiohttp.ClientResponse) -> bytes:
         return await resp.read()
     except DeadlinePassed as exc:
         raise exc.error() from None
+    except UpstreamBadResponse as exc:  # e.g. chunked framing that is not HTTP's
+        raise UpstreamFailure(f"the upstream's answer is not HTTP: {exc}", code="upstream_bad_response") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise UpstreamFailure(f"the upstream failed while sending its answer: {type(exc).__name__}",
                               code="upstream_error") from None
