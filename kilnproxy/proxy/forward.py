@@ -14,7 +14,7 @@ from aiohttp import web
 from ..answers import Answer
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure
-from ..plugins.call import Call
+from ..plugins.call import Call, set_upstream
 from ..plugins.manager import plugin_headers, transformed_response
 from .deadlines import DeadlinePassed, watch
 from .fallbacks import open_upstream
@@ -33,7 +33,7 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyCon
     """Steps past admission for the request's ``api`` (a ``request_path.Api``)."""
     route, upstream, resp, first, deadline = await open_upstream(gw, call, key, route, record, body,
                                                                  api.upstream_headers(request), api.hold)
-    call.upstream = upstream.base_url
+    set_upstream(call, upstream.base_url)
     gw.open_upstreams.add(resp)
     timer = watch(resp, deadline)
     try:
