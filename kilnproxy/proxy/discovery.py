@@ -34,7 +34,7 @@ from .upstream import carry_over, routes_from
 
 INTERVAL = 60.0  # seconds between two reads of the upstreams' lists
 TIMEOUT = 5.0
-MAX_ID_CHARS = 256  # a longer id is refused (vLLM's longest, a model's path, is far shorter)
+MAX_ID_CHARS = 256  # a longer id is refused: a model name or a model path, as servers list them, is shorter
 NOT_IN_AN_ID = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # controls and line breaks
 SHOWN_CHARS = 80  # of one id, in the log
 SHOWN_IDS = 20  # ids named in one log line
