@@ -29,8 +29,8 @@ NOOP = (Impl("noop_event", "transform_event", lambda event: None, ("event",)),)
 
 
 def relay(route: Route, impls: tuple) -> EventRelay:
-    call = Call("gen-bench", "bench", "key", "completions")
-    call.model, call.stream, call.include_usage, call.pricing = "bench-stream", True, True, route.pricing
+    call = Call("gen-bench", "bench", "key", "completions", model="bench-stream", stream=True, include_usage=True,
+                pricing=route.pricing)
     return EventRelay(call, route, RequestRecord(call), impls)
 
 

@@ -23,7 +23,9 @@ the list, then entry-point plugins. ``@hookimpl(tryfirst=True)`` or
 asked), ``upstream_model``, ``upstream`` (the base URL chosen, once known),
 ``pricing``, ``state`` (a dict that lives as long as the request, for the
 plugins' own use: compute something once in ``rewrite_request``, use it in
-``transform_event``), and ``settings(name)``.
+``transform_event``), and ``settings(name)``. ``call`` is read-only: assigning
+to (or deleting) an attribute raises ``AttributeError``, the hook's error;
+what a plugin may change is what ``call.state`` holds.
 
 Settings: ``call.settings("<name>")`` (in request hooks) and
 ``gateway.plugin_settings("<name>")`` (in ``startup``/``shutdown``) return the

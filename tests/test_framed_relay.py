@@ -32,8 +32,8 @@ RESPONSES = (frame("response.created", {"response": RESPONSE, "sequence_number":
 
 
 def relay() -> tuple[FramedRelay, RequestRecord]:
-    call = Call("gen-1", "acme", "key-1", "responses", lambda name: {})
-    call.model, call.pricing = "catalog-model", Pricing(0.10, 0.30, None)
+    call = Call("gen-1", "acme", "key-1", "responses", lambda name: {}, model="catalog-model",
+                pricing=Pricing(0.10, 0.30, None))
     record = RequestRecord(call)
     return FramedRelay(call, record, ()), record
 
@@ -67,8 +67,8 @@ def test_a_plugin_raising_a_base_exception_is_its_stream_error(exc):
     def transform_event(event):
         raise exc("boom")
 
-    call = Call("gen-1", "acme", "key-1", "responses", lambda name: {})
-    call.model, call.pricing = "catalog-model", Pricing(0.10, 0.30, None)
+    call = Call("gen-1", "acme", "key-1", "responses", lambda name: {}, model="catalog-model",
+                pricing=Pricing(0.10, 0.30, None))
     r = FramedRelay(call, RequestRecord(call), (Impl("boomer", "transform_event", transform_event, ("event",)),))
     with pytest.raises(StreamPluginError) as err:
         r.feed_chunk(RESPONSES)

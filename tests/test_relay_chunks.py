@@ -27,8 +27,8 @@ def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions
               upstream_model: str = UPSTREAM_MODEL) -> EventRelay:
     route = Route(ModelConfig(catalog_id, ("http://127.0.0.1:1/v1",), upstream_model,
                               pricing=Pricing(0.1, 0.3)), ServerConfig())
-    call = Call("gen-test", "acme", "key", endpoint)
-    call.model, call.stream, call.include_usage, call.pricing = catalog_id, True, include_usage, route.pricing
+    call = Call("gen-test", "acme", "key", endpoint, model=catalog_id, stream=True, include_usage=include_usage,
+                pricing=route.pricing)
     return EventRelay(call, route, RequestRecord(call), impls)
 
 

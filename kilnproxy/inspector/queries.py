@@ -51,6 +51,7 @@ DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``sin
 MAX_BUCKETS = 10_000
 MAX_LIMIT = 500
 MAX_ROWID = 2**63 - 1  # SQLite's INTEGER and PostgreSQL's BIGINT
+MAX_TIME_CHARS = 64  # a cursor's time: the ledger writes 29 characters
 SELECT_COLUMNS = ", ".join(COLUMNS)  # never ``*``: PostgreSQL's table has two columns more
 
 
@@ -104,15 +105,30 @@ def parse_status(status: str) -> int:
 
 
 def parse_cursor(cursor: str) -> tuple[str, int]:
-    """``(created_at, rowid)`` of a ``next`` cursor; a QueryError on ``before`` for anything else,
-    a row id beyond the largest both databases store included."""
+    """``(created_at, rowid)`` of a ``next`` cursor; a QueryError on ``before`` for anything else: a
+    row id beyond the largest both databases store, or a time that is not an ISO-8601 time in printable
+    ASCII (a NUL, which PostgreSQL refuses in text, never reaches the query). The time is compared as
+    the row's text, as it came."""
     try:
         created_at, sep, rowid = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().rpartition("~")
     except (ValueError, UnicodeDecodeError):
         sep = ""
     if not sep or not created_at or not rowid.isdigit() or int(rowid) > MAX_ROWID:
         raise QueryError("before", "before must be the `next` cursor of a previous page")
+    if not _iso_time(created_at):
+        raise QueryError("before", "before must be the `next` cursor of a previous page: its time is not an "
+                                   "ISO-8601 time such as 2026-11-29T20:00:00.123+00:00")
     return created_at, int(rowid)
+
+
+def _iso_time(text: str) -> bool:
+    if not (text.isascii() and text.isprintable()) or len(text) > MAX_TIME_CHARS:
+        return False
+    try:
+        datetime.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def cursor_of(row: dict) -> str:

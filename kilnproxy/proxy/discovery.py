@@ -7,6 +7,15 @@ pricing, context window and endpoints (``upstream.routes_from``). An upstream
 that answers no list (an error, not JSON, no ``data``) adds nothing; when no
 upstream of an entry answers one, the entry keeps what it found last, and
 serves only its ``alias`` (sent as its ``upstream_model``) if it never found any.
+
+The ids come from a server the gateway does not control, and become catalog
+ids: in URLs (``/v1/models/{id}``), the usage table, metrics labels, the log.
+An id with a control character (C0, DEL, C1, or a Unicode line or paragraph
+separator) or longer than ``MAX_ID_CHARS`` is refused: it is not served, and
+the log says so once (again only when what an upstream lists that way
+changes). The log shows ids escaped (``repr``) and cut to ``SHOWN_CHARS``, and
+at most ``SHOWN_IDS`` of them a line, so a list cannot write lines of its own
+or lines of any length into it.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 
 import aiohttp
 import orjson
@@ -24,6 +34,10 @@ from .upstream import carry_over, routes_from
 
 INTERVAL = 60.0  # seconds between two reads of the upstreams' lists
 TIMEOUT = 5.0
+MAX_ID_CHARS = 256  # a longer id is refused: a model name or a model path, as servers list them, is shorter
+NOT_IN_AN_ID = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # controls and line breaks
+SHOWN_CHARS = 80  # of one id, in the log
+SHOWN_IDS = 20  # ids named in one log line
 
 log = logging.getLogger("kilnproxy")
 
@@ -33,6 +47,7 @@ class Discovery:
         self.gw = gw
         self.interval = INTERVAL if interval is None else interval
         self.task: asyncio.Task | None = None
+        self.refused: dict[str, tuple[str, ...]] = {}  # an upstream's ids refused at its last answer
 
     def entries(self) -> list[ModelConfig]:
         return [m for m in self.gw.config.models if m.discover]
@@ -52,7 +67,7 @@ class Discovery:
         gw.discovered = found
         gw.routes = carry_over(gw.routes, routes_from(gw.config.models, gw.config.server, found))
         log.info("model discovery: %d model(s) served%s", len(gw.routes),
-                 f"; new: {', '.join(added)}" if added else "")
+                 f"; new: {shown_ids(added)}" if added else "")
 
     async def _listed(self, entry: ModelConfig) -> tuple[str, ...]:
         names: dict[str, None] = {}  # in the upstreams' order, each once
@@ -66,8 +81,15 @@ class Discovery:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 log.warning("model discovery: %s/models: %s", base, type(exc).__name__)
                 continue
-            for name in model_ids(raw):
+            kept, refused = model_ids(raw)
+            for name in kept:
                 names.setdefault(name)
+            if tuple(refused) != self.refused.get(base, ()):
+                self.refused[base] = tuple(refused)
+                if refused:
+                    log.warning("model discovery: %s/models: %d model id(s) refused, with a control character "
+                                "or longer than %d characters: %s", base, len(refused), MAX_ID_CHARS,
+                                shown_ids(refused))
         return tuple(names)
 
     async def run(self) -> None:
@@ -94,13 +116,37 @@ class Discovery:
             self.task = None
 
 
-def model_ids(raw: bytes) -> list[str]:
-    """The ids of an OpenAI-style model list (``{"data": [{"id": ...}]}``; Ollama's and vLLM's too)."""
+def model_ids(raw: bytes) -> tuple[list[str], list[str]]:
+    """The ids of an OpenAI-style model list (``{"data": [{"id": ...}]}``; Ollama's and vLLM's too):
+    those that can be served, and those refused (``usable_id``)."""
     try:
         answer = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return []
+        return [], []
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
-        return []
-    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
+        return [], []
+    kept, refused = [], []
+    for m in data:
+        if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]:
+            (kept if usable_id(m["id"]) else refused).append(m["id"])
+    return kept, refused
+
+
+def usable_id(name: str) -> bool:
+    """At most ``MAX_ID_CHARS`` characters, none of them a control character or a line break."""
+    return len(name) <= MAX_ID_CHARS and not NOT_IN_AN_ID.search(name)
+
+
+def shown_ids(names: list[str]) -> str:
+    """``names`` for one log line: each escaped and cut (``shown``), at most ``SHOWN_IDS`` of them."""
+    out = ", ".join(shown(n) for n in names[:SHOWN_IDS])
+    return out + (f" and {len(names) - SHOWN_IDS} more" if len(names) > SHOWN_IDS else "")
+
+
+def shown(name: str) -> str:
+    """``repr`` of ``name`` (every character that is not printable escaped), its first ``SHOWN_CHARS``
+    characters only, with its length when it was cut."""
+    if len(name) <= SHOWN_CHARS:
+        return repr(name)
+    return f"{name[:SHOWN_CHARS]!r}... ({len(name)} characters)"

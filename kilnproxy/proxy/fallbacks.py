@@ -4,8 +4,8 @@
 request rules: the requested model's upstreams first (``Route.open``), then
 each of its ``fallbacks`` in order, while nothing has reached the client.
 A model cannot take the request when every upstream is marked down, refused,
-timed out, missed its ``first_byte_timeout``, answered 429 or 5xx, or kept
-every slot busy past its ``queue_timeout``. A fallback is skipped when the
+timed out, missed its ``first_byte_timeout``, answered bytes that are not HTTP,
+answered 429 or 5xx, or kept every slot busy past its ``queue_timeout``. A fallback is skipped when the
 key may not use it, it does not serve the endpoint, or the request's hold,
 re-placed at its prices, does not fit the org's credits or the key's limit.
 A fallback's own fallbacks are not followed. When no model of the chain can
@@ -27,7 +27,7 @@ import orjson
 
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, plugin_failed
-from ..plugins.call import Call
+from ..plugins.call import Call, set_model
 from ..plugins.manager import BUILT_IN
 from ..store.limits import Hold
 from .deadlines import RequestTimedOut, deadline_of, request_deadline_passed
@@ -72,7 +72,7 @@ async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, r
             problem = UpstreamFailure(f"{opened.upstream.base_url} answered HTTP {opened.resp.status}")
             continue
         return opened
-    call.model, call.upstream_model, call.pricing = requested  # none served: the row names the model asked for
+    set_model(call, *requested)  # none served: the row names the model asked for
     raise problem
 
 
@@ -125,7 +125,7 @@ async def _switch_to(gw: Gateway, call: Call, key: KeyConfig, record: RequestRec
     if not _usable(route, key, call.endpoint):
         return False
     before = call.model, call.upstream_model, call.pricing
-    call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
+    set_model(call, route.id, route.model.upstream_model, route.pricing)
     old = record.hold
     rehold = getattr(gw.admission, "rehold", None)
     if old is not None and rehold is not None:
@@ -134,7 +134,7 @@ async def _switch_to(gw: Gateway, call: Call, key: KeyConfig, record: RequestRec
         try:
             await rehold(old, new)
         except GatewayError:  # the org's credits or the key's limit do not fit the fallback's hold
-            call.model, call.upstream_model, call.pricing = before
+            set_model(call, *before)
             return False
         record.hold = new  # released with the row, at the fallback's amount
     body["model"] = route.model.upstream_model

@@ -14,7 +14,7 @@ from aiohttp import web
 from ..answers import Answer
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure
-from ..plugins.call import Call
+from ..plugins.call import Call, set_upstream
 from ..plugins.manager import plugin_headers, transformed_response
 from .deadlines import DeadlinePassed, watch
 from .fallbacks import open_upstream
@@ -22,6 +22,7 @@ from .gateway import Gateway
 from .request_body import ENCODINGS, inflate
 from .request_record import RequestRecord
 from .upstream import Route
+from .upstream_connections import UpstreamBadResponse
 
 PASS_THROUGH_STATUSES = (400, 422)
 MAX_REJECTION_BYTES = 16 * 1024 * 1024  # a rejection's body, decoded
@@ -32,7 +33,7 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyCon
     """Steps past admission for the request's ``api`` (a ``request_path.Api``)."""
     route, upstream, resp, first, deadline = await open_upstream(gw, call, key, route, record, body,
                                                                  api.upstream_headers(request), api.hold)
-    call.upstream = upstream.base_url
+    set_upstream(call, upstream.base_url)
     gw.open_upstreams.add(resp)
     timer = watch(resp, deadline)
     try:
@@ -111,6 +112,8 @@ async def read_upstream(resp: aiohttp.ClientResponse) -> bytes:
         return await resp.read()
     except DeadlinePassed as exc:
         raise exc.error() from None
+    except UpstreamBadResponse as exc:  # e.g. chunked framing that is not HTTP's
+        raise UpstreamFailure(f"the upstream's answer is not HTTP: {exc}", code="upstream_bad_response") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise UpstreamFailure(f"the upstream failed while sending its answer: {type(exc).__name__}",
                               code="upstream_error") from None

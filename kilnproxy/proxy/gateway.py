@@ -19,7 +19,7 @@ from aiohttp import web
 
 from ..config import Config
 from ..errors import PluginError
-from ..plugins.call import Call
+from ..plugins.call import Call, seal
 from ..plugins.manager import Hooks, being_cancelled, call_maybe_async
 from ..store.ledger import Ledger
 from ..store.limits import Admission, Credits, LocalAdmission
@@ -197,6 +197,7 @@ class Gateway:
         the task's own cancellation ends it."""
         while (item := await self._usage_queue.get()) is not None:
             call, row = item
+            seal(call)  # a request refused before its request hooks: its call was never sealed
             kwargs = {"call": call, "usage": _ReadOnlyRow(row)}
             for impl in self.hooks.record_usage:
                 try:

@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from ..errors import GatewayError, UpstreamFailure
-from ..plugins.call import Call
+from ..plugins.call import Call, open_call, seal, set_model
 from ..plugins.manager import run_request_hooks
 from ..store.limits import Hold
 from . import rules
@@ -84,7 +84,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         key = gw.keys.authenticate(api.authorization(request))  # 401: no org, no row
     except GatewayError as err:
         return api.error(err)
-    call = Call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)
+    call = open_call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)  # sealed before plugins
     record = RequestRecord(call)
     trace = record.trace = None if gw.tracer is None else gw.tracer.begin(request.headers, endpoint, call)
     headers = {GENERATION_HEADER: call.generation_id}
@@ -99,7 +99,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         route = rules.check_model(body, key, gw.routes)  # step 4
         rules.check_endpoint(route, endpoint)
         record.requested_model = route.id
-        call.model, call.upstream_model, call.pricing = route.id, route.model.upstream_model, route.pricing
+        set_model(call, route.id, route.model.upstream_model, route.pricing)
         hold = api.hold(call, record.created_at, body, route.model.context_window)
         slot = rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
         if trace is None:
@@ -110,6 +110,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         record.hold = hold  # released with the row, in Gateway.submit
         record.admitted = asyncio.get_running_loop().time()  # request_timeout counts from here
         api.checks(body, call, route)  # steps 6-7
+        seal(call)  # what plugins get is read-only (a refused request's: before record_usage)
         await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin
         return await forward(request, gw, call, key, route, record, body, headers, api)
     except (GatewayError, UpstreamFailure) as err:

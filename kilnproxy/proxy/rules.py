@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..config import KeyConfig, MaintenanceConfig
 from ..errors import GatewayError, bad_request, forbidden, model_not_found
-from ..plugins.call import Call
+from ..plugins.call import Call, set_stream
 from ..store.key_usage import period_start
 from ..store.limits import Admission, Credits, Hold, insufficient_credits
 from .auth import check_enabled
@@ -85,8 +85,7 @@ def check_stream(body: dict, call: Call) -> None:
                               param="stream_options")
         if not isinstance(options, dict):
             raise bad_request("`stream_options` must be an object.", param="stream_options")
-    call.stream = stream
-    call.include_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+    set_stream(call, stream, stream and isinstance(options, dict) and options.get("include_usage") is True)
 
 
 def check_chat_params(body: dict, call: Call, route: Route) -> None:

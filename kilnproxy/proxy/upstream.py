@@ -7,11 +7,13 @@ busy, ``kilnproxy.proxy.upstream_slots``), sends the body with the gateway's
 ``UpstreamClient`` (``kilnproxy.proxy.upstream_client``) and returns the
 ``UpstreamResponse`` once its status line and headers have arrived (and,
 with a ``first_byte_timeout``, a stream's first bytes). An upstream that
-refuses the connection, times out, misses its first byte, or answers 429 or
-5xx before sending anything is skipped and the next one tried; refusals,
-timeouts and 502/503/504 count toward marking it down. Nothing has reached
-the client yet, so this is safe. Every other status, and the last
-upstream's 429 or 5xx, comes back to the caller as it is.
+refuses the connection, times out, misses its first byte, answers bytes that
+are not HTTP (a status line httptools refuses: ``upstream_bad_response``), or
+answers 429 or 5xx before sending anything is skipped and the next one tried;
+refusals, timeouts, answers that are not HTTP and 502/503/504 count toward
+marking it down. Nothing has reached the client yet, so this is safe. Every
+other status, and the last upstream's 429 or 5xx, comes back to the caller as
+it is; when no upstream is left, the last one's failure is raised.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..config import ModelConfig, ServerConfig
 from ..errors import GatewayError, UpstreamFailure, no_backend_available
 from .deadlines import first_byte_missed
 from .upstream_client import RequestTarget, UpstreamClient
+from .upstream_connections import UpstreamBadResponse
 from .upstream_response import UpstreamResponse
 from .upstream_slots import SlotPool, UpstreamBusy, take_slot, upstream_busy
 
@@ -157,7 +160,7 @@ class Route:
                 if trace is not None:
                     trace.attempt_done(None, type(exc).__name__)
                 problem = exc if isinstance(exc, GatewayError) else UpstreamFailure(
-                    f"{upstream.base_url}: {_describe(exc)}", code="upstream_unreachable")
+                    f"{upstream.base_url}: {_describe(exc)}", code=_failure_code(exc))
                 continue
             except BaseException:
                 upstream.release()
@@ -203,6 +206,12 @@ class Route:
             if deadline.expired():
                 raise first_byte_missed(self.id, seconds) from None
             raise
+
+
+def _failure_code(exc: BaseException) -> str:
+    """An upstream that answered bytes that are not HTTP reached a server that is broken, not one out
+    of reach: ``upstream_bad_response``; every other failure before the answer is ``upstream_unreachable``."""
+    return "upstream_bad_response" if isinstance(exc, UpstreamBadResponse) else "upstream_unreachable"
 
 
 def _describe(exc: BaseException) -> str:

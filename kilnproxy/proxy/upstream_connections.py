@@ -16,8 +16,11 @@ Errors: a refused or failed connect is ``aiohttp.ClientConnectorError``, a
 connect that takes too long ``TimeoutError``; a connection that ends before the
 response's headers is ``UpstreamDisconnected`` (``answered`` tells whether any
 byte of an answer came), one that ends inside a body of known length
-``UpstreamPayloadError``, bytes that are not HTTP ``UpstreamBadResponse``. All
-are ``aiohttp.ClientError``s, as the callers caught before.
+``UpstreamPayloadError``, bytes that are not HTTP ``UpstreamBadResponse`` (a
+status line or header llhttp refuses, a status below 100, a switch of
+protocols, broken chunked framing). All are ``aiohttp.ClientError``s, as the
+callers caught before; ``UpstreamBadResponse`` is the one that says a server
+answered, but not in HTTP (the request path's ``upstream_bad_response``).
 """
 
 from __future__ import annotations
@@ -150,6 +153,9 @@ class UpstreamConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         response = self.response
         status = self.parser.get_status_code()
+        if status < 100:  # llhttp reads any three digits: "000" is no status, not an interim answer
+            self._fail(UpstreamBadResponse(f"invalid HTTP response: status {status:03d}"))
+            return
         if status < 200:  # 100 Continue and the like: the answer follows
             self.informational = True
             self.header_list = []
