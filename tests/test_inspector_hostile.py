@@ -1,0 +1,83 @@
+"""The inspector when what it shows is hostile or odd: model names, prompts, streams, finish reasons, key
+names and references chosen by clients and upstreams, and the numbers and NULs of its own query strings.
+
+Each test holds one defect a bug hunt found to the fixed behaviour: API answers through a real gateway
+(raw query strings, both stores), the page in Debian's chromium (as tests/test_inspector_browser.py).
+"""
+
+import base64
+import json
+import secrets
+
+import orjson
+import pytest
+import yarl
+from aiohttp import web
+from test_inspector_browser import chromium_page
+from test_json_odd_upstreams import answering, http
+
+from kilnproxy.testing import MODEL
+
+CAPTURE = {"inspector": {"capture": True}}
+XSS = '<img src=x onerror="window.__xss=1"><script>window.__xss=1</script>'
+
+
+async def get(h, path, **kwargs):
+    """``path`` sent exactly as written (``%00`` stays a NUL, ``%C2%B2`` a "²"): status, headers, body."""
+    async with h.session.get(yarl.URL(f"{h.url}{path}", encoded=True), allow_redirects=False, **kwargs) as resp:
+        return resp.status, resp.headers, await resp.read()
+
+
+def error_of(body: bytes) -> tuple[str, str | None]:
+    error = orjson.loads(body)["error"]
+    return error["code"], error["param"]
+
+
+def stream_of(*events: bytes, comments: int = 0) -> bytes:
+    """A raw upstream answer: ``comments`` lines of ``:``, the events, ``[DONE]``."""
+    frames = b":\n" * comments + b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return http(frames, Content_Type="text/event-stream")
+
+
+def chunk(text: str = "w", finish_reason: str | None = None) -> bytes:
+    return orjson.dumps({"id": "cmpl-1", "object": "text_completion", "model": "up",
+                         "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]})
+
+
+USAGE = orjson.dumps({"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}})
+
+
+# -- the JSON API ------------------------------------------------------------------------------------
+
+
+def cursor(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+async def test_a_clients_model_and_an_upstreams_finish_reason_become_rows_both_stores_keep(
+        harness, store, committed):
+    """On PostgreSQL a NUL, or a model name too long for its index, failed the row's settlement (and its
+    batch's) for good: spooled, retried and refused for ever, and the inspector never listed the request.
+    On SQLite a 4 MB model name was kept in every row and sent in every page of the list."""
+    long_model = secrets.token_hex(3000)  # 6,000 characters that do not compress
+    raw = stream_of(chunk(), chunk("", "stop\x00" + "x" * 1000), USAGE)
+    async with answering(raw) as url, \
+            harness(overrides={**store, **CAPTURE}, configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+        ids = []
+        for model, stream in (("bad\x00model", False), (long_model, False), (MODEL, True)):
+            async with h.post("/v1/completions", {"model": model, "prompt": "hi", "stream": stream}) as resp:
+                await resp.read()
+                ids.append(resp.headers["X-Neocloud-Generation-Id"])
+        await committed(h, 3)
+        rows = {r["id"]: r for r in await h.rows()}
+        assert rows[ids[0]]["model"] == "bad\ufffdmodel"
+        assert rows[ids[1]]["model"] == long_model[:255] + "…"
+        assert rows[ids[2]]["finish_reason"] == "stop\ufffd" + "x" * 250 + "…"
+        status, _, body = await get(h, "/ui/api/requests")
+        assert status == 200 and [r["id"] for r in orjson.loads(body)["data"]] == ids[::-1]
+        assert len(body) < 4000
+
+
+# -- the page ------------------------------------------------------------------------------------
+
+
