@@ -54,6 +54,40 @@ def cursor(text: str) -> str:
     return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
 
 
+@pytest.mark.parametrize("query, param", [
+    ("limit=%C2%B2", "limit"),  # "²": str.isdigit() says yes, int() says no
+    ("limit=" + "9" * 5000, "limit"),  # more digits than int() reads
+    ("status=%C2%B2%C2%B2%C2%B2", "status"),
+    ("before=" + cursor("2026-12-01T00:00:00.000+00:00~\u00b2"), "before"),
+    ("before=" + cursor("2026-12-01T00:00:00.000+00:00~" + "1" * 5000), "before"),
+])
+async def test_numbers_in_digits_int_cannot_read_get_400_not_500(gw, query, param):
+    status, _, body = await get(gw, f"/ui/api/requests?{query}")
+    assert (status, error_of(body)) == (400, ("invalid_request", param))
+
+
+async def test_a_nul_in_a_filter_an_id_or_a_change_is_answered_alike_on_both_stores(harness, store):
+    """PostgreSQL's text holds no NUL and refuses a parameter with one: each of these was a 500 there."""
+    async with harness(overrides=store) as h:
+        assert (await get(h, "/ui/api/requests?org=acme%00"))[2] == b'{"data":[],"next":null}'
+        assert (await get(h, "/ui/api/requests?model=test-model%00"))[2] == b'{"data":[],"next":null}'
+        assert (await get(h, "/ui/api/requests?before=" + cursor("2026\x00~1")))[2] == b'{"data":[],"next":null}'
+        status, _, body = await get(h, "/ui/api/usage?org=%00&model=%00")
+        assert status == 200 and orjson.loads(body)["series"] == []
+        for path, param in (("/ui/api/requests/gen-%00", None), ("/ui/api/keys?org=acme%00", "org"),
+                            ("/ui/api/orgs/acme%00/grants", None)):
+            status, _, body = await get(h, path)
+            assert (status, error_of(body)) == (404, ("not_found", param)), path
+        async with h.session.delete(yarl.URL(f"{h.url}/ui/api/keys/key_%00", encoded=True)) as resp:
+            assert (resp.status, error_of(await resp.read())) == (404, ("not_found", None))
+        for path, body, param in (("/ui/api/keys", {"org": "acme", "name": "ci\x00"}, "name"),
+                                  ("/ui/api/keys", {"org": "acme\x00", "name": "ci"}, "org"),
+                                  ("/ui/api/orgs/acme/grants", {"amount": 1, "reference": "inv\x00"}, "reference")):
+            async with h.session.post(f"{h.url}{path}", json=body) as resp:
+                assert (resp.status, error_of(await resp.read())) == (400, ("invalid_request", param))
+        assert await h.gw.tenancy.list_keys() == [] and await h.gw.tenancy.list_grants("acme") == []
+
+
 async def test_a_clients_model_and_an_upstreams_finish_reason_become_rows_both_stores_keep(
         harness, store, committed):
     """On PostgreSQL a NUL, or a model name too long for its index, failed the row's settlement (and its

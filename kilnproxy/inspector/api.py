@@ -35,7 +35,7 @@ from ..proxy.json_routes import expect_handler
 from ..proxy.stream import SSE_HEADERS
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
-from .queries import MAX_LIMIT, InspectorStore, QueryError
+from .queries import MAX_LIMIT, InspectorStore, QueryError, digits
 from .tenancy import TenancyPage
 
 STATIC = Path(__file__).parent / "static"
@@ -215,7 +215,7 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str, str]]:
 
 
 def _limit(raw: str) -> int:
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+    if not digits(raw) or not 1 <= int(raw) <= MAX_LIMIT:
         raise GatewayError(400, "invalid_request", f"limit must be an integer from 1 to {MAX_LIMIT}.",
                            param="limit")
     return int(raw)
