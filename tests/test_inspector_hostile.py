@@ -112,6 +112,42 @@ async def test_a_clients_model_and_an_upstreams_finish_reason_become_rows_both_s
         assert len(body) < 4000
 
 
+async def test_a_stream_of_half_a_million_events_is_listed_by_its_ends(harness):
+    """A capture of tiny events (1 MiB holds half a million ``:`` lines) was a 20 MB answer, built on
+    the event loop for most of a second, and a page no browser could draw."""
+    raw = stream_of(chunk("first"), *[chunk("w")] * 5, chunk("last", "stop"), USAGE, comments=300_000)
+    whole = {"inspector": {"capture": True, "capture_bytes": 4 << 20}}  # both streams, not truncated
+    async with answering(raw) as url, \
+            harness(overrides=whole, configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True}) as resp:
+            assert resp.status == 200
+            await resp.read()
+            generation = resp.headers["X-Neocloud-Generation-Id"]
+        status, _, body = await get(h, f"/ui/api/requests/{generation}")
+        assert status == 200 and len(body) < 500_000 and not orjson.loads(body)["capture"]["truncated"]
+        events = orjson.loads(body)["capture"]["upstream_events"]
+        assert len(events) == 2001
+        assert [e["kind"] for e in events[999:1002]] == ["comment", "omitted", "comment"]
+        assert events[1000]["count"] == 300_000 + 9 - 2000  # the comments, 8 events and [DONE], less those listed
+        assert [json.loads(e["data"])["choices"][0]["text"] for e in events[-9:-3]] == ["first", *["w"] * 5]
+        assert events[-1]["data"] == "[DONE]"
+        timing = orjson.loads(body)["capture"]["timing"]
+        assert timing["first_event_ms"] is not None and timing["last_event_ms"] >= timing["first_event_ms"]
+
+
 # -- the page ------------------------------------------------------------------------------------
+
+
+async def test_a_stream_of_half_a_million_events_opens_in_the_browser(harness):
+    raw = stream_of(chunk("first"), chunk("last", "stop"), USAGE, comments=400_000)
+    async with answering(raw) as url, harness(overrides=CAPTURE, configure=lambda c: c["models"][0].update(
+            upstreams=[url])) as h, chromium_page() as page:
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True}) as resp:
+            await resp.read()
+            generation = resp.headers["X-Neocloud-Generation-Id"]
+        await page.goto(f"{h.url}/ui/#/requests/{generation}")
+        await page.wait_for_selector("#upstream-events li.omitted", timeout=15_000)
+        assert await page.locator("#upstream-events li").count() == 2001
+        assert "not listed" in await page.inner_text("#upstream-events li.omitted")
 
 

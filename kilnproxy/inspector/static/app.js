@@ -141,7 +141,10 @@ function fact(name, value) { return el("div", {}, el("dt", { text: name }), el("
 
 function eventList(list, events) {
   list.replaceChildren(...events.map((e) => el("li", { class: e.data === "[DONE]" ? "done" : e.kind },
-    el("span", { class: "t", text: `+${e.ms.toFixed(1)} ms` }), el("span", { class: "d", text: e.data }))));
+    el("span", { class: "t", text: `+${e.ms.toFixed(1)} ms` }),
+    el("span", { class: "d", text: e.kind === "omitted"  // a long stream: its first and last events are listed
+      ? `… ${e.count.toLocaleString()} events not listed (the API lists a stream's first and last 1,000) …`
+      : e.data }))));
   if (!events.length) list.append(el("li", {}, el("span", { class: "t" }), el("span", { class: "d", text: "(none)" })));
 }
 
