@@ -135,7 +135,86 @@ async def test_a_stream_of_half_a_million_events_is_listed_by_its_ends(harness):
         assert timing["first_event_ms"] is not None and timing["last_event_ms"] >= timing["first_event_ms"]
 
 
+async def test_every_inspector_answer_carries_the_headers_of_an_admin_page(harness):
+    async with harness(overrides={"inspector": {"token": "s3cret"}}) as h:
+        auth = {"Authorization": "Bearer s3cret"}
+        answers = {path: await get(h, path, headers=auth) for path in (
+            "/ui/", "/ui/static/app.js", "/ui/api/meta", "/ui/api/requests", "/ui/api/requests/gen-none",
+            "/ui/api/orgs")}
+        answers["401"] = await get(h, "/ui/api/requests")
+        assert [status for status, _, _ in answers.values()] == [200, 200, 200, 200, 404, 200, 401]
+        async with h.session.get(f"{h.url}/ui/api/events", headers=auth) as resp:
+            answers["/ui/api/events"] = (resp.status, resp.headers, b"")
+        for name, (_, headers, _) in answers.items():
+            policy = dict(d.strip().split(" ", 1) for d in headers["Content-Security-Policy"].split(";"))
+            assert policy["script-src"] == "'self'" and policy["style-src"] == "'self'", name
+            assert policy["frame-ancestors"] == "'none'" and policy["default-src"] == "'none'", name
+            assert headers["X-Frame-Options"] == "DENY" and headers["X-Content-Type-Options"] == "nosniff", name
+            assert headers["Referrer-Policy"] == "no-referrer", name
+            expected = "no-cache" if name.startswith("/ui/static") or name == "/ui/" or "events" in name else "no-store"
+            assert headers["Cache-Control"] == expected, name
+
+
 # -- the page ------------------------------------------------------------------------------------
+
+
+async def test_another_site_cannot_frame_the_page(harness):
+    """Without a token the page answers loopback clients, and a browser on the gateway's machine (or an
+    SSH tunnel to it) is one: a site it visits could frame "Orgs & keys" under a decoy and have the
+    operator click "revoke"."""
+    async with harness() as h, chromium_page() as page:
+        async def decoy_page(request):
+            return web.Response(text=f'<p>win a prize</p><iframe src="{h.url}/ui/#/orgs/acme" width=1200 '
+                                     'height=600></iframe>', content_type="text/html")
+
+        decoy = web.Application()
+        decoy.router.add_get("/", decoy_page)
+        runner = web.AppRunner(decoy)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = site._server.sockets[0].getsockname()[1]
+            await page.goto(f"http://localhost:{port}/")  # another origin than the gateway's
+            await page.wait_for_timeout(1000)
+            [frame] = [f for f in page.frames if f != page.main_frame]
+            assert not frame.url.startswith(h.url)  # chromium's error page instead
+            assert await frame.query_selector("#orgs-table") is None
+            page.kiln_errors[:] = [e for e in page.kiln_errors if "frame-ancestors 'none'" not in e]  # the refusal
+        finally:
+            await runner.cleanup()
+
+
+async def test_text_from_clients_and_upstreams_is_shown_as_text(harness):
+    """A guard rather than a defect found: every field is set with textContent, and the Content-Security-Policy
+    would refuse an inline script anyway."""
+    raw = stream_of(chunk(XSS), chunk("", XSS), USAGE)
+    async with answering(raw) as url, harness(overrides=CAPTURE, configure=lambda c: c["models"][0].update(
+            upstreams=[url])) as h, chromium_page() as page:
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": XSS, "stream": True}) as resp:
+            await resp.read()
+            generation = resp.headers["X-Neocloud-Generation-Id"]
+        async with h.post("/v1/completions", {"model": XSS, "prompt": "hi"}) as resp:
+            assert resp.status == 404
+            await resp.read()
+        async with h.session.post(f"{h.url}/ui/api/keys", json={"org": "acme", "name": XSS}) as resp:
+            assert resp.status == 201
+        async with h.session.post(f"{h.url}/ui/api/orgs/acme/grants", json={"amount": 1, "reference": XSS}) as resp:
+            assert resp.status == 201
+        await page.goto(f"{h.url}/ui/")
+        await page.wait_for_selector("#requests tbody tr:nth-child(2)")
+        assert XSS in await page.inner_text("#requests")
+        await page.goto(f"{h.url}/ui/#/requests/{generation}")
+        await page.wait_for_function("() => document.querySelector('#client-events').textContent.includes('[DONE]')")
+        assert json.loads(await page.inner_text("#client-body"))["prompt"] == XSS
+        facts = dict(zip(await page.locator("#detail-facts dt").all_inner_texts(),
+                         await page.locator("#detail-facts dd").all_inner_texts()))
+        assert facts["finish"] == XSS
+        await page.goto(f"{h.url}/ui/#/orgs/acme")
+        await page.wait_for_selector("#grants-table tbody tr")
+        assert XSS in await page.inner_text("#keys-table") and XSS in await page.inner_text("#grants-table")
+        assert await page.evaluate("window.__xss") is None
+        assert await page.locator("img, main script").count() == 0
 
 
 async def test_a_stream_of_half_a_million_events_opens_in_the_browser(harness):

@@ -20,10 +20,12 @@ See docs/inspector.md for the API.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import mimetypes
 import os
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -40,6 +42,17 @@ from .tenancy import TenancyPage
 
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_SECONDS = 15.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# On every answer under /ui. The page runs only its own files: no inline script or style (an injected
+# one would not run), no frame around it (it has buttons that revoke keys), nothing sniffed.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                               "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",  # the page's address may hold ?token=
+}
+NO_STORE = {"Cache-Control": "no-store"}  # the API's answers hold prompts, completions, a new key's secret
 
 
 class InspectorAPI:
@@ -52,7 +65,7 @@ class InspectorAPI:
         self.token_sha256 = token_digest(self.config.token.encode()) if self.config.token is not None else None
 
     def routes(self) -> list[web.RouteDef]:
-        return [
+        routes = [
             web.get("/ui", self.redirect, expect_handler=expect_handler),
             web.get("/ui/", self.index, expect_handler=expect_handler),
             web.get("/ui/static/{name:.+}", self.static, expect_handler=expect_handler),
@@ -64,6 +77,7 @@ class InspectorAPI:
             web.get("/ui/api/events", self.events, expect_handler=expect_handler),
             *TenancyPage(self).routes(),
         ]
+        return [web.RouteDef(r.method, r.path, secured(r.handler), r.kwargs) for r in routes]
 
     # -- access -------------------------------------------------------------------
 
@@ -179,7 +193,7 @@ class InspectorAPI:
         ``{"type": "reset"}`` when this client fell behind and should reload its list."""
         self.access(request)
         sub = self.hub.subscribe()
-        response = web.StreamResponse(headers=SSE_HEADERS)
+        response = web.StreamResponse(headers={**SSE_HEADERS, **SECURITY_HEADERS})
         try:
             await response.prepare(request)
             await response.write(event_frame({"type": "hello", "capture": self.gateway.capture is not None}))
@@ -199,6 +213,26 @@ class InspectorAPI:
             return response
         finally:
             self.hub.unsubscribe(sub)
+
+
+def secured(handler: Handler) -> Handler:
+    """``handler`` with ``SECURITY_HEADERS`` on its answers, refusals included, and ``Cache-Control:
+    no-store`` on those that set no ``Cache-Control`` of their own (the page's files revalidate)."""
+    @functools.wraps(handler)
+    async def answer(request: web.Request) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except GatewayError as err:
+            return err.response({**SECURITY_HEADERS, **NO_STORE})
+        except web.HTTPRedirection as redirect:
+            redirect.headers.update(SECURITY_HEADERS)
+            raise
+        if not response.prepared:  # the live feed has sent its own
+            response.headers.update(SECURITY_HEADERS)
+            response.headers.setdefault("Cache-Control", "no-store")
+        return response
+
+    return answer
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str, str]]:

@@ -58,7 +58,9 @@ function usageCell(k) {
   const td = el("td", { class: "num usage", text });
   if (k.limit !== null) {
     const share = k.limit > 0 ? Math.min(1, k.usage / k.limit) : 1;
-    td.append(el("div", { class: `bar ${share >= 1 ? "full" : ""}` }, el("span", { style: `width:${(share * 100).toFixed(1)}%` })));
+    const fill = el("span");
+    fill.style.width = `${(share * 100).toFixed(1)}%`;  // CSSOM: the page's CSP refuses style attributes
+    td.append(el("div", { class: `bar ${share >= 1 ? "full" : ""}` }, fill));
     td.title = `${money(k.limit_remaining)} left this period`;
   }
   return td;
