@@ -217,6 +217,30 @@ async def test_text_from_clients_and_upstreams_is_shown_as_text(harness):
         assert await page.locator("img, main script").count() == 0
 
 
+async def test_the_list_keeps_its_newest_1000_rows_and_pages_back_to_the_rest(harness):
+    """Each new row laid the whole table out again: 12 ms a row with 1,000 rows, a second with 40,000
+    (an hour of a busy gateway), and the page froze."""
+    async with harness() as h, chromium_page() as page:
+        await page.goto(f"{h.url}/ui/")
+        await page.wait_for_selector("#live.on")
+        ids = []
+        for _ in range(1060):
+            async with h.post("/v1/completions", {"model": "missing", "prompt": "x"}) as resp:
+                await resp.read()
+                ids.append(resp.headers["X-Neocloud-Generation-Id"])
+        await page.wait_for_selector(f'#requests tr[data-id="{ids[-1]}"]')
+        listed = await page.eval_on_selector_all("#requests tbody tr", "rows => rows.map(r => r.dataset.id)")
+        assert listed == ids[::-1][:1000]
+        assert await page.is_visible("#more")
+        while await page.is_visible("#more"):
+            count = await page.locator("#requests tbody tr").count()
+            await page.click("#more")
+            await page.wait_for_function(f"() => document.querySelectorAll('#requests tbody tr').length > {count}"
+                                         " || document.querySelector('#more').hidden")
+        listed = await page.eval_on_selector_all("#requests tbody tr", "rows => rows.map(r => r.dataset.id)")
+        assert listed == ids[::-1]
+
+
 async def test_a_stream_of_half_a_million_events_opens_in_the_browser(harness):
     raw = stream_of(chunk("first"), chunk("last", "stop"), USAGE, comments=400_000)
     async with answering(raw) as url, harness(overrides=CAPTURE, configure=lambda c: c["models"][0].update(
@@ -230,3 +254,38 @@ async def test_a_stream_of_half_a_million_events_opens_in_the_browser(harness):
         assert "not listed" in await page.inner_text("#upstream-events li.omitted")
 
 
+async def test_a_client_naming_a_thousand_models_leaves_the_usage_charts_readable(harness):
+    """Each name a client sends is a series ("by model"): 600 of them took 25 s to draw, 3,000 over 5 minutes,
+    every 3 s while requests came."""
+    async with harness() as h, chromium_page() as page:
+        for i in range(1000):
+            async with h.post("/v1/completions", {"model": f"bogus-{i:04d}", "prompt": "x"}) as resp:
+                await resp.read()
+        for _ in range(3):
+            async with h.post("/v1/completions", {"model": "bogus-0500", "prompt": "x"}) as resp:
+                await resp.read()
+        await page.goto(f"{h.url}/ui/#/usage")
+        await page.wait_for_function("() => { const c = window.Chart && Chart.getChart('chart-requests');"
+                                     " return c && c.data.datasets.length > 0; }", timeout=15_000)
+        datasets = await page.evaluate("Chart.getChart('chart-requests').data.datasets"
+                                       ".map(d => [d.label, d.data.reduce((a, b) => a + b, 0)])")
+        assert datasets[0] == ["bogus-0000", 1] and ["bogus-0500", 4] in datasets
+        assert len(datasets) == 10 and datasets[-1] == ["991 others", 991]
+
+
+async def test_long_names_do_not_push_the_tables_off_the_page(harness):
+    """A 256-character model name (what a row keeps of a client's) or a 200-character key name made the
+    cell, and so the table, as wide as the text: the other columns went off screen."""
+    async with harness() as h, chromium_page() as page:
+        async with h.post("/v1/completions", {"model": "m" * 300, "prompt": "x"}) as resp:
+            await resp.read()
+        async with h.session.post(f"{h.url}/ui/api/keys", json={"org": "acme", "name": "k" * 200}) as resp:
+            assert resp.status == 201
+        await page.goto(f"{h.url}/ui/")
+        await page.wait_for_selector("#requests tbody tr")
+        width = await page.evaluate("document.documentElement.clientWidth")
+        assert await page.evaluate("document.querySelector('#requests').scrollWidth") <= width
+        assert await page.get_attribute("#requests td.text[title^=mmm]", "title") == "m" * 255 + "…"
+        await page.goto(f"{h.url}/ui/#/orgs/acme")
+        await page.wait_for_selector("#keys-table td.text[title^=kkk]")
+        assert await page.evaluate("document.querySelector('#keys-table').scrollWidth") <= width
