@@ -36,8 +36,11 @@ async def chromium_page():
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
             page = await browser.new_page(viewport={"width": 1440, "height": 1100})
-            errors = []
+            errors = page.kiln_errors = []  # a test may take out an error it expects
             page.on("pageerror", lambda exc: errors.append(str(exc)))
+            # the page must work within its Content-Security-Policy: anything it refuses is an error too
+            page.on("console", lambda msg: errors.append(msg.text)
+                    if msg.type == "error" and "Content Security Policy" in msg.text else None)
             yield page
             assert errors == [], errors
         finally:
@@ -72,7 +75,7 @@ async def test_a_streamed_request_appears_live_and_opens_on_both_streams(harness
         assert cells[5] == "5 / 6" and cells[9] == "●"
 
         await row.click()
-        await page.wait_for_function("document.querySelector('#client-events').textContent.includes('[DONE]')")
+        await page.wait_for_function("() => document.querySelector('#client-events').textContent.includes('[DONE]')")
         assert page.url.endswith(f"/ui/#/requests/{gen}")
         upstream = await page.locator("#upstream-events .d").all_inner_texts()
         client = await page.locator("#client-events .d").all_inner_texts()
@@ -122,7 +125,8 @@ async def test_filters_reload_the_list_from_the_api(harness):
         assert await page.locator("#requests tbody tr").get_attribute("data-id") == missing
         assert "capture off" in await page.inner_text("#capture-state")
         await page.locator(f'tr[data-id="{missing}"]').click()
-        await page.wait_for_function("document.querySelector('#detail-note').textContent.includes('capture = true')")
+        await page.wait_for_function(
+            "() => document.querySelector('#detail-note').textContent.includes('capture = true')")
         assert await page.is_hidden("#detail-streams")
         assert await page.is_hidden("#trace-link")  # no [tracing] trace_url
 
@@ -159,14 +163,14 @@ async def test_a_request_in_flight_shows_its_streams_as_they_come(harness):
             await row.wait_for()
             assert (await row.locator("td").all_inner_texts())[4] == "in flight"
             await row.click()
-            await page.wait_for_function("document.querySelectorAll('#client-events li').length === 2")
+            await page.wait_for_function("() => document.querySelectorAll('#client-events li').length === 2")
             assert (await page.inner_text("#detail-facts")).startswith("state\nin flight\n")
             texts = [json.loads(d)["choices"][0]["text"]
                      for d in await page.locator("#client-events .d").all_inner_texts()]
             assert texts == [" Paris", " is"]
         # the client has hung up: the row is written and the open detail view turns into it
         await page.wait_for_function(
-            "[...document.querySelectorAll('#detail-facts div')].some(d => d.textContent === 'client leftyes')")
+            "() => [...document.querySelectorAll('#detail-facts div')].some(d => d.textContent === 'client leftyes')")
         await page.click("a.back")
         final = page.locator(f'#requests tr[data-id="{gen}"]')
         await page.wait_for_selector(f'#requests tr[data-id="{gen}"]:not(.inflight)')

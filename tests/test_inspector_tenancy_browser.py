@@ -33,7 +33,7 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
         await page.fill("#key-form input[name=name]", "browser")
         await page.fill("#key-form input[name=expires_at]", "soon")
         await page.click("#key-form button[type=submit]")
-        await page.wait_for_function("document.querySelector('#org-error').textContent.includes('expires_at')")
+        await page.wait_for_function("() => document.querySelector('#org-error').textContent.includes('expires_at')")
         assert await h.gw.tenancy.list_keys() == []
 
         await page.fill("#key-form input[name=expires_at]", "")
@@ -54,7 +54,7 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
 
         assert await complete(h, secret) == 200  # the new key works at once
         # the request's row comes over the live feed, and the open page refreshes the key's usage
-        await page.wait_for_function(f"document.querySelector('{row} .last-used').textContent !== '–'")
+        await page.wait_for_function(f"() => document.querySelector('{row} .last-used').textContent !== '–'")
         assert (await cells(page, row))[3] == "$0.000002 / $2.00"
 
         # shown once: gone when dismissed, and never served again
@@ -68,19 +68,19 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
         await page.fill("#grant-form input[name=amount]", "25")
         await page.fill("#grant-form input[name=reference]", "invoice-1042")
         await page.click("#grant-form button[type=submit]")
-        await page.wait_for_function("document.querySelector('#grant-note').textContent === 'granted $25.00'")
+        await page.wait_for_function("() => document.querySelector('#grant-note').textContent === 'granted $25.00'")
         await page.wait_for_function(
-            "document.querySelector('#orgs-table tr[data-org=\"acme\"] .granted').textContent === '$125.00'")
+            "() => document.querySelector('#orgs-table tr[data-org=\"acme\"] .granted').textContent === '$125.00'")
         assert (await cells(page, "#grants-table tbody tr"))[1:3] == ["$25.00", "invoice-1042"]
         await page.fill("#grant-form input[name=amount]", "99")  # a retried payment: credits once
         await page.fill("#grant-form input[name=reference]", "invoice-1042")
         await page.click("#grant-form button[type=submit]")
-        await page.wait_for_function("document.querySelector('#grant-note').textContent.includes('used already')")
+        await page.wait_for_function("() => document.querySelector('#grant-note').textContent.includes('used already')")
         assert await page.locator("#grants-table tbody tr").count() == 1
         assert h.gw.credits.granted["acme"] == 125.0
 
         await page.click(f"{row} button.revoke")
-        await page.wait_for_function(f"document.querySelector('{row} .state').textContent === 'revoked'")
+        await page.wait_for_function(f"() => document.querySelector('{row} .state').textContent === 'revoked'")
         assert await page.locator(f"{row} button.revoke").count() == 0
         assert await complete(h, secret) == 401
         await page.screenshot(path=str(ARTIFACTS / "inspector-orgs-revoked.png"), full_page=True)

@@ -20,7 +20,7 @@ into a fixture (docs/fixtures.md), for the inspector's "save as fixture".
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import orjson
@@ -92,6 +92,14 @@ class Tap:
     def ms(self) -> float:
         return round((time.perf_counter() - self.started) * 1000, 3)
 
+    def snapshot(self) -> "Tap":
+        """A copy that ``describe`` can read in another thread while the request adds to this one."""
+        copy = Tap.__new__(Tap)
+        for name in Tap.__slots__:
+            setattr(copy, name, getattr(self, name))
+        copy.upstream_chunks, copy.client_writes = list(self.upstream_chunks), list(self.client_writes)
+        return copy
+
     # -- called by the request path ---------------------------------------------
 
     def sent_upstream(self, payload: bytes) -> None:
@@ -154,18 +162,31 @@ class TappedResponse(web.StreamResponse):
 
 
 def describe(tap: Tap, row: dict | None) -> dict[str, Any]:
-    """The JSON form of a capture: bodies as text, both streams as timed events."""
-    parser = SSEParser()
-    items = [(ms, item) for ms, chunk in tap.upstream_chunks for item in parser.feed(chunk)]
-    items += [(tap.upstream_chunks[-1][0], item) for item in parser.close()] if tap.upstream_chunks else []
-    upstream = [{"ms": ms, "kind": "comment" if kind == COMMENT else "data", "data": _text(payload)}
-                for ms, (kind, payload) in items]
-    client = []
+    """The JSON form of a capture: bodies as text, both streams as timed events. A stream of more
+    than ``LISTED_EVENTS`` events lists its first and last ``LISTED_EVENTS // 2``, with one event of
+    kind ``omitted`` (and its ``count``) in their place: a capture of tiny events (1 MiB holds half
+    a million ``:`` lines) would be a JSON answer twenty times its size, and a page no browser draws.
+
+    It reads every byte of the capture (up to ``capture_bytes``): run it off the event loop
+    (``asyncio.to_thread``) on a copy of the lists (``Tap.snapshot``)."""
+    parser, upstream, datas = SSEParser(), _Events(), []  # datas: (ms, payload) of each data event
+
+    def add(ms: float, items: list[tuple[int, bytes]]) -> None:
+        for kind, payload in items:
+            upstream.add(ms, "comment" if kind == COMMENT else "data", payload)
+            if kind != COMMENT:
+                datas.append((ms, payload))
+
+    for ms, chunk in tap.upstream_chunks:
+        add(ms, parser.feed(chunk))
+    if tap.upstream_chunks:
+        add(tap.upstream_chunks[-1][0], parser.close())
+    client = _Events()
     for ms, chunk in tap.client_writes:
         for frame in chunk.split(b"\n\n"):
             if frame:
-                client.append({"ms": ms, "kind": "comment" if frame[:1] == b":" else "data",
-                               "data": _text(frame[6:] if frame[:6] == b"data: " else frame)})
+                client.add(ms, "comment" if frame[:1] == b":" else "data",
+                           frame[6:] if frame[:6] == b"data: " else frame)
     return {
         "truncated": tap.truncated,
         "bytes": tap.used,
@@ -173,10 +194,43 @@ def describe(tap: Tap, row: dict | None) -> dict[str, Any]:
         "upstream_body": _text(tap.upstream_body),
         "upstream_answer": _text(tap.upstream_answer),
         "client_answer": _text(tap.client_answer),
-        "upstream_events": upstream,
-        "client_events": client,
-        "timing": _timing(upstream, row),
+        "upstream_events": upstream.listed(),
+        "client_events": client.listed(),
+        "timing": _timing(datas, row),
     }
+
+
+LISTED_EVENTS = 2000
+
+
+class _Events:
+    """A stream's events as ``describe`` lists them: the first and the last ``LISTED_EVENTS // 2``
+    kept as they come, the others only counted."""
+
+    __slots__ = ("head", "tail", "count", "omitted_ms")
+
+    def __init__(self) -> None:
+        self.head: list[tuple[float, str, bytes]] = []
+        self.tail: deque[tuple[float, str, bytes]] = deque(maxlen=LISTED_EVENTS // 2)
+        self.count = 0
+        self.omitted_ms: float | None = None  # when the first event left out came
+
+    def add(self, ms: float, kind: str, payload: bytes) -> None:
+        self.count += 1
+        if len(self.head) < LISTED_EVENTS // 2:
+            self.head.append((ms, kind, payload))
+            return
+        if len(self.tail) == self.tail.maxlen and self.omitted_ms is None:
+            self.omitted_ms = self.tail[0][0]
+        self.tail.append((ms, kind, payload))
+
+    def listed(self) -> list[dict[str, Any]]:
+        events = [{"ms": ms, "kind": kind, "data": _text(payload)} for ms, kind, payload in self.head]
+        omitted = self.count - len(self.head) - len(self.tail)
+        if omitted:
+            events.append({"ms": self.omitted_ms, "kind": "omitted", "count": omitted})
+        events += [{"ms": ms, "kind": kind, "data": _text(payload)} for ms, kind, payload in self.tail]
+        return events
 
 
 def fixture_of(tap: Tap, row: dict, secrets: tuple[str, ...] = ()) -> Fixture | None:
@@ -205,10 +259,11 @@ def fixture_of(tap: Tap, row: dict, secrets: tuple[str, ...] = ()) -> Fixture | 
                    source=f"kilnproxy inspector capture {row['id']}")
 
 
-def _timing(upstream: list[dict], row: dict | None) -> dict[str, Any]:
-    """TTFT, and tokens per second between the first and the last upstream event with choices."""
-    data = [e["ms"] for e in upstream if e["kind"] == "data" and _has_choices(e["data"])]
-    first, last = (data[0], data[-1]) if data else (None, None)
+def _timing(datas: list[tuple[float, bytes]], row: dict | None) -> dict[str, Any]:
+    """TTFT, and tokens per second between the first and the last upstream event with choices
+    (``datas``: the upstream's data events in order, parsed from each end until one has some)."""
+    first = next((ms for ms, payload in datas if _has_choices(payload)), None)
+    last = next((ms for ms, payload in reversed(datas) if _has_choices(payload)), None)
     tokens = row["completion_tokens"] if row else None
     rate = None
     if tokens and tokens > 1 and first is not None and last > first:
@@ -217,7 +272,7 @@ def _timing(upstream: list[dict], row: dict | None) -> dict[str, Any]:
             "ttft_ms": row["ttft_ms"] if row else first, "tokens_per_second": rate}
 
 
-def _has_choices(data: str) -> bool:
+def _has_choices(data: bytes) -> bool:
     try:
         event = orjson.loads(data)
     except orjson.JSONDecodeError:

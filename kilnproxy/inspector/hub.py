@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from ..proxy.request_record import stored_text
+
 log = logging.getLogger("kilnproxy.inspector")
 
 QUEUE_SIZE = 1000
@@ -88,7 +90,8 @@ class LiveHub:
             call = record.call
             frame = event_frame({"type": "started", "row": {
                 "id": call.generation_id, "created_at": record.created_at, "org": call.org,
-                "key_id": call.key_id, "model": record.model, "endpoint": call.endpoint, "captured": True}})
+                "key_id": call.key_id, "model": stored_text(record.model),  # the client's, as its row keeps it
+                "endpoint": call.endpoint, "captured": True}})
             for sub in self.subscribers:
                 sub.offer(frame)
         except Exception:  # never into the request's path

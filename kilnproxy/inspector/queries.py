@@ -97,8 +97,14 @@ def page_query(org: str | None = None, model: str | None = None, status: str | N
     return sql, params
 
 
+def digits(text: str, most: int = 19) -> bool:
+    """``text`` is a decimal integer ``int()`` reads: ASCII digits only (``str.isdigit`` is true of
+    "²", which ``int()`` refuses), and at most ``most`` of them (``int()`` refuses over 4,300)."""
+    return 0 < len(text) <= most and text.isascii() and text.isdigit()
+
+
 def parse_status(status: str) -> int:
-    if not status.isdigit() or not 100 <= int(status) <= 599:
+    if not digits(status) or not 100 <= int(status) <= 599:
         raise QueryError("status", "status must be an HTTP status (e.g. 429), `ok` (below 400) or `error` "
                                    "(400 and above)")
     return int(status)
@@ -113,7 +119,7 @@ def parse_cursor(cursor: str) -> tuple[str, int]:
         created_at, sep, rowid = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().rpartition("~")
     except (ValueError, UnicodeDecodeError):
         sep = ""
-    if not sep or not created_at or not rowid.isdigit() or int(rowid) > MAX_ROWID:
+    if not sep or not created_at or not digits(rowid) or int(rowid) > MAX_ROWID:
         raise QueryError("before", "before must be the `next` cursor of a previous page")
     if not _iso_time(created_at):
         raise QueryError("before", "before must be the `next` cursor of a previous page: its time is not an "
@@ -212,7 +218,7 @@ class InspectorStore:
     async def page(self, limit: int = 50, **filters: str | None) -> tuple[list[dict], str | None]:
         """One page of rows, newest first, and the cursor of the next page (None: the last)."""
         sql, params = page_query(limit=limit, **filters)
-        rows = await self.reader.fetch(sql, params)
+        rows = await self._fetch(sql, params)
         more = len(rows) > limit
         rows = rows[:limit]
         cursor = cursor_of(rows[-1]) if more else None
@@ -221,7 +227,7 @@ class InspectorStore:
         return rows, cursor
 
     async def get(self, generation_id: str) -> dict | None:
-        rows = await self.reader.fetch(f"SELECT {SELECT_COLUMNS} FROM usage_events WHERE id = ?", (generation_id,))
+        rows = await self._fetch(f"SELECT {SELECT_COLUMNS} FROM usage_events WHERE id = ?", (generation_id,))
         return rows[0] if rows else None
 
     async def usage(self, bucket: str, since: str | None, until: str | None,
@@ -239,8 +245,16 @@ class InspectorStore:
         labels = _bucket_labels(start, end, step, width)
         # Without ``until`` the span ends now, and a row stamped in this very millisecond is in it.
         sql, params = usage_query(width, _iso(start), _iso(end), org, model, up_to_now=not until)
-        series = sorted(await self.reader.fetch(sql, params), key=_series_order)
+        series = sorted(await self._fetch(sql, params), key=_series_order)
         return {"bucket": bucket, "since": _iso(start), "until": _iso(end), "buckets": labels, "series": series}
+
+    async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...]) -> list[dict[str, Any]]:
+        """The reader's rows; none, without asking, when a text parameter holds a NUL: no row can
+        hold one (PostgreSQL's text cannot, and refuses the parameter; the ledger writes none on
+        SQLite either), so an org, a model or an id with one matches nothing on both stores."""
+        if any(type(p) is str and "\x00" in p for p in params):
+            return []
+        return await self.reader.fetch(sql, params)
 
 
 def usage_query(width: int, start: str, end: str, org: str | None = None,

@@ -11,6 +11,10 @@ from ..plugins.call import Call
 from ..usage import Usage, estimate_prompt_tokens
 
 _second: list = [None, ""]  # the last whole second formatted, and its text
+# The most characters a row keeps of a text that a client or an upstream chose: the model a client
+# asked for when it is not in the catalog, a finish reason. PostgreSQL's index on ``model`` refuses
+# an entry over 2,704 bytes (the row, and the others of its settlement, would be retried for ever).
+MAX_ROW_TEXT = 256
 
 
 def _utc_now_iso() -> str:
@@ -77,7 +81,7 @@ class RequestRecord:
     def row(self) -> dict[str, Any]:
         usage = self.final_usage()
         call = self.call
-        model = call.model or self.model
+        model = call.model or stored_text(self.model)
         return {
             "id": call.generation_id,
             "created_at": self.created_at,
@@ -101,11 +105,23 @@ class RequestRecord:
         }
 
 
+def stored_text(text: str | None) -> str | None:
+    """``text`` as both stores can keep it: a NUL (which PostgreSQL's text cannot hold: the row
+    would never settle) becomes U+FFFD, and past ``MAX_ROW_TEXT`` characters it is cut, with "…"."""
+    if text is None or (len(text) <= MAX_ROW_TEXT and "\x00" not in text):
+        return text
+    if len(text) > MAX_ROW_TEXT:
+        text = text[:MAX_ROW_TEXT - 1] + "…"
+    return text.replace("\x00", "\ufffd")
+
+
 def _text(reason: Any) -> str | None:
-    """A finish reason as the client saw it: a string, or the JSON of an odd one."""
-    if reason is None or type(reason) is str:
-        return reason
-    try:
-        return orjson.dumps(reason).decode()
-    except TypeError:
-        return str(reason)
+    """A finish reason as the client saw it: a string, or the JSON of an odd one (``stored_text``)."""
+    if reason is None or (type(reason) is str and len(reason) <= MAX_ROW_TEXT and "\x00" not in reason):
+        return reason  # nearly always: "stop", "length"
+    if type(reason) is not str:
+        try:
+            reason = orjson.dumps(reason).decode()
+        except TypeError:
+            reason = str(reason)
+    return stored_text(reason)

@@ -123,7 +123,7 @@ class TenancyChanges:
     async def _runtime_key(self, key_id: str) -> None:
         if self.view.config_key(key_id) is not None:
             raise managed_by_config("key", key_id)
-        if await self.store.get_key(key_id) is None:
+        if not bodies.storable(key_id) or await self.store.get_key(key_id) is None:
             raise not_found("key", key_id)
 
     async def grants(self, org_id: str) -> list[dict[str, Any]]:

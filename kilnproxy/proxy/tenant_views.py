@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 from ..config import Config, KeyConfig, OrgConfig
 from ..store.tenancy import TenancyStore
 from ..store.tenancy_books import held_by_org, spent_by_org
+from ..store.tenancy_validation import storable
 from ..usage import round_usd
 
 ORG_FIELDS = ("id", "granted", "spent", "held", "remaining", "max_in_flight", "disabled", "source",
@@ -144,11 +145,15 @@ class TenancyView:
 
     async def org_row(self, org_id: str) -> dict[str, Any] | None:
         config = self.config_org(org_id)
-        return config_org_row(config) if config is not None else await self.store.get_org(org_id)
+        if config is not None:
+            return config_org_row(config)
+        return await self.store.get_org(org_id) if storable(org_id) else None
 
     async def key_row(self, key_id: str) -> dict[str, Any] | None:
         config = self.config_key(key_id)
-        return config_key_row(config) if config is not None else await self.store.get_key(key_id)
+        if config is not None:
+            return config_key_row(config)
+        return await self.store.get_key(key_id) if storable(key_id) else None
 
     # -- objects --
 

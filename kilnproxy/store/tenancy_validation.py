@@ -35,6 +35,12 @@ MAX_INT = 2**63 - 1  # a per-minute limit: what a BIGINT (and SQLite's INTEGER) 
 MAX_IN_FLIGHT = 2**31 - 1  # what PostgreSQL's INTEGER column of max_in_flight holds
 
 
+def storable(text: str) -> bool:
+    """Whether both stores can keep ``text``: PostgreSQL's text holds no NUL (and refuses a
+    parameter with one), so no stored id has one and no name or reference may."""
+    return "\x00" not in text
+
+
 def invalid(message: str, param: str | None) -> GatewayError:
     return GatewayError(400, "invalid_request", message, param=param)
 
@@ -65,6 +71,8 @@ def _text(value: Any, field: str) -> str:
         raise invalid(f"`{field}` must not be empty.", field)
     if len(value) > MAX_TEXT:
         raise invalid(f"`{field}` must be at most {MAX_TEXT} characters.", field)
+    if not storable(value):
+        raise invalid(f"`{field}` must not contain a NUL character.", field)
     return value
 
 

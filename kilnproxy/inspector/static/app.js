@@ -2,7 +2,12 @@
 "use strict";
 
 const PAGE = 50;
-const state = { filters: {}, next: null, seen: new Set(), meta: null, charts: {}, usageTimer: null };
+// The most rows the list keeps as live rows arrive (more if "older requests" loaded more): each new row
+// lays the whole table out again, a second per row once it holds 40,000.
+const MAX_ROWS = 1000;
+const MAX_SERIES = 10;  // a chart's series: the largest, the others summed (a client may name 10,000 models)
+const state = { filters: {}, next: null, seen: new Set(), meta: null, charts: {}, usageTimer: null,
+                maxRows: MAX_ROWS };
 
 // -- talking to the gateway --------------------------------------------------------
 
@@ -55,6 +60,9 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 const $ = (id) => document.getElementById(id);
+// A cell of text someone else chose (a model a client asked for, a key's name): cut to the column's width,
+// whole in its tooltip, so that one long value cannot push the table's other columns off the page.
+const textCell = (text) => el("td", { class: "text", text, title: text });
 const ms = (v) => (v === null || v === undefined ? "–" : v >= 1000 ? `${(v / 1000).toFixed(2)} s` : `${Math.round(v)} ms`);
 const usd = (v) => (v ? `$${v < 0.01 ? Number(v.toPrecision(3)) : v.toFixed(4)}` : "$0");
 const localTime = (iso) => new Date(iso).toLocaleTimeString([], { hour12: false });
@@ -70,8 +78,7 @@ function rowElement(row, fresh) {
   if (row.status === undefined) return inFlightElement(row);
   const tr = el("tr", { "data-id": row.id, class: fresh ? "new" : "" },
     el("td", { text: localTime(row.created_at), title: row.created_at }),
-    el("td", { text: row.org }),
-    el("td", { text: row.model || "–" }),
+    textCell(row.org), textCell(row.model || "–"),
     el("td", { text: row.endpoint + (row.stream ? " (stream)" : "") }),
     el("td", { class: statusClass(row.status), text: row.status + (row.error_code ? ` ${row.error_code}` : "")
                 + (row.disconnected ? " (left)" : "") }),
@@ -86,8 +93,8 @@ function rowElement(row, fresh) {
 
 function inFlightElement(row) {  // a captured request that has not ended yet: its row replaces this
   const tr = el("tr", { "data-id": row.id, class: "new inflight" },
-    el("td", { text: localTime(row.created_at), title: row.created_at }), el("td", { text: row.org }),
-    el("td", { text: row.model || "–" }), el("td", { text: row.endpoint }), el("td", { text: "in flight" }),
+    el("td", { text: localTime(row.created_at), title: row.created_at }), textCell(row.org),
+    textCell(row.model || "–"), el("td", { text: row.endpoint }), el("td", { text: "in flight" }),
     ...[1, 2, 3, 4].map(() => el("td", { class: "num", text: "…" })), el("td", { text: "●", title: "captured" }));
   tr.addEventListener("click", () => { location.hash = `#/requests/${encodeURIComponent(row.id)}`; });
   return tr;
@@ -114,6 +121,24 @@ function addLiveRow(row) {
   state.seen.add(row.id);
   $("requests").tBodies[0].prepend(rowElement(row, true));
   $("empty").hidden = true;
+  trimList();
+}
+
+function trimList() {  // drop the oldest rows past state.maxRows; "older requests" then goes on from the last kept
+  const rows = $("requests").tBodies[0].rows;
+  if (rows.length <= state.maxRows) return;
+  while (rows.length > state.maxRows) {
+    state.seen.delete(rows[rows.length - 1].dataset.id);
+    rows[rows.length - 1].remove();
+  }
+  state.next = cursorThrough(rows[rows.length - 1].cells[0].title);
+  $("more").hidden = false;
+}
+
+// A cursor (the API's form, queries.cursor_of) for the rows created at `createdAt` or before: the largest
+// row id takes in all of that millisecond; loadRequests skips the rows it lists already.
+function cursorThrough(createdAt) {
+  return btoa(`${createdAt}~9223372036854775807`).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
 }
 
 async function loadRequests(append = false) {
@@ -126,6 +151,7 @@ async function loadRequests(append = false) {
     body.append(rowElement(row, false));
   }
   state.next = page.next;
+  state.maxRows = append ? Math.max(MAX_ROWS, body.rows.length) : MAX_ROWS;  // keep what was asked for
   $("more").hidden = !page.next;
   $("empty").hidden = body.rows.length > 0;
 }
@@ -141,7 +167,10 @@ function fact(name, value) { return el("div", {}, el("dt", { text: name }), el("
 
 function eventList(list, events) {
   list.replaceChildren(...events.map((e) => el("li", { class: e.data === "[DONE]" ? "done" : e.kind },
-    el("span", { class: "t", text: `+${e.ms.toFixed(1)} ms` }), el("span", { class: "d", text: e.data }))));
+    el("span", { class: "t", text: `+${e.ms.toFixed(1)} ms` }),
+    el("span", { class: "d", text: e.kind === "omitted"  // a long stream: its first and last events are listed
+      ? `… ${e.count.toLocaleString()} events not listed (the API lists a stream's first and last 1,000) …`
+      : e.data }))));
   if (!events.length) list.append(el("li", {}, el("span", { class: "t" }), el("span", { class: "d", text: "(none)" })));
 }
 
@@ -213,18 +242,35 @@ async function loadUsage() {
   const form = new FormData($("usage-controls"));
   const by = form.get("by");
   const usage = await api("/ui/api/usage", { bucket: form.get("bucket") });
-  const keys = [...new Set(usage.series.map((s) => s[by] || "–"))].sort();
+  const group = seriesGroups(usage.series, by);
+  const keys = [...group.shown].sort();
+  if (group.others) keys.push(OTHERS);
   const index = new Map(usage.buckets.map((b, i) => [b, i]));
   const labels = usage.buckets.map((b) => (b.length > 10 ? localTime(b.length === 13 ? b + ":00Z" : b + "Z").slice(0, 5)
                                                            : b));
   for (const [name, field] of [["requests", "requests"], ["tokens", "total_tokens"], ["cost", "cost"]]) {
     const datasets = keys.map((key, i) => {
       const data = new Array(labels.length).fill(0);
-      for (const s of usage.series) if ((s[by] || "–") === key && index.has(s.t)) data[index.get(s.t)] += s[field];
-      return { label: key, data, backgroundColor: PALETTE[i % PALETTE.length], stack: "all" };
+      for (const s of usage.series) if (group(s) === key && index.has(s.t)) data[index.get(s.t)] += s[field];
+      const label = key === OTHERS ? `${group.others} others` : key.length > 40 ? `${key.slice(0, 39)}…` : key;
+      const color = key === OTHERS ? "#a8a29e" : PALETTE[i % PALETTE.length];
+      return { label, data, backgroundColor: color, stack: "all" };
     });
     drawChart(name, labels, datasets);
   }
+}
+
+const OTHERS = Symbol("others");
+
+function seriesGroups(series, by) {  // series -> its key, or OTHERS past the MAX_SERIES - 1 with most requests
+  const requests = new Map();
+  for (const s of series) requests.set(s[by] || "–", (requests.get(s[by] || "–") || 0) + s.requests);
+  const ranked = [...requests.keys()].sort((a, b) => requests.get(b) - requests.get(a) || (a < b ? -1 : 1));
+  const shown = new Set(ranked.length > MAX_SERIES ? ranked.slice(0, MAX_SERIES - 1) : ranked);
+  const group = (s) => (shown.has(s[by] || "–") ? s[by] || "–" : OTHERS);
+  group.shown = shown;
+  group.others = ranked.length - shown.size;
+  return group;
 }
 
 function drawChart(name, labels, datasets) {

@@ -58,7 +58,9 @@ function usageCell(k) {
   const td = el("td", { class: "num usage", text });
   if (k.limit !== null) {
     const share = k.limit > 0 ? Math.min(1, k.usage / k.limit) : 1;
-    td.append(el("div", { class: `bar ${share >= 1 ? "full" : ""}` }, el("span", { style: `width:${(share * 100).toFixed(1)}%` })));
+    const fill = el("span");
+    fill.style.width = `${(share * 100).toFixed(1)}%`;  // CSSOM: the page's CSP refuses style attributes
+    td.append(el("div", { class: `bar ${share >= 1 ? "full" : ""}` }, fill));
     td.title = `${money(k.limit_remaining)} left this period`;
   }
   return td;
@@ -76,7 +78,7 @@ async function loadKeys() {
       action.append(button);
     }
     return el("tr", { "data-key": k.id },
-      el("td", { text: k.name }), el("td", { text: k.id }), el("td", { text: k.prefix ? `${k.prefix}…` : "–" }),
+      textCell(k.name), el("td", { text: k.id }), el("td", { text: k.prefix ? `${k.prefix}…` : "–" }),
       usageCell(k), el("td", { text: k.limit_reset || "never" }), el("td", { text: day(k.expires_at) }),
       el("td", { class: "last-used", text: day(k.last_used) }), el("td", { class: `state ${cls}`, text: state }), action);
   }));
@@ -86,7 +88,7 @@ async function loadGrants() {
   const grants = (await api(`/ui/api/orgs/${encodeURIComponent(orgsState.org)}/grants`)).data;
   $("grants-table").tBodies[0].replaceChildren(...grants.slice().reverse().map((g) => el("tr", { "data-grant": g.id },
     el("td", { text: day(g.created_at) }), el("td", { class: "num", text: money(g.amount) }),
-    el("td", { text: g.reference }), el("td", { text: g.id }))));
+    textCell(g.reference), el("td", { text: g.id }))));
 }
 
 async function change(action) {  // run a change; show its refusal (the API's message names the field)
