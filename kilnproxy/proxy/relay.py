@@ -5,10 +5,13 @@ events of a chunk are checked together by ``PlainRun`` (``plain_events.py``) wit
 handful of bytes operations; when no rule changes any of them they go out as
 the upstream's own bytes, the model's name replaced. The last events of a
 chunk, where a stream's finish reason, usage and ``[DONE]`` are, are set apart
-and read one by one, with the same substring tests per event. An event is
-parsed only when it carries usage, an error or a finish reason, names the
-model differently, or a ``transform_event`` plugin is loaded (then each event
-is parsed once, shown to the plugins and serialised once).
+and read one by one, with the same substring tests per event. The model's
+name is the event's own ``model``, never one of an object nested in it; where
+the bytes do not show which is the event's own (``plain_events``: ``TOP``) the
+event is parsed. An event is parsed only then, when it carries usage, an error
+or a finish reason, names the model differently, or when a ``transform_event``
+plugin is loaded (then each event is parsed once, shown to the plugins and
+serialised once).
 
 Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
@@ -33,7 +36,8 @@ from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl, call_impl
 from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
-from .plain_events import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
+from .plain_events import (ERROR, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun, closes_top,
+                           opens_top)
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
 from .upstream import Route
@@ -46,7 +50,8 @@ class EventRelay:
     """One stream's relay: ``feed_chunk()`` for each chunk the upstream sends, ``close()`` at its
     end of body, ``tail()`` for what follows the last event."""
 
-    __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
+    __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
+                 "upstream_key", "own_start", "own_end", "own_end_key", "ended", "error",
                  "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
                  "choice_usage", "request_usage", "chat", "several", "finished")
 
@@ -57,7 +62,12 @@ class EventRelay:
         self.impls = impls
         self.parse_all = bool(impls)
         self.transforms = tuple(_event_only(impl, call) for impl in impls)
-        self.rename = route.model_bytes != route.upstream_model_bytes
+        self.catalog_key, self.upstream_key = route.model_bytes, route.upstream_model_bytes  # b'"model":"<name>"'
+        self.rename = self.catalog_key != self.upstream_key
+        # the bytes of an event that showed its own model to be the upstream's name (``_own_model``), from its
+        # start or from the byte before the key to its end: a stream's events share them (none, at first)
+        self.own_start = self.own_end = b"\0"
+        self.own_end_key = 0
         self.chat = call.endpoint == "chat/completions"  # a text completion's chunk names no role: not looked for
         self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
         self.error: bytes | None = None
@@ -213,16 +223,40 @@ class EventRelay:
                 and ERROR not in payload
                 and (finish < 0 or payload.startswith(FINISH_NULL, finish)
                      and payload.find(FINISH, finish + FINISH_LEN) < 0)):
-            if self.route.model_bytes in payload:
-                self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
-                return data_frame(payload)
-            if self.rename and self.route.upstream_model_bytes in payload:
-                self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
-                return data_frame(payload.replace(self.route.upstream_model_bytes, self.route.model_bytes, 1))
+            if payload.startswith(self.own_start) or (payload.endswith(self.own_end)
+                                                      and payload.find(MODEL_KEY) == len(payload) - self.own_end_key):
+                renamed = self.rename  # the bytes that showed the event before it its own model show this one's
+            else:
+                renamed = self._own_model(payload)
+                if renamed is None:
+                    return self._parsed_event(payload)
+            self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
+            # the event's own model is its first "model": (TOP), so replace's
+            return data_frame(payload.replace(self.upstream_key, self.catalog_key, 1) if renamed else payload)
         return self._parsed_event(payload)
 
+    def _own_model(self, payload: bytes) -> bool | None:
+        """Whether the event's first ``"model":`` is its own (not a key of an object nested in it), shown by
+        a few bytes (plain_events: ``TOP``), and names the upstream's model (True: to rename) or the catalog
+        id (False); None when that is not shown (the event is parsed). The bytes that showed the upstream's
+        name are kept: the next events that share them need no other test."""
+        at = payload.find(MODEL_KEY)
+        start = opens_top(payload, at)  # vLLM, SGLang, Ollama: before any object opens
+        if not start and not closes_top(payload, at):  # llama.cpp: after its choices close
+            return None
+        if payload.startswith(self.upstream_key, at):
+            if start:
+                self.own_start = payload[:at + len(self.upstream_key)]
+            else:
+                self.own_end, self.own_end_key = payload[at - 1:], len(payload) - at
+            return self.rename
+        if payload.startswith(self.catalog_key, at):
+            return False
+        return None
+
     def _parsed_event(self, payload: bytes) -> bytes | None:
-        """An event that carries usage, an error or a finish reason (no plugin loaded)."""
+        """An event that carries usage, an error or a finish reason, or whose model is not shown by its
+        bytes (no plugin loaded)."""
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:

@@ -1,0 +1,171 @@
+"""Leftovers of the streamed relay, each through a running gateway on a real port, in front of a raw
+upstream that sends the exact bytes: what the client gets, byte for byte, and the usage row.
+
+- the model's name is replaced only at the event's top level, never in an object nested inside it, however
+  the upstream orders its keys.
+"""
+
+import asyncio
+from contextlib import asynccontextmanager
+
+import pytest
+from rawhttp import raw_server, read_request
+from test_relay_chunks import assert_same, relay_for, run
+from test_relay_odd_upstreams import DONE, frame, renamed, text_chunk, usage
+from test_streaming import raw_upstream
+
+from kilnproxy.proxy.relay import EventRelay
+from kilnproxy.testing import MODEL, UPSTREAM_MODEL
+
+
+@asynccontextmanager
+async def paced_upstream(stream: bytes):
+    """An upstream that sends ``stream`` an event a write, a moment apart, as a model server streams."""
+    async def serve(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                     % len(stream))
+        for i, event in enumerate(stream.split(b"\n\n")[:-1]):
+            if i:
+                await asyncio.sleep(0.01)
+            writer.write(event + b"\n\n")
+            await writer.drain()
+        writer.close()
+    async with raw_server(serve) as url:
+        yield url
+
+
+UPSTREAMS = {"in one write": raw_upstream, "an event a write": paced_upstream}
+
+
+async def relayed(harness, stream: bytes, *, upstream: str = "in one write", body: dict | None = None,
+                  path: str = "/v1/completions", plugins=(), model: dict | None = None) -> tuple[bytes, dict]:
+    """What the client got for ``stream`` from the upstream, and the request's row; ``model``: changes to the
+    catalog model (its ``upstream_model``)."""
+    async with UPSTREAMS[upstream](stream=stream) as url:
+        configure = lambda c: c["models"][0].update(upstreams=[url], **(model or {}))  # noqa: E731
+        async with harness(configure=configure, plugins=list(plugins)) as h:
+            request = {"model": MODEL, "stream": True, **({"prompt": "hi there"} if path == "/v1/completions"
+                                                          else {"messages": [{"role": "user", "content": "hi"}]}),
+                       **(body or {})}
+            async with h.post(path, request) as resp:
+                assert resp.status == 200, await resp.text()
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    return raw, row
+
+
+def row_of(row: dict) -> tuple:
+    return row["status"], row["error_code"], row["finish_reason"], row["prompt_tokens"], row["completion_tokens"]
+
+
+# -- 1. the model's name, at the top level only ------------------------------------------------------------
+
+
+def nested_first(text: str, finish: str | None = None, top: str = UPSTREAM_MODEL, nested: str = UPSTREAM_MODEL) -> dict:
+    """A vendor's object naming a model before the event's own ``model``."""
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "x_meta": {"model": nested}, "model": top,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+NESTED_FIRST = [nested_first("Hello"), nested_first(" world"), nested_first(" again"), nested_first("!", "stop")]
+
+
+@pytest.mark.parametrize("upstream", list(UPSTREAMS))
+async def test_a_model_nested_before_the_events_own_is_left_as_the_upstream_sent_it(harness, upstream):
+    raw, row = await relayed(harness, b"".join(map(frame, NESTED_FIRST)) + frame(usage(5, 3)) + DONE,
+                             upstream=upstream)
+    assert raw == b"".join(renamed(e) for e in NESTED_FIRST) + DONE
+    assert raw.count(b'"x_meta":{"model":"org/Test-Model-7B"}') == 4
+    assert row_of(row) == (200, None, "stop", 5, 3)
+
+
+@pytest.mark.parametrize("upstream", list(UPSTREAMS))
+async def test_a_server_naming_its_model_otherwise_is_renamed_beside_a_nested_catalog_id(harness, upstream):
+    """The catalog id is the name sent upstream; the server names its model otherwise (llama.cpp's alias), and a
+    nested object before it holds the catalog id: the event's own ``model`` still becomes the catalog id."""
+    events = [nested_first(t, f, top="served-alias", nested=MODEL) for t, f in (("Hello", None), ("!", "stop"))]
+    raw, row = await relayed(harness, b"".join(map(frame, events)) + frame({**usage(5, 3), "model": "served-alias"})
+                             + DONE, upstream=upstream, model={"upstream_model": MODEL})
+    assert raw == b"".join(renamed(e) for e in events) + DONE
+    assert row_of(row) == (200, None, "stop", 5, 3)
+
+
+def late(delta: dict, finish: str | None = None) -> dict:
+    """A llama.cpp chat chunk: its ``model`` after its choices."""
+    return {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], "created": 1, "id": "chatcmpl-1",
+            "model": UPSTREAM_MODEL, "system_fingerprint": "b0-unknown", "object": "chat.completion.chunk"}
+
+
+@pytest.mark.parametrize("upstream", list(UPSTREAMS))
+async def test_a_model_nested_in_a_choice_before_a_late_top_level_model_is_left_as_sent(harness, upstream):
+    """llama.cpp names the model after the choices; a tool call's vendor object before it names one too."""
+    tool = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "pick", "arguments": "{}"},
+            "x_route": {"model": UPSTREAM_MODEL}}
+    events = [late({"role": "assistant", "content": None}), late({"content": "Hi"}), late({"tool_calls": [tool]}),
+              late({"content": "!"}), late({}, "tool_calls")]
+    stream = b"".join(map(frame, events)) + frame({**usage(5, 4), "object": "chat.completion.chunk"}) + DONE
+    raw, row = await relayed(harness, stream, upstream=upstream, path="/v1/chat/completions")
+    assert raw == b"".join(renamed(e) for e in events) + DONE
+    assert raw.count(b'"x_route":{"model":"org/Test-Model-7B"}') == 1
+    assert row_of(row) == (200, None, "tool_calls", 5, 4)
+
+
+async def test_an_event_whose_only_model_is_nested_goes_out_as_sent(harness):
+    """No top-level ``model`` to replace: nothing is renamed, the nested one left as the upstream sent it."""
+    events = [{"id": "cmpl-1", "object": "text_completion", "created": 1,
+               "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": f,
+                            "x_meta": {"model": UPSTREAM_MODEL}}]}
+              for t, f in (("Hello", None), (" world", None), ("!", "stop"))]
+    stream = b"".join(map(frame, events))
+    raw, row = await relayed(harness, stream + frame(usage(5, 3)) + DONE)
+    assert raw == stream + DONE
+    assert row_of(row) == (200, None, "stop", 5, 3)
+
+
+ODD = {
+    "a nested model before the event's own": b"".join(map(frame, NESTED_FIRST * 3)),
+    "a nested catalog id before the event's own":
+        b"".join(frame(nested_first(t, nested="test-model")) for t in " a b c d e f".split(" ")),
+    "only a nested model": b"".join(frame({"id": "x", "choices": [{"index": 0, "text": t,
+                                                                   "m": {"model": UPSTREAM_MODEL}}]})
+                                    for t in " a b c d e f".split(" ")),
+    "a late model, a nested one in a choice":
+        b"".join(frame(late({"content": t, "x": {"model": UPSTREAM_MODEL}})) for t in " a b c d e f".split(" ")),
+    "a late model, a brace in the text": b"".join(frame(late({"content": t})) for t in " a } {b } c".split(" ")),
+    "a late model, a nested object after it": b"".join(frame({**late({"content": t}), "x": {"model": "y"}})
+                                                        for t in " a b c d".split(" ")),
+    "a key that ends in model": b"".join(b'data: {"x\\"model":"' + UPSTREAM_MODEL.encode() + b'","model":"'
+                                         + UPSTREAM_MODEL.encode() + b'","choices":[]}\n\n' for _ in range(6)),
+    "the usual events, then one with a nested model first":
+        b"".join(frame(text_chunk(t)) for t in " a b c d".split(" ")) + frame(nested_first(" e"))
+        + b"".join(frame(text_chunk(t)) for t in " f g h".split(" ")),
+    "late models, then one with a nested model first":
+        b"".join(frame(late({"content": t})) for t in " a b c".split(" "))
+        + frame(late({"content": "d", "x": {"model": UPSTREAM_MODEL}})) + frame(late({"content": "e"})) * 3,
+    "the catalog id, then the upstream's name, from the start and late":
+        frame(text_chunk("a", model=MODEL)) + frame(text_chunk("b")) * 3
+        + frame({**late({"content": "c"}), "model": MODEL}) + frame(late({"content": "d"})) * 3,
+}
+
+
+@pytest.mark.parametrize("name", list(ODD))
+@pytest.mark.parametrize("catalog_id", ["test-model", UPSTREAM_MODEL])
+def test_odd_model_names_relay_the_same_in_bulk(name, catalog_id):
+    """The runs the relay takes whole give the bytes it gives event by event, however the stream is cut."""
+    assert_same(ODD[name] + DONE, catalog_id, include_usage=True, seed=list(ODD).index(name))
+
+
+def test_the_model_of_the_usual_events_is_renamed_without_parsing_them(monkeypatch):
+    """vLLM names the model near the start, llama.cpp after the choices: either event, alone in its chunk,
+    goes out renamed as its own bytes; only the finish chunk is parsed."""
+    parsed = []
+    parse = EventRelay._parsed_event
+    monkeypatch.setattr(EventRelay, "_parsed_event",
+                        lambda self, payload: parsed.append(payload) or parse(self, payload))
+    for event in (text_chunk, lambda text, finish=None: late({"content": text}, finish)):
+        parsed.clear()
+        events = [frame(event(t)) for t in ("Hello", " world")] + [frame(event("!", "stop")), DONE]
+        out = run(relay_for("test-model", False), events, bulk=True)[0]
+        assert b"".join(out).count(b'"model":"test-model"') == 3 and UPSTREAM_MODEL.encode() not in b"".join(out)
+        assert len(parsed) == 1 and b'"stop"' in parsed[0]
