@@ -2,7 +2,9 @@
 upstream that sends the exact bytes: what the client gets, byte for byte, and the usage row.
 
 - the model's name is replaced only at the event's top level, never in an object nested inside it, however
-  the upstream orders its keys.
+  the upstream orders its keys;
+- an event orjson refuses that is still JSON (a lone surrogate escape: half an emoji) is read, ruled
+  (usage, model, finish reason, errors) and written back like any other.
 """
 
 import asyncio
@@ -11,9 +13,10 @@ from contextlib import asynccontextmanager
 import pytest
 from rawhttp import raw_server, read_request
 from test_relay_chunks import assert_same, relay_for, run
-from test_relay_odd_upstreams import DONE, frame, renamed, text_chunk, usage
-from test_streaming import raw_upstream
+from test_relay_odd_upstreams import DONE, END, HELLO, WORLD, frame, renamed, text_chunk, usage
+from test_streaming import cost, raw_upstream
 
+from kilnproxy import hookimpl
 from kilnproxy.proxy.relay import EventRelay
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
@@ -169,3 +172,66 @@ def test_the_model_of_the_usual_events_is_renamed_without_parsing_them(monkeypat
         out = run(relay_for("test-model", False), events, bulk=True)[0]
         assert b"".join(out).count(b'"model":"test-model"') == 3 and UPSTREAM_MODEL.encode() not in b"".join(out)
         assert len(parsed) == 1 and b'"stop"' in parsed[0]
+
+
+# -- 2. JSON that orjson refuses: a lone surrogate escape --------------------------------------------------
+
+
+def lone(obj: dict, escape: bytes) -> bytes:
+    """``frame(obj)`` with its string ``"LONE"`` written as the escape of a lone surrogate."""
+    return frame(obj).replace(b'"LONE"', b'"' + escape + b'"')
+
+
+HIGH, LOW = b"\\ud83d", b"\\ude00"  # the two halves of U+1F600, in two tokens
+SPLIT_END = {**text_chunk("LONE", "stop"), "usage": usage(5, 3)["usage"]}  # llama.cpp: usage on the last chunk
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_an_event_with_a_lone_surrogate_is_ruled_like_any_other(harness, include_usage):
+    """The last chunk holds the second half of an emoji split between two tokens, the finish reason and the
+    usage: it is renamed, its usage taken (and sent only in the usage chunk), its finish reason recorded,
+    and the escape written back as the upstream sent it. An event that is not JSON still goes out as sent."""
+    stream = frame(HELLO) + lone(text_chunk("LONE"), HIGH) + b"data: not JSON {\n\n" + lone(SPLIT_END, LOW) + DONE
+    raw, row = await relayed(harness, stream, body={"stream_options": {"include_usage": include_usage}})
+    expected = renamed(HELLO) + lone({**text_chunk("LONE"), "model": MODEL}, HIGH) + b"data: not JSON {\n\n" \
+        + lone({**SPLIT_END, "model": MODEL, "usage": None}, LOW)
+    if include_usage:
+        expected += frame({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL, "choices": [],
+                           "usage": {**usage(5, 3)["usage"], "cost": cost(5, 3)}})
+    assert raw == expected + DONE
+    assert row_of(row) == (200, None, "stop", 5, 3) and row["cost"] == cost(5, 3)
+
+
+async def test_an_error_event_with_a_lone_surrogate_ends_the_stream(harness):
+    error = lone({"error": {"message": "LONE", "code": "bad_token"}}, b"\\udcff")  # half a pair, the low one
+    raw, row = await relayed(harness, frame(HELLO) + error + frame(WORLD) + frame(END) + DONE)
+    assert raw == renamed(HELLO) + error + DONE
+    assert (row["status"], row["error_code"], row["finish_reason"]) == (200, "bad_token", None)
+
+
+SEEN: list = []
+
+
+class SeesTexts:
+    @hookimpl
+    def transform_event(self, event):
+        SEEN.extend(choice.get("text") for choice in event["choices"])
+
+
+async def test_a_plugin_sees_an_event_with_a_lone_surrogate(harness):
+    SEEN.clear()
+    stream = frame(HELLO) + lone(text_chunk("LONE"), HIGH) + lone(SPLIT_END, LOW) + DONE
+    raw, row = await relayed(harness, stream, plugins=[SeesTexts()])
+    assert raw == renamed(HELLO) + lone({**text_chunk("LONE"), "model": MODEL}, HIGH) \
+        + lone({**SPLIT_END, "model": MODEL, "usage": None}, LOW) + DONE
+    assert SEEN == ["Hello", "\ud83d", "\ude00"]
+    assert row_of(row) == (200, None, "stop", 5, 3)
+
+
+async def test_a_last_event_with_a_lone_surrogate_and_no_blank_line_counts(harness):
+    """llama.cpp ends its body after the finish chunk, with no ``[DONE]``: that chunk is whole, and JSON."""
+    last = lone(SPLIT_END, LOW)[:-2]
+    raw, row = await relayed(harness, frame(HELLO) + lone(text_chunk("LONE"), HIGH) + last)
+    assert raw == renamed(HELLO) + lone({**text_chunk("LONE"), "model": MODEL}, HIGH) \
+        + lone({**SPLIT_END, "model": MODEL, "usage": None}, LOW) + DONE
+    assert row_of(row) == (200, None, "stop", 5, 3)

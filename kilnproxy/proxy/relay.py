@@ -11,7 +11,9 @@ the bytes do not show which is the event's own (``plain_events``: ``TOP``) the
 event is parsed. An event is parsed only then, when it carries usage, an error
 or a finish reason, names the model differently, or when a ``transform_event``
 plugin is loaded (then each event is parsed once, shown to the plugins and
-serialised once).
+serialised once). What orjson refuses but is JSON (a lone surrogate escape) is
+read and written by the json module (``event_json``); what is not JSON goes
+out as it came.
 
 Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
@@ -36,6 +38,7 @@ from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl, call_impl
 from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
+from .event_json import read_stdlib, write
 from .plain_events import (ERROR, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun, closes_top,
                            opens_top)
 from .request_record import RequestRecord
@@ -260,7 +263,10 @@ class EventRelay:
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return data_frame(payload)  # not ours to judge; the client sees what was sent
+            try:
+                event = read_stdlib(payload)  # what only the json module reads (a lone surrogate)
+            except ValueError:
+                return data_frame(payload)  # not JSON: not ours to judge; the client sees what was sent
         if not isinstance(event, dict):
             return data_frame(payload)
         if event.get("error") is not None or event.get("object") == "error":
@@ -274,7 +280,7 @@ class EventRelay:
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
-        return data_frame(orjson.dumps(event))
+        return data_frame(write(event))
 
     def _plugged_data(self, payloads: list[bytes]) -> bytes:
         """``feed_data`` with ``transform_event`` plugins: the frames put together once. A stream's
@@ -293,7 +299,11 @@ class EventRelay:
                     if is_done(payload):
                         self.ended = self.clean_end = True
                         break
-                    append(payload)
+                    data = self._plugged_stdlib(payload)
+                    if data is not None:
+                        append(data)
+                    if self.ended:
+                        break
                     continue
                 if one is None or type(event) is not dict or event.get("error") is not None \
                         or event.get("usage") is not None or event.get("object") == "error":
@@ -326,8 +336,8 @@ class EventRelay:
                                 record.finish_reason = reason
                 try:
                     append(dumps(event))
-                except TypeError as exc:
-                    raise self._not_json(exc) from exc
+                except TypeError:
+                    append(self._dumps(event))  # what only the json module writes, or not JSON
                 if self.ended:
                     break
         except StreamPluginError as exc:
@@ -341,6 +351,15 @@ class EventRelay:
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
+            return self._plugged_stdlib(payload)
+        return self._plugged_event(event, payload)
+
+    def _plugged_stdlib(self, payload: bytes) -> bytes | None:
+        """``_plugged`` for an event orjson refused: read by the json module (a lone surrogate), else not
+        JSON, sent as it came (the plugins see only JSON)."""
+        try:
+            event = read_stdlib(payload)
+        except ValueError:
             return payload
         return self._plugged_event(event, payload)
 
@@ -430,7 +449,7 @@ class EventRelay:
         error = event["error"]
         code = error.get("code") if isinstance(error, dict) else None
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
-        data = orjson.dumps(event)
+        data = write(event)
         self.error = data_frame(data)
         self.ended = self.clean_end = True
         return data
@@ -455,7 +474,7 @@ class EventRelay:
 
     def _dumps(self, event: dict) -> bytes:
         try:
-            return orjson.dumps(event)
+            return write(event)
         except TypeError as exc:  # a plugin put something in the event that is not JSON
             raise self._not_json(exc) from exc
 
@@ -471,7 +490,7 @@ class EventRelay:
             return DONE_FRAME
         event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw)
         if not self.parse_all:
-            return data_frame(orjson.dumps(event)) + DONE_FRAME
+            return data_frame(write(event)) + DONE_FRAME
         try:
             if self._transform(event) is DROP:
                 return DONE_FRAME
@@ -510,7 +529,10 @@ def _whole(payload: bytes) -> bool:
     try:
         orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return False
+        try:
+            read_stdlib(payload)
+        except ValueError:
+            return False
     return True
 
 
