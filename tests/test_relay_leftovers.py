@@ -1,18 +1,21 @@
-"""Leftovers of the streamed relay, each through a running gateway on a real port, in front of a raw
+"""Three leftovers of the streamed relay, each through a running gateway on a real port, in front of a raw
 upstream that sends the exact bytes: what the client gets, byte for byte, and the usage row.
 
 - the model's name is replaced only at the event's top level, never in an object nested inside it, however
   the upstream orders its keys;
 - an event orjson refuses that is still JSON (a lone surrogate escape: half an emoji) is read, ruled
-  (usage, model, finish reason, errors) and written back like any other.
+  (usage, model, finish reason, errors) and written back like any other;
+- a ``transform_event`` plugin that leaves the event no longer JSON is named alone, and an upstream event
+  the gateway cannot write back blames no plugin.
 """
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 
 import pytest
 from rawhttp import raw_server, read_request
-from test_relay_chunks import assert_same, relay_for, run
+from test_relay_chunks import PLUGINS, assert_same, relay_for, run
 from test_relay_odd_upstreams import DONE, END, HELLO, WORLD, frame, renamed, text_chunk, usage
 from test_streaming import cost, raw_upstream
 
@@ -235,3 +238,87 @@ async def test_a_last_event_with_a_lone_surrogate_and_no_blank_line_counts(harne
     assert raw == renamed(HELLO) + lone({**text_chunk("LONE"), "model": MODEL}, HIGH) \
         + lone({**SPLIT_END, "model": MODEL, "usage": None}, LOW) + DONE
     assert row_of(row) == (200, None, "stop", 5, 3)
+
+
+# -- 3. who is named when an event can no longer be written ------------------------------------------------
+
+
+class LeavesASet:
+    @hookimpl
+    def transform_event(self, event):
+        if event["choices"] and event["choices"][0]["text"] == " world":
+            event["x_seen"] = {1, 2}
+
+
+class Reads:
+    @hookimpl
+    def transform_event(self, event):
+        event.get("choices")
+
+
+class AlsoReads(Reads):
+    pass
+
+
+def plugin_error(message: str) -> bytes:
+    return frame({"error": {"message": message, "type": "server_error", "param": None, "code": "plugin_error"}})
+
+
+@pytest.mark.parametrize("order", ["the culprit first", "the culprit last"])
+async def test_a_plugin_that_leaves_the_event_no_longer_json_is_named_alone(harness, order):
+    plugins = [LeavesASet(), Reads()] if order == "the culprit first" else [Reads(), LeavesASet()]
+    raw, row = await relayed(harness, frame(HELLO) + frame(WORLD) + frame(END) + frame(usage(5, 3)) + DONE,
+                             plugins=plugins)
+    assert raw == renamed(HELLO) + plugin_error("Plugin 'LeavesASet' raised in transform_event: TypeError: the "
+                                                "event is no longer JSON: Type is not JSON serializable: set") + DONE
+    assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, "plugin_error", 2)
+
+
+class LeavesASetInTheUsageChunk:
+    @hookimpl
+    def transform_event(self, event):
+        if not event["choices"]:
+            event["x_seen"] = {1, 2}
+
+
+async def test_a_plugin_that_spoils_the_usage_chunk_is_named_alone(harness):
+    raw, row = await relayed(harness, frame(HELLO) + frame(END) + frame(usage(5, 3)) + DONE,
+                             body={"stream_options": {"include_usage": True}},
+                             plugins=[Reads(), LeavesASetInTheUsageChunk(), AlsoReads()])
+    assert raw == renamed(HELLO) + renamed(END) + plugin_error(
+        "Plugin 'LeavesASetInTheUsageChunk' raised in transform_event: TypeError: the event is no longer JSON: "
+        "Type is not JSON serializable: set") + DONE
+    assert row_of(row) == (200, "plugin_error", "stop", 5, 3)
+
+
+def too_deep(obj: dict, depth: int = 300) -> bytes:
+    """``frame(obj)`` with its string ``"DEEP"`` an object nested ``depth`` levels (orjson reads 1,024, writes 254)."""
+    return frame(obj).replace(b'"DEEP"', b'{"a":' * depth + b"1" + b"}" * depth)
+
+
+BAD_RESPONSE = frame({"error": {"message": "The upstream sent an event nested deeper than the gateway can write "
+                                           "JSON back (254 levels).", "type": "upstream_error", "param": None,
+                                "code": "upstream_bad_response"}})
+
+
+@pytest.mark.parametrize("plugins", [(), (Reads,), (Reads, AlsoReads)], ids=["no plugin", "one plugin", "two plugins"])
+async def test_an_upstream_event_too_deep_to_write_back_blames_no_plugin(harness, caplog, plugins):
+    """The plugins were shown the event (it is JSON: orjson reads it), but the fault is the upstream's: the
+    stream ends with an ``upstream_bad_response`` error event, no plugin named, no traceback."""
+    caplog.set_level(logging.INFO)
+    deep = too_deep({**END, "x_trace": "DEEP"})
+    raw, row = await relayed(harness, frame(HELLO) + frame(WORLD) + deep + frame(usage(5, 3)) + DONE,
+                             plugins=[p() for p in plugins])
+    assert raw == renamed(HELLO) + renamed(WORLD) + BAD_RESPONSE + DONE
+    assert row_of(row)[:3] == (200, "upstream_bad_response", None)
+    assert row["completion_tokens"] == 3  # the chunks the upstream sent, the last one's too
+    assert "Traceback" not in caplog.text and "plugin_error" not in caplog.text
+
+
+def test_a_usage_chunk_too_deep_to_write_back_blames_no_plugin():
+    """The upstream's usage object is nested too deep: its usage chunk cannot be written, with a plugin or not."""
+    deep = too_deep({**usage(5, 3), "usage": {**usage(5, 3)["usage"], "x_details": "DEEP"}})
+    stream = frame(HELLO) + frame(END) + deep + DONE
+    for impls in ((), tuple(PLUGINS["no-op"]), tuple(PLUGINS["no-op"]) * 2):
+        out = run(relay_for("test-model", True, impls=impls), [stream], bulk=True)
+        assert b"".join(out[0]).endswith(BAD_RESPONSE + DONE) and out[3] == "upstream_bad_response"

@@ -33,6 +33,14 @@ def read_stdlib(payload: bytes) -> Any:
         raise ValueError("nested too deeply") from None
 
 
+def read(payload: bytes) -> Any:
+    """``payload`` read by orjson, else by the json module; ValueError when it is not JSON."""
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return read_stdlib(payload)
+
+
 def write(value: Any) -> bytes:
     """``value`` as JSON: orjson's bytes, else the json module's for what only it writes
     (``STDLIB_ONLY``); orjson's TypeError when neither does."""
@@ -46,6 +54,16 @@ def write(value: Any) -> bytes:
         except (TypeError, ValueError, RecursionError):
             raise exc from None
     return text.encode("utf-8", "backslashreplace")  # a lone surrogate, alone unencodable: its \uXXXX escape
+
+
+def writable(payload: bytes) -> bool:
+    """The event ``payload`` (what the upstream sent) can be written back: a fault writing it once
+    plugins changed it was theirs."""
+    try:
+        write(read(payload))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _not_json(constant: str) -> Any:

@@ -13,7 +13,9 @@ or a finish reason, names the model differently, or when a ``transform_event``
 plugin is loaded (then each event is parsed once, shown to the plugins and
 serialised once). What orjson refuses but is JSON (a lone surrogate escape) is
 read and written by the json module (``event_json``); what is not JSON goes
-out as it came.
+out as it came. An event the gateway cannot write back (nested deeper than
+254 levels) ends the stream with an ``upstream_bad_response`` error event,
+whoever saw it; a plugin that leaves the event no longer JSON is named alone.
 
 Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
@@ -38,7 +40,7 @@ from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl, call_impl
 from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
-from .event_json import read_stdlib, write
+from .event_json import read_stdlib, writable, write
 from .plain_events import (ERROR, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun, closes_top,
                            opens_top)
 from .request_record import RequestRecord
@@ -276,11 +278,16 @@ class EventRelay:
             return None
         if choices:
             self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
-            self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
-        return data_frame(write(event))
+        try:
+            data = write(event)
+        except TypeError:  # no plugin changed it: the upstream's event is beyond what the gateway writes
+            return data_frame(self._unwritable())
+        if choices:
+            self._take_finish_reason(choices)  # what the client sees
+        return data_frame(data)
 
     def _plugged_data(self, payloads: list[bytes]) -> bytes:
         """``feed_data`` with ``transform_event`` plugins: the frames put together once. A stream's
@@ -327,6 +334,12 @@ class EventRelay:
                     continue
                 if verdict is STOP:
                     self.ended = True
+                try:
+                    append(dumps(event))
+                except TypeError:
+                    append(self._written(event, payload, self.impls[0]))
+                    if self.error is not None:  # the upstream's event could not be written back
+                        break
                 choices = event.get("choices")
                 if isinstance(choices, list):  # _take_finish_reason, in line
                     for choice in choices:
@@ -334,10 +347,6 @@ class EventRelay:
                             reason = choice.get("finish_reason")
                             if reason:
                                 record.finish_reason = reason
-                try:
-                    append(dumps(event))
-                except TypeError:
-                    append(self._dumps(event))  # what only the json module writes, or not JSON
                 if self.ended:
                     break
         except StreamPluginError as exc:
@@ -385,16 +394,22 @@ class EventRelay:
             except BaseException as exc:
                 raise self._failed(self.impls[0], exc) from exc
         else:
-            verdict = self._transform(event)
+            verdict = self._transform(event, payload)
         if verdict is DROP:
             self._dropped(event)
             return None
         if verdict is STOP:
             self.ended = True
+        try:
+            data = orjson.dumps(event)
+        except TypeError:
+            data = self._written(event, payload, self.impls[-1])  # the plugins before the last were checked
+            if self.error is not None:  # the upstream's event could not be written back
+                return data
         choices = event.get("choices")
         if choices:
             self._take_finish_reason(choices)  # what the client sees
-        return self._dumps(event)
+        return data
 
     def _dropped(self, event: dict) -> None:
         """A plugin left ``event`` out: its finish reason, which the client does not see, still says
@@ -449,21 +464,64 @@ class EventRelay:
         error = event["error"]
         code = error.get("code") if isinstance(error, dict) else None
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
-        data = write(event)
+        try:
+            data = write(event)
+        except TypeError:
+            return self._unwritable()
         self.error = data_frame(data)
         self.ended = self.clean_end = True
         return data
 
-    def _transform(self, event: dict) -> Any:
+    def _unwritable(self) -> bytes:
+        """The data of the error event that ends the stream when the upstream sent an event the gateway
+        cannot write back (nested deeper than 254 levels, as a JSON answer may not be): the upstream's
+        fault, whatever plugins saw the event. The rest of its answer is not read."""
+        self.record.error_code = "upstream_bad_response"
+        self.error = data_frame(UNWRITABLE)
+        self.ended = True
+        return UNWRITABLE
+
+    def _transform(self, event: dict, payload: bytes | None) -> Any:
+        """Several plugins in turn on ``event`` (``payload``: the upstream's, None for the usage chunk,
+        checked before). After each but the last (the relay writes the event after that one), the
+        event is checked to be JSON still, so that a plugin that leaves it otherwise is the one named,
+        not the ones that saw it after."""
         verdict = None
-        for impl, function in zip(self.impls, self.transforms):
+        checked = len(self.impls) - 1
+        for i, (impl, function) in enumerate(zip(self.impls, self.transforms)):
             try:
                 result = function(event)
             except BaseException as exc:
                 raise self._failed(impl, exc) from exc
             if result is STOP or result is DROP:
                 verdict = result if verdict is None else verdict
+            if i < checked:
+                try:
+                    orjson.dumps(event)
+                except TypeError:
+                    self._still_json(event, payload, impl)
         return verdict
+
+    def _still_json(self, event: dict, payload: bytes | None, impl: Impl) -> None:
+        """Raise ``impl``'s error when it left ``event`` no longer JSON (``_written``), unless the upstream's
+        event was not writable to begin with (then ``_written`` ends the stream after the plugins)."""
+        try:
+            write(event)
+        except TypeError as exc:
+            if payload is None or writable(payload):
+                raise self._not_json(impl, exc) from exc
+
+    def _written(self, event: dict, payload: bytes | None, impl: Impl) -> bytes:
+        """``event``'s data once the plugins changed it, when orjson did not write it: the json module's
+        (a lone surrogate); else, when the upstream's event (``payload``) cannot be written back either,
+        the error event that ends the stream (``_unwritable``), no plugin's fault; else the error of
+        ``impl``, the plugin that left it no longer JSON (the ones before it were checked)."""
+        try:
+            return write(event)
+        except TypeError as exc:
+            if payload is not None and not writable(payload):
+                return self._unwritable()
+            raise self._not_json(impl, exc) from exc
 
     @staticmethod
     def _failed(impl: Impl, exc: BaseException) -> "StreamPluginError":
@@ -472,15 +530,10 @@ class EventRelay:
         log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
         return StreamPluginError(impl.plugin, exc)
 
-    def _dumps(self, event: dict) -> bytes:
-        try:
-            return write(event)
-        except TypeError as exc:  # a plugin put something in the event that is not JSON
-            raise self._not_json(exc) from exc
-
-    def _not_json(self, exc: TypeError) -> StreamPluginError:
-        names = ", ".join(impl.plugin for impl in self.impls)
-        return StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}"))
+    @staticmethod
+    def _not_json(impl: Impl, exc: TypeError) -> StreamPluginError:
+        """The error of the plugin that put in the event something that is not JSON."""
+        return StreamPluginError(impl.plugin, TypeError(f"the event is no longer JSON: {exc}"))
 
     # -- the end --------------------------------------------------------------
 
@@ -489,16 +542,24 @@ class EventRelay:
         if self.error is not None or not self.call.include_usage:
             return DONE_FRAME
         event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw)
-        if not self.parse_all:
-            return data_frame(write(event)) + DONE_FRAME
         try:
-            if self._transform(event) is DROP:
+            data = write(event)  # also before the plugins: a fault writing it after them is theirs
+        except TypeError:  # the upstream's usage object, nested too deep
+            return data_frame(self._unwritable()) + DONE_FRAME
+        if not self.parse_all:
+            return data_frame(data) + DONE_FRAME
+        try:
+            if self._transform(event, None) is DROP:
                 return DONE_FRAME
-            return data_frame(self._dumps(event)) + DONE_FRAME
+            return data_frame(self._written(event, None, self.impls[-1])) + DONE_FRAME
         except StreamPluginError as exc:
             self.record.error_code = exc.error.code
             return exc.frame() + DONE_FRAME
 
+
+UNWRITABLE = orjson.dumps({"error": {
+    "message": "The upstream sent an event nested deeper than the gateway can write JSON back (254 levels).",
+    "type": "upstream_error", "param": None, "code": "upstream_bad_response"}})
 
 # The finish chunk, the usage chunk and [DONE] end a stream: a chunk's last events are looked
 # at one by one before the rest is checked as a whole.
