@@ -9,8 +9,8 @@
 * ``upstream``, ``upstream_slots``, ``deadlines``, ``fallbacks``: balancing, failover and marking
   down, each upstream's slots and queue, first-byte and request deadlines, fallback models;
 * ``discovery``: the models an upstream lists (``discover = true``, ``--upstream``);
-* ``stream``, ``relay``, ``usage_chunk``, ``stream_errors``, ``plain_events``: the completions'
-  stream, line by line; ``framed_stream``, ``framed_relay``: the streams that keep their
+* ``stream``, ``relay``, ``usage_chunk``, ``stream_errors``, ``plain_events``, ``event_json``: the
+  completions' stream, line by line; ``framed_stream``, ``framed_relay``: the streams that keep their
   ``event:`` framing (Responses, Messages);
 * ``request_record``: what one request did, turned into its usage row;
 * ``read_endpoints``: catalog, credits, the caller's key (``GET /v1/key``), generations, liveness;

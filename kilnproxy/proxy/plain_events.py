@@ -17,10 +17,20 @@ and holds no CR (the relay sends CR streams through the parser):
   (or by the run's own first-event prefix, which starts with ``data: {``);
 * ``"error"`` nowhere; each event holds ``"usage":null`` or no ``"usage"``, and
   ``"finish_reason":null`` or no ``"finish_reason"`` (``_event``'s rules);
-* when the catalog id differs from the upstream's model name: ``"model":``
-  occurs ``n`` times and each event holds the upstream's ``"model":"<name>"``
-  once. ``_event`` replaces the first occurrence per event, so one per event
-  makes a ``replace`` over the run the same bytes.
+* ``"model":`` occurs ``n`` times and each event holds the upstream's
+  ``"model":"<name>"`` (the catalog id's, when the two are the same) once, at
+  the event's top level as ``_event`` shows it (``TOP``). ``_event`` replaces
+  that occurrence per event, so one per event makes a ``replace`` over the run
+  the same bytes.
+
+``TOP``: the first ``"model":`` of an event (one that starts with ``{``) is the
+event's own, not a key of an object nested in it, when no backslash comes just
+before it (its quote is then not in a string: it opens the key ``model``), and
+no ``{`` opens between the event's ``{`` and the key, or no ``}`` closes between
+the key and the event's last byte. vLLM, SGLang and Ollama name the model before
+any object opens, llama.cpp after its choices close: both are shown in a few
+bytes. A brace inside a string only hides what is shown (the event is then
+parsed), never shows what is not.
 
 "Each event holds M" is shown with one count, by a frame taken from the first
 event: its bytes up to the end of M (every other event starts with them), or
@@ -55,6 +65,7 @@ ERROR = b'"error"'
 USAGE, USAGE_NULL = b'"usage"', b'"usage":null'
 FINISH, FINISH_NULL = b'"finish_reason"', b'"finish_reason":null'
 MODEL_KEY = b'"model":'
+BACKSLASH = 92  # the byte before a quote that is in a string
 MAX_MISSES = 3
 
 
@@ -159,6 +170,13 @@ class PlainRun:
             if null not in frames:  # else every event holds the null; if not, none may hold the key
                 plain = plain and key not in frames
             banned.append(key)  # in a middle: a usage or finish reason of its own (another choice's)
+        at = prefix.find(MODEL_KEY)  # each event's first "model": at its top level, the upstream's name (TOP)
+        if at >= 0:
+            plain = plain and prefix.startswith(self.upstream, at) and opens_top(prefix, at)
+        else:  # after the middles, which may then hold none
+            at = suffix.find(MODEL_KEY)
+            plain = plain and at > 0 and suffix.startswith(self.upstream, at) and closes_top(suffix, at)
+            banned.append(MODEL_KEY)
         if not self.rename:  # the name once in every event (a server may name its model otherwise)
             plain = plain and frames.count(self.upstream) == 1
         else:  # the upstream's name once in every event: once in the frames, nowhere else
@@ -184,8 +202,8 @@ class PlainRun:
         at = head.find(self.upstream, 0, eol)  # the name to rename, or the catalog id itself: in every event
         if at < 0 or head.count(MODEL_KEY) != n:
             return 0
-        framed = self._framed(head, n, eol, at, at + len(self.upstream), 0)
-        if not framed and not self._one_each(head, n):
+        framed = self._framed(head, n, eol, at - 1, at + len(self.upstream), 0)  # with the byte before the key
+        if not (self._framed_top() if framed else self._one_each(head, n)):
             return 0
         at = head.find(FINISH_NULL, 0, eol)
         if at >= 0 and self._framed(head, n, eol, at, at + len(FINISH_NULL), 1):
@@ -236,10 +254,31 @@ class PlainRun:
             from_end = not from_end
         return False
 
+    def _framed_top(self) -> bool:
+        """The model's frame (``_framed``'s, marker 0) shows each event's one ``"model":`` at its top level
+        (``TOP``): from the event's start, or from the byte before the key to the event's end."""
+        from_end = self.from_end[0]
+        frame = self.frames[from_end][0]
+        if from_end:  # b',"model":"<name>",...}\n\n'
+            return closes_top(frame[:-2], 1)
+        return opens_top(frame[6:], len(frame) - 6 - len(self.upstream))  # b'data: {...,"model":"<name>"'
+
     def _one_each(self, head: bytes, n: int) -> bool:
-        """The upstream's model name between every two event ends (when no frame holds it)."""
+        """The upstream's model name between every two event ends, at each event's top level (``TOP``),
+        when no frame holds it."""
         parts = head.split(self.upstream)
-        return len(parts) == n + 1 and all(map(bytes.__contains__, parts[1:-1], repeat(b"\n\n")))
+        if len(parts) != n + 1 or not all(map(bytes.__contains__, parts[1:-1], repeat(b"\n\n"))):
+            return False
+        closes = b"}" not in self.upstream
+        for i, (before, after) in enumerate(zip(parts, parts[1:])):  # the bytes before and after event i's name
+            start = before.rfind(EVENT_SEP) + len(EVENT_SEP) if i else 6  # the event's "{"
+            if before[start:start + 1] != b"{" or before[-1] == BACKSLASH:
+                return False
+            if before.find(b"{", start + 1) >= 0:  # an object opens before the key: none may close after it
+                end = after.find(b"\n\n")
+                if not closes or after.find(b"}", 0, end) != end - 1:
+                    return False
+        return True
 
     def renamed(self, head: bytes) -> bytes:
         return head.replace(self.upstream, self.catalog) if self.rename else head
@@ -259,3 +298,15 @@ def _common_end(a: bytes, b: bytes) -> int:
     size = min(len(a), len(b))
     differ = int.from_bytes(a[len(a) - size:]) ^ int.from_bytes(b[len(b) - size:])
     return ((differ & -differ).bit_length() - 1) // 8 if differ else size
+
+
+def opens_top(start: bytes, at: int) -> bool:
+    """``"model":`` at ``at`` of an event's first bytes ``start`` is the event's own (``TOP``): a key,
+    and no ``{`` opens between the event's and it."""
+    return at > 0 and start[0] == 123 and start[at - 1] != BACKSLASH and start.find(b"{", 1, at) < 0
+
+
+def closes_top(end: bytes, at: int) -> bool:
+    """``"model":`` at ``at`` of an event's last bytes ``end`` is the event's own (``TOP``, when the
+    event starts with ``{``): a key, and no ``}`` closes between it and the event's last byte."""
+    return at > 0 and end[at - 1] != BACKSLASH and end.find(b"}", at) == len(end) - 1

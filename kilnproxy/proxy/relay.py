@@ -5,10 +5,17 @@ events of a chunk are checked together by ``PlainRun`` (``plain_events.py``) wit
 handful of bytes operations; when no rule changes any of them they go out as
 the upstream's own bytes, the model's name replaced. The last events of a
 chunk, where a stream's finish reason, usage and ``[DONE]`` are, are set apart
-and read one by one, with the same substring tests per event. An event is
-parsed only when it carries usage, an error or a finish reason, names the
-model differently, or a ``transform_event`` plugin is loaded (then each event
-is parsed once, shown to the plugins and serialised once).
+and read one by one, with the same substring tests per event. The model's
+name is the event's own ``model``, never one of an object nested in it; where
+the bytes do not show which is the event's own (``plain_events``: ``TOP``) the
+event is parsed. An event is parsed only then, when it carries usage, an error
+or a finish reason, names the model differently, or when a ``transform_event``
+plugin is loaded (then each event is parsed once, shown to the plugins and
+serialised once). What orjson refuses but is JSON (a lone surrogate escape) is
+read and written by the json module (``event_json``); what is not JSON goes
+out as it came. An event the gateway cannot write back (nested deeper than
+254 levels) ends the stream with an ``upstream_bad_response`` error event,
+whoever saw it; a plugin that leaves the event no longer JSON is named alone.
 
 Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
@@ -33,7 +40,9 @@ from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl, call_impl
 from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
-from .plain_events import ERROR, FINISH, FINISH_NULL, ROLE, USAGE, USAGE_NULL, PlainRun
+from .event_json import read_stdlib, writable, write
+from .plain_events import (ERROR, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun, closes_top,
+                           opens_top)
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
 from .upstream import Route
@@ -46,7 +55,8 @@ class EventRelay:
     """One stream's relay: ``feed_chunk()`` for each chunk the upstream sends, ``close()`` at its
     end of body, ``tail()`` for what follows the last event."""
 
-    __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "ended", "error",
+    __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
+                 "upstream_key", "own_start", "own_end", "own_end_key", "ended", "error",
                  "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
                  "choice_usage", "request_usage", "chat", "several", "finished")
 
@@ -57,7 +67,12 @@ class EventRelay:
         self.impls = impls
         self.parse_all = bool(impls)
         self.transforms = tuple(_event_only(impl, call) for impl in impls)
-        self.rename = route.model_bytes != route.upstream_model_bytes
+        self.catalog_key, self.upstream_key = route.model_bytes, route.upstream_model_bytes  # b'"model":"<name>"'
+        self.rename = self.catalog_key != self.upstream_key
+        # the bytes of an event that showed its own model to be the upstream's name (``_own_model``), from its
+        # start or from the byte before the key to its end: a stream's events share them (none, at first)
+        self.own_start = self.own_end = b"\0"
+        self.own_end_key = 0
         self.chat = call.endpoint == "chat/completions"  # a text completion's chunk names no role: not looked for
         self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
         self.error: bytes | None = None
@@ -213,20 +228,47 @@ class EventRelay:
                 and ERROR not in payload
                 and (finish < 0 or payload.startswith(FINISH_NULL, finish)
                      and payload.find(FINISH, finish + FINISH_LEN) < 0)):
-            if self.route.model_bytes in payload:
-                self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
-                return data_frame(payload)
-            if self.rename and self.route.upstream_model_bytes in payload:
-                self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
-                return data_frame(payload.replace(self.route.upstream_model_bytes, self.route.model_bytes, 1))
+            if payload.startswith(self.own_start) or (payload.endswith(self.own_end)
+                                                      and payload.find(MODEL_KEY) == len(payload) - self.own_end_key):
+                renamed = self.rename  # the bytes that showed the event before it its own model show this one's
+            else:
+                renamed = self._own_model(payload)
+                if renamed is None:
+                    return self._parsed_event(payload)
+            self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
+            # the event's own model is its first "model": (TOP), so replace's
+            return data_frame(payload.replace(self.upstream_key, self.catalog_key, 1) if renamed else payload)
         return self._parsed_event(payload)
 
+    def _own_model(self, payload: bytes) -> bool | None:
+        """Whether the event's first ``"model":`` is its own (not a key of an object nested in it), shown by
+        a few bytes (plain_events: ``TOP``), and names the upstream's model (True: to rename) or the catalog
+        id (False); None when that is not shown (the event is parsed). The bytes that showed the upstream's
+        name are kept: the next events that share them need no other test."""
+        at = payload.find(MODEL_KEY)
+        start = opens_top(payload, at)  # vLLM, SGLang, Ollama: before any object opens
+        if not start and not closes_top(payload, at):  # llama.cpp: after its choices close
+            return None
+        if payload.startswith(self.upstream_key, at):
+            if start:
+                self.own_start = payload[:at + len(self.upstream_key)]
+            else:
+                self.own_end, self.own_end_key = payload[at - 1:], len(payload) - at
+            return self.rename
+        if payload.startswith(self.catalog_key, at):
+            return False
+        return None
+
     def _parsed_event(self, payload: bytes) -> bytes | None:
-        """An event that carries usage, an error or a finish reason (no plugin loaded)."""
+        """An event that carries usage, an error or a finish reason, or whose model is not shown by its
+        bytes (no plugin loaded)."""
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return data_frame(payload)  # not ours to judge; the client sees what was sent
+            try:
+                event = read_stdlib(payload)  # what only the json module reads (a lone surrogate)
+            except ValueError:
+                return data_frame(payload)  # not JSON: not ours to judge; the client sees what was sent
         if not isinstance(event, dict):
             return data_frame(payload)
         if event.get("error") is not None or event.get("object") == "error":
@@ -236,11 +278,16 @@ class EventRelay:
             return None
         if choices:
             self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
-            self._take_finish_reason(choices)
         if "model" in event:
             event["model"] = self.call.model
         self.last_event = event
-        return data_frame(orjson.dumps(event))
+        try:
+            data = write(event)
+        except TypeError:  # no plugin changed it: the upstream's event is beyond what the gateway writes
+            return data_frame(self._unwritable())
+        if choices:
+            self._take_finish_reason(choices)  # what the client sees
+        return data_frame(data)
 
     def _plugged_data(self, payloads: list[bytes]) -> bytes:
         """``feed_data`` with ``transform_event`` plugins: the frames put together once. A stream's
@@ -259,7 +306,11 @@ class EventRelay:
                     if is_done(payload):
                         self.ended = self.clean_end = True
                         break
-                    append(payload)
+                    data = self._plugged_stdlib(payload)
+                    if data is not None:
+                        append(data)
+                    if self.ended:
+                        break
                     continue
                 if one is None or type(event) is not dict or event.get("error") is not None \
                         or event.get("usage") is not None or event.get("object") == "error":
@@ -283,6 +334,12 @@ class EventRelay:
                     continue
                 if verdict is STOP:
                     self.ended = True
+                try:
+                    append(dumps(event))
+                except TypeError:
+                    append(self._written(event, payload, self.impls[0]))
+                    if self.error is not None:  # the upstream's event could not be written back
+                        break
                 choices = event.get("choices")
                 if isinstance(choices, list):  # _take_finish_reason, in line
                     for choice in choices:
@@ -290,10 +347,6 @@ class EventRelay:
                             reason = choice.get("finish_reason")
                             if reason:
                                 record.finish_reason = reason
-                try:
-                    append(dumps(event))
-                except TypeError as exc:
-                    raise self._not_json(exc) from exc
                 if self.ended:
                     break
         except StreamPluginError as exc:
@@ -307,6 +360,15 @@ class EventRelay:
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
+            return self._plugged_stdlib(payload)
+        return self._plugged_event(event, payload)
+
+    def _plugged_stdlib(self, payload: bytes) -> bytes | None:
+        """``_plugged`` for an event orjson refused: read by the json module (a lone surrogate), else not
+        JSON, sent as it came (the plugins see only JSON)."""
+        try:
+            event = read_stdlib(payload)
+        except ValueError:
             return payload
         return self._plugged_event(event, payload)
 
@@ -332,16 +394,22 @@ class EventRelay:
             except BaseException as exc:
                 raise self._failed(self.impls[0], exc) from exc
         else:
-            verdict = self._transform(event)
+            verdict = self._transform(event, payload)
         if verdict is DROP:
             self._dropped(event)
             return None
         if verdict is STOP:
             self.ended = True
+        try:
+            data = orjson.dumps(event)
+        except TypeError:
+            data = self._written(event, payload, self.impls[-1])  # the plugins before the last were checked
+            if self.error is not None:  # the upstream's event could not be written back
+                return data
         choices = event.get("choices")
         if choices:
             self._take_finish_reason(choices)  # what the client sees
-        return self._dumps(event)
+        return data
 
     def _dropped(self, event: dict) -> None:
         """A plugin left ``event`` out: its finish reason, which the client does not see, still says
@@ -396,21 +464,64 @@ class EventRelay:
         error = event["error"]
         code = error.get("code") if isinstance(error, dict) else None
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
-        data = orjson.dumps(event)
+        try:
+            data = write(event)
+        except TypeError:
+            return self._unwritable()
         self.error = data_frame(data)
         self.ended = self.clean_end = True
         return data
 
-    def _transform(self, event: dict) -> Any:
+    def _unwritable(self) -> bytes:
+        """The data of the error event that ends the stream when the upstream sent an event the gateway
+        cannot write back (nested deeper than 254 levels, as a JSON answer may not be): the upstream's
+        fault, whatever plugins saw the event. The rest of its answer is not read."""
+        self.record.error_code = "upstream_bad_response"
+        self.error = data_frame(UNWRITABLE)
+        self.ended = True
+        return UNWRITABLE
+
+    def _transform(self, event: dict, payload: bytes | None) -> Any:
+        """Several plugins in turn on ``event`` (``payload``: the upstream's, None for the usage chunk,
+        checked before). After each but the last (the relay writes the event after that one), the
+        event is checked to be JSON still, so that a plugin that leaves it otherwise is the one named,
+        not the ones that saw it after."""
         verdict = None
-        for impl, function in zip(self.impls, self.transforms):
+        checked = len(self.impls) - 1
+        for i, (impl, function) in enumerate(zip(self.impls, self.transforms)):
             try:
                 result = function(event)
             except BaseException as exc:
                 raise self._failed(impl, exc) from exc
             if result is STOP or result is DROP:
                 verdict = result if verdict is None else verdict
+            if i < checked:
+                try:
+                    orjson.dumps(event)
+                except TypeError:
+                    self._still_json(event, payload, impl)
         return verdict
+
+    def _still_json(self, event: dict, payload: bytes | None, impl: Impl) -> None:
+        """Raise ``impl``'s error when it left ``event`` no longer JSON (``_written``), unless the upstream's
+        event was not writable to begin with (then ``_written`` ends the stream after the plugins)."""
+        try:
+            write(event)
+        except TypeError as exc:
+            if payload is None or writable(payload):
+                raise self._not_json(impl, exc) from exc
+
+    def _written(self, event: dict, payload: bytes | None, impl: Impl) -> bytes:
+        """``event``'s data once the plugins changed it, when orjson did not write it: the json module's
+        (a lone surrogate); else, when the upstream's event (``payload``) cannot be written back either,
+        the error event that ends the stream (``_unwritable``), no plugin's fault; else the error of
+        ``impl``, the plugin that left it no longer JSON (the ones before it were checked)."""
+        try:
+            return write(event)
+        except TypeError as exc:
+            if payload is not None and not writable(payload):
+                return self._unwritable()
+            raise self._not_json(impl, exc) from exc
 
     @staticmethod
     def _failed(impl: Impl, exc: BaseException) -> "StreamPluginError":
@@ -419,15 +530,10 @@ class EventRelay:
         log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
         return StreamPluginError(impl.plugin, exc)
 
-    def _dumps(self, event: dict) -> bytes:
-        try:
-            return orjson.dumps(event)
-        except TypeError as exc:  # a plugin put something in the event that is not JSON
-            raise self._not_json(exc) from exc
-
-    def _not_json(self, exc: TypeError) -> StreamPluginError:
-        names = ", ".join(impl.plugin for impl in self.impls)
-        return StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}"))
+    @staticmethod
+    def _not_json(impl: Impl, exc: TypeError) -> StreamPluginError:
+        """The error of the plugin that put in the event something that is not JSON."""
+        return StreamPluginError(impl.plugin, TypeError(f"the event is no longer JSON: {exc}"))
 
     # -- the end --------------------------------------------------------------
 
@@ -436,16 +542,24 @@ class EventRelay:
         if self.error is not None or not self.call.include_usage:
             return DONE_FRAME
         event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw)
-        if not self.parse_all:
-            return data_frame(orjson.dumps(event)) + DONE_FRAME
         try:
-            if self._transform(event) is DROP:
+            data = write(event)  # also before the plugins: a fault writing it after them is theirs
+        except TypeError:  # the upstream's usage object, nested too deep
+            return data_frame(self._unwritable()) + DONE_FRAME
+        if not self.parse_all:
+            return data_frame(data) + DONE_FRAME
+        try:
+            if self._transform(event, None) is DROP:
                 return DONE_FRAME
-            return data_frame(self._dumps(event)) + DONE_FRAME
+            return data_frame(self._written(event, None, self.impls[-1])) + DONE_FRAME
         except StreamPluginError as exc:
             self.record.error_code = exc.error.code
             return exc.frame() + DONE_FRAME
 
+
+UNWRITABLE = orjson.dumps({"error": {
+    "message": "The upstream sent an event nested deeper than the gateway can write JSON back (254 levels).",
+    "type": "upstream_error", "param": None, "code": "upstream_bad_response"}})
 
 # The finish chunk, the usage chunk and [DONE] end a stream: a chunk's last events are looked
 # at one by one before the rest is checked as a whole.
@@ -476,7 +590,10 @@ def _whole(payload: bytes) -> bool:
     try:
         orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return False
+        try:
+            read_stdlib(payload)
+        except ValueError:
+            return False
     return True
 
 

@@ -1,0 +1,77 @@
+"""A streamed event's JSON where orjson refuses it: strings that escape a lone surrogate.
+
+JSON's grammar lets a string escape half a surrogate pair (``"\\ud83d"``; RFC 8259 §8.2 leaves its
+meaning to the reader): a server that cuts an emoji between two tokens writes one in each event.
+orjson reads and writes strict UTF-8 and refuses them; Python's json module, like the openai SDK
+and a browser's ``JSON.parse``, reads them. An event is read by orjson, and by the json module
+when orjson refuses it (``read_stdlib``), so that the relay's rules apply to it as to any
+event; it is written by orjson, and by the json module what orjson refuses (``write``): UTF-8,
+each lone surrogate as the escape it came as. Neither reads what is not JSON (``NaN``, a
+number too large for a double, bytes that are not UTF-8). None of this is on the path of an
+event orjson reads and writes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+# What orjson refuses to write that the json module reads: a string with a lone surrogate, an
+# integer beyond 64 bits (orjson reads one as a float). Its other refusals stand: a value that is
+# not JSON (a set, a key that is not a string) and JSON nested deeper than 254 levels (orjson reads
+# 1,024), the limit a JSON answer has too.
+STDLIB_ONLY = ("surrogates not allowed", "exceeds 64-bit range")
+
+
+def read_stdlib(payload: bytes) -> Any:
+    """``payload`` read by the json module (orjson refused it); ValueError when it is not JSON."""
+    try:
+        return json.loads(payload.decode(), parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def read(payload: bytes) -> Any:
+    """``payload`` read by orjson, else by the json module; ValueError when it is not JSON."""
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return read_stdlib(payload)
+
+
+def write(value: Any) -> bytes:
+    """``value`` as JSON: orjson's bytes, else the json module's for what only it writes
+    (``STDLIB_ONLY``); orjson's TypeError when neither does."""
+    try:
+        return orjson.dumps(value)
+    except TypeError as exc:
+        if not any(reason in str(exc) for reason in STDLIB_ONLY):
+            raise
+        try:
+            text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            raise exc from None
+    return text.encode("utf-8", "backslashreplace")  # a lone surrogate, alone unencodable: its \uXXXX escape
+
+
+def writable(payload: bytes) -> bool:
+    """The event ``payload`` (what the upstream sent) can be written back: a fault writing it once
+    plugins changed it was theirs."""
+    try:
+        write(read(payload))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{number} is beyond a double")
+    return value
