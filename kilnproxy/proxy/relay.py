@@ -15,7 +15,8 @@ serialised once). What orjson refuses but is JSON (a lone surrogate escape) is
 read and written by the json module (``event_json``); what is not JSON goes
 out as it came. An event the gateway cannot write back (nested deeper than
 254 levels) ends the stream with an ``upstream_bad_response`` error event,
-whoever saw it; a plugin that leaves the event no longer JSON is named alone.
+whoever saw it; a plugin that leaves the event no longer JSON is a plugin error
+(naming every ``transform_event`` plugin when several saw the event).
 
 Usage, wherever the upstream puts it (vLLM's ``choices: []`` chunk, llama.cpp's
 last choice chunk, Ollama's zeros on every chunk, vLLM's running totals), is
@@ -337,7 +338,7 @@ class EventRelay:
                 try:
                     append(dumps(event))
                 except TypeError:
-                    append(self._written(event, payload, self.impls[0]))
+                    append(self._written(event, payload))
                     if self.error is not None:  # the upstream's event could not be written back
                         break
                 choices = event.get("choices")
@@ -403,7 +404,7 @@ class EventRelay:
         try:
             data = orjson.dumps(event)
         except TypeError:
-            data = self._written(event, payload, self.impls[-1])  # the plugins before the last were checked
+            data = self._written(event, payload)
             if self.error is not None:  # the upstream's event could not be written back
                 return data
         choices = event.get("choices")
@@ -482,46 +483,30 @@ class EventRelay:
         return UNWRITABLE
 
     def _transform(self, event: dict, payload: bytes | None) -> Any:
-        """Several plugins in turn on ``event`` (``payload``: the upstream's, None for the usage chunk,
-        checked before). After each but the last (the relay writes the event after that one), the
-        event is checked to be JSON still, so that a plugin that leaves it otherwise is the one named,
-        not the ones that saw it after."""
+        """Several plugins in turn on ``event``; the first DROP or STOP wins."""
         verdict = None
-        checked = len(self.impls) - 1
-        for i, (impl, function) in enumerate(zip(self.impls, self.transforms)):
+        for impl, function in zip(self.impls, self.transforms):
             try:
                 result = function(event)
             except BaseException as exc:
                 raise self._failed(impl, exc) from exc
             if result is STOP or result is DROP:
                 verdict = result if verdict is None else verdict
-            if i < checked:
-                try:
-                    orjson.dumps(event)
-                except TypeError:
-                    self._still_json(event, payload, impl)
         return verdict
 
-    def _still_json(self, event: dict, payload: bytes | None, impl: Impl) -> None:
-        """Raise ``impl``'s error when it left ``event`` no longer JSON (``_written``), unless the upstream's
-        event was not writable to begin with (then ``_written`` ends the stream after the plugins)."""
-        try:
-            write(event)
-        except TypeError as exc:
-            if payload is None or writable(payload):
-                raise self._not_json(impl, exc) from exc
-
-    def _written(self, event: dict, payload: bytes | None, impl: Impl) -> bytes:
+    def _written(self, event: dict, payload: bytes | None) -> bytes:
         """``event``'s data once the plugins changed it, when orjson did not write it: the json module's
         (a lone surrogate); else, when the upstream's event (``payload``) cannot be written back either,
-        the error event that ends the stream (``_unwritable``), no plugin's fault; else the error of
-        ``impl``, the plugin that left it no longer JSON (the ones before it were checked)."""
+        the error event that ends the stream (``_unwritable``), no plugin's fault; else the plugins'
+        error: the one plugin, or every ``transform_event`` plugin when several saw the event (telling
+        which would cost a check of the event after each plugin, on every event of every stream)."""
         try:
             return write(event)
         except TypeError as exc:
             if payload is not None and not writable(payload):
                 return self._unwritable()
-            raise self._not_json(impl, exc) from exc
+            names = ", ".join(impl.plugin for impl in self.impls)
+            raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
 
     @staticmethod
     def _failed(impl: Impl, exc: BaseException) -> "StreamPluginError":
@@ -529,11 +514,6 @@ class EventRelay:
         ``CancelledError`` too (a plain function runs to its end: no cancellation reaches it)."""
         log.error("plugin %r raised in transform_event", impl.plugin, exc_info=exc)
         return StreamPluginError(impl.plugin, exc)
-
-    @staticmethod
-    def _not_json(impl: Impl, exc: TypeError) -> StreamPluginError:
-        """The error of the plugin that put in the event something that is not JSON."""
-        return StreamPluginError(impl.plugin, TypeError(f"the event is no longer JSON: {exc}"))
 
     # -- the end --------------------------------------------------------------
 
@@ -551,7 +531,7 @@ class EventRelay:
         try:
             if self._transform(event, None) is DROP:
                 return DONE_FRAME
-            return data_frame(self._written(event, None, self.impls[-1])) + DONE_FRAME
+            return data_frame(self._written(event, None)) + DONE_FRAME
         except StreamPluginError as exc:
             self.record.error_code = exc.error.code
             return exc.frame() + DONE_FRAME
