@@ -18,6 +18,7 @@ import pytest
 from rawhttp import raw_server, read_request
 from test_relay_chunks import PLUGINS, assert_same, relay_for, run
 from test_relay_odd_upstreams import DONE, END, HELLO, WORLD, frame, renamed, text_chunk, usage
+from test_relay_odd_upstreams import relayed as odd_relayed
 from test_streaming import cost, raw_upstream
 
 from kilnproxy import hookimpl
@@ -47,19 +48,8 @@ UPSTREAMS = {"in one write": raw_upstream, "an event a write": paced_upstream}
 
 async def relayed(harness, stream: bytes, *, upstream: str = "in one write", body: dict | None = None,
                   path: str = "/v1/completions", plugins=(), model: dict | None = None) -> tuple[bytes, dict]:
-    """What the client got for ``stream`` from the upstream, and the request's row; ``model``: changes to the
-    catalog model (its ``upstream_model``)."""
-    async with UPSTREAMS[upstream](stream=stream) as url:
-        configure = lambda c: c["models"][0].update(upstreams=[url], **(model or {}))  # noqa: E731
-        async with harness(configure=configure, plugins=list(plugins)) as h:
-            request = {"model": MODEL, "stream": True, **({"prompt": "hi there"} if path == "/v1/completions"
-                                                          else {"messages": [{"role": "user", "content": "hi"}]}),
-                       **(body or {})}
-            async with h.post(path, request) as resp:
-                assert resp.status == 200, await resp.text()
-                raw = await resp.read()
-                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
-    return raw, row
+    """``test_relay_odd_upstreams.relayed`` from one of ``UPSTREAMS``."""
+    return await odd_relayed(harness, stream, body, path, plugins, upstream=UPSTREAMS[upstream], model=model)
 
 
 def row_of(row: dict) -> tuple:

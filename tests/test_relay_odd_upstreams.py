@@ -39,10 +39,12 @@ TEXT = frame(HELLO) + frame(WORLD) + frame(END)
 
 
 async def relayed(harness, stream: bytes, body: dict | None = None, path: str = "/v1/completions",
-                  plugins=()) -> tuple[bytes, dict]:
-    """What the client got for ``stream`` from the upstream, and the request's row."""
-    async with raw_upstream(stream=stream) as url:
-        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url]), plugins=list(plugins)) as h:
+                  plugins=(), *, upstream=raw_upstream, model: dict | None = None) -> tuple[bytes, dict]:
+    """What the client got for ``stream`` from the upstream (``upstream(stream=...)``, a context manager
+    giving its URL), and the request's row; ``model``: changes to the catalog model (its ``upstream_model``)."""
+    async with upstream(stream=stream) as url:
+        configure = lambda c: c["models"][0].update(upstreams=[url], **(model or {}))  # noqa: E731
+        async with harness(configure=configure, plugins=list(plugins)) as h:
             request = {"model": MODEL, "stream": True, **({"prompt": "hi there"} if path == "/v1/completions"
                                                           else {"messages": [{"role": "user", "content": "hi"}]}),
                        **(body or {})}
