@@ -153,6 +153,10 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
     finally:
         if mock is not None:
             await mock.stop()
+    not_committed = getattr(gateway.app[GATEWAY].ledger, "not_committed", None)
+    if not_committed:  # the SQLite file could not be written up to the end: the rows are in the log
+        raise KilnError(f"stopped with usage rows not committed to the ledger: {len(not_committed)}; each is in "
+                        "the log above, on a line 'usage row not committed: ' and the row as JSON")
 
 
 def cmd_mock(args) -> int:

@@ -39,7 +39,9 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
     if gateway.capture is not None:
         gateway.capture.on_start = hub.started
     shared = gateway.config.storage.url is not None  # PostgreSQL: read every replica's rows through its pool
-    store = InspectorStore(SharedReader(gateway.ledger) if shared else SQLiteReader(gateway.config.db_path))
+    reader = SharedReader(gateway.ledger) if shared else SQLiteReader(gateway.config.db_path)
+    store = InspectorStore(reader)
+    file_users = None if shared else getattr(gateway.ledger, "file_users", None)  # the SQLite ledger's
     feed = None
     if shared:  # one process on SQLite sees every row it commits; replicas tell each other theirs
         gateway.ledger.tell_rows = True
@@ -49,6 +51,8 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
 
     async def lifetime(app: web.Application):
         await store.open()  # after the gateway's own start: the ledger has made the table
+        if file_users is not None:  # closed and opened again with the ledger's if its files are deleted
+            file_users.append(reader)
         gateway.commit_listeners.append(hub.publish)
         if feed is not None:
             await feed.start()
@@ -56,6 +60,8 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
         if feed is not None:
             await feed.stop()
         gateway.commit_listeners.remove(hub.publish)
+        if file_users is not None:
+            file_users.remove(reader)
         await store.close()
 
     async def on_shutdown(app: web.Application) -> None:

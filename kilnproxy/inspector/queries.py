@@ -31,6 +31,7 @@ by an incremental sort, a few rows at a time); the cursor of a page's last row
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import sqlite3
 from datetime import datetime, timedelta, timezone
@@ -173,6 +174,7 @@ class SQLiteReader:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.db: aiosqlite.Connection | None = None
+        self._paused = asyncio.Lock()  # held by a read, or while paused
 
     async def open(self) -> None:
         self.db = await aiosqlite.connect(self.path, timeout=10.0)
@@ -186,9 +188,22 @@ class SQLiteReader:
             await self.db.close()
             self.db = None
 
+    async def pause(self) -> None:
+        """Close the connection, reads waiting until ``resume``: the ledger opens the file anew
+        (``SQLiteLedger.file_users``)."""
+        await self._paused.acquire()
+        await self.close()
+
+    async def resume(self) -> None:
+        try:
+            await self.open()
+        finally:
+            self._paused.release()
+
     async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        async with self.db.execute(sql, tuple(params)) as cur:
-            return [dict(r) for r in await cur.fetchall()]
+        async with self._paused:  # one read at a time, as on the connection's one thread anyway
+            async with self.db.execute(sql, tuple(params)) as cur:
+                return [dict(r) for r in await cur.fetchall()]
 
 
 class SharedReader:

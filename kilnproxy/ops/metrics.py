@@ -229,10 +229,20 @@ class GatewayCollector:
         commits = getattr(ledger, "commits", None)
         if commits is not None:
             yield CounterMetricFamily("kilnproxy_ledger_commits", "Group commits of usage rows.", value=commits)
+        stats = ledger.stats()
+        if "commit_failures" in stats:
+            yield CounterMetricFamily("kilnproxy_ledger_commit_failures", "Commits of usage rows that failed "
+                                      "(and were retried).", value=stats["commit_failures"])
         available = getattr(ledger, "available", None)
-        if available is not None:  # a shared store (PostgreSQL)
-            yield GaugeMetricFamily("kilnproxy_store_up", "1 while the shared store (PostgreSQL) answers.",
+        if available is not None:
+            yield GaugeMetricFamily("kilnproxy_store_up", "1 while the store takes usage rows: PostgreSQL answers, "
+                                    "or the SQLite file has been written within the last seconds.",
                                     value=int(available))
+        if "refused_unrecorded" in stats:  # SQLite
+            yield CounterMetricFamily("kilnproxy_ledger_refused_unrecorded", "Requests refused with 503 "
+                                      "store_unavailable without a usage row: too many rows waited in memory.",
+                                      value=stats["refused_unrecorded"])
+        if hasattr(ledger, "spooled"):  # a shared store (PostgreSQL)
             yield GaugeMetricFamily("kilnproxy_store_spooled_rows",
                                     "Usage rows kept in the local spool until the store answers.",
                                     value=ledger.spooled)

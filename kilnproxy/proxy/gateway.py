@@ -103,6 +103,9 @@ class Gateway:
         else:
             db = SQLiteDb(self.config.db_path)
             await db.open()
+            file_users = getattr(self.ledger, "file_users", None)
+            if file_users is not None:  # closed and opened again with the ledger's if its files are deleted
+                file_users.append(db)
         self.tenancy = TenancyStore(db)
         self.tenants = Tenants(self, self.tenancy, self.config.storage.url if pool is not None else None)
         try:
@@ -116,6 +119,9 @@ class Gateway:
         if self.tenants is not None:
             await self.tenants.close()
         if self.tenancy is not None:
+            file_users = getattr(self.ledger, "file_users", None)
+            if file_users is not None and self.tenancy.db in file_users:
+                file_users.remove(self.tenancy.db)
             await self.tenancy.db.close()
         self.tenants = self.tenancy = None
 

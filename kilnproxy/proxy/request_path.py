@@ -28,6 +28,7 @@ from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call, open_call, seal, set_model
 from ..plugins.manager import run_request_hooks
 from ..store.limits import Hold
+from ..store.sqlite import store_unavailable
 from . import rules
 from .forward import forward
 from .gateway import Gateway
@@ -78,12 +79,32 @@ class Api:
     upstream_headers: Callable[[web.BaseRequest], dict[str, str]] = no_headers  # the client's, sent on
 
 
+def refused_while_down(gw: Gateway, org: str, key_id: str, endpoint: str, api: Api) -> web.Response:
+    """The SQLite ledger has not committed for a while (``kilnproxy.store.sqlite``): 503
+    ``store_unavailable`` at once, before anything else, so that nothing is served that could not be
+    accounted for. Its row waits in memory with the others and the answer does not wait for it;
+    once ``max_waiting_rows`` rows wait, the refusal has no row and no generation id (as a 401)."""
+    ledger = gw.ledger
+    err = store_unavailable()
+    if not ledger.keeps_refused_rows():
+        ledger.refused_unrecorded += 1
+        return api.error(err)
+    ledger.refused += 1
+    call = open_call(new_generation_id(), org, key_id, endpoint, gw.plugin_settings)
+    record = RequestRecord(call)
+    record.fail(err.status, err.code)
+    gw.submit(record)  # not awaited: committed with the rows waiting, once the file takes them
+    return api.error(err, {GENERATION_HEADER: call.generation_id})
+
+
 async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api) -> web.StreamResponse:
     """The request's whole path (a plain ``BaseRequest`` from the route table, or the app's ``Request``)."""
     try:
         key = gw.keys.authenticate(api.authorization(request))  # 401: no org, no row
     except GatewayError as err:
         return api.error(err)
+    if getattr(gw.ledger, "refuses_requests", False):  # the SQLite file cannot be written
+        return refused_while_down(gw, key.org, key.id, endpoint, api)
     call = open_call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)  # sealed before plugins
     record = RequestRecord(call)
     trace = record.trace = None if gw.tracer is None else gw.tracer.begin(request.headers, endpoint, call)

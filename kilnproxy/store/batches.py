@@ -94,6 +94,7 @@ class GroupCommitted:
     rows: Batches
     on_commit: Callable[[list[tuple[Any, Any]]], None] | None
     commit_failures: int
+    refuses_requests = False  # the SQLite ledger while it cannot commit: new requests are refused at once
 
     def submit(self, row: dict[str, Any], tag: Any = None) -> asyncio.Future:
         """Queue ``row``; the future resolves once it is durable. ``tag`` is handed back to

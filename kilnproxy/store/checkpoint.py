@@ -21,6 +21,12 @@ waits for all of it. The ledger's writer turns that off
   WAL file stays within about ``max_wal_bytes`` (twice that at worst, when
   the background cannot keep up), and is not truncated: appending to blocks
   the file already has is cheaper than growing it.
+- A reader that keeps an old snapshot open (another program's transaction, a
+  long ``kilnproxy usage``) keeps the WAL from starting over, however long it
+  takes. The restart never waits for it (its busy timeout is 0): it is tried
+  again ``RESTART_RETRY_SECONDS`` later, the commits go on meanwhile (on the
+  loop's thread again), and the WAL grows past its bound until the reader ends;
+  the log says so once, and once more when the WAL has started over.
 - Both sizes come from the wal-index header (``-shm`` file: ``mxFrame`` at
   offset 16, ``nBackfill`` at 96, SQLite's documented WAL format): one
   ``pread``, no query, before each commit on the event loop's thread and after
@@ -38,6 +44,7 @@ import os
 import sqlite3
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,6 +55,7 @@ log = logging.getLogger("kilnproxy.ledger")
 LOWEST_PRIORITY = 19
 WAL_FRAME_HEADER = 24
 RESTART_COPY_BYTES = 4 << 20  # what the writer's restart may have left to copy: a few ms of copying
+RESTART_RETRY_SECONDS = 1.0  # a restart a reader kept from starting the WAL over is tried again after this
 
 
 class Checkpointer:
@@ -64,12 +72,27 @@ class Checkpointer:
         self._db: sqlite3.Connection | None = None
         self._shm = -1
         self._task: asyncio.Task | None = None
+        self._restart_after = 0.0  # time.monotonic() before which no restart is tried (a reader was in the way)
+        self._held_off_since: float | None = None  # when a reader first kept the WAL from starting over
 
     async def start(self) -> None:
+        await self.attach()
+        self._task = asyncio.create_task(self._loop(), name="kilnproxy-checkpoint")
+
+    async def attach(self) -> None:
+        """Open the connection and the wal-index (once the ledger's connections are open)."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._thread, self._connect)
         self._shm = os.open(f"{self.path}-shm", os.O_RDONLY)  # exists: a connection in WAL mode is open
-        self._task = asyncio.create_task(self._loop(), name="kilnproxy-checkpoint")
+
+    async def detach(self) -> None:
+        """Close them, for the ledger to open the file anew (``attach`` again then). Meanwhile every
+        commit is the writer's (``loop_must_hand_off`` is true: the sizes read are zero)."""
+        if self._shm >= 0:
+            shm, self._shm = self._shm, -1
+            os.close(shm)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._thread, self._close)
 
     def committed(self) -> None:
         """Called by the writer after each commit: cheap, never blocks. Wakes the background
@@ -97,7 +120,25 @@ class Checkpointer:
         return self._over_bound(*self._sizes())
 
     def _over_bound(self, wal: int, uncopied: int) -> bool:
-        return wal > 2 * self.max_wal_bytes or (wal > self.max_wal_bytes and uncopied <= RESTART_COPY_BYTES)
+        return ((wal > 2 * self.max_wal_bytes or (wal > self.max_wal_bytes and uncopied <= RESTART_COPY_BYTES))
+                and time.monotonic() >= self._restart_after)
+
+    def restart_tried(self, restarted: bool, why: str = "a reader holds an old snapshot of the file") -> None:
+        """Told by the writer after each restart: one that did not start the WAL over is tried again
+        ``RESTART_RETRY_SECONDS`` later, not before each commit."""
+        now = time.monotonic()
+        if restarted:
+            self.restarts += 1
+            if self._held_off_since is not None:
+                log.warning("usage ledger: the WAL started over after %.0f s", now - self._held_off_since)
+                self._held_off_since = None
+            return
+        self._restart_after = now + RESTART_RETRY_SECONDS
+        if self._held_off_since is None:
+            self._held_off_since = now
+            log.warning("usage ledger: the WAL (%d MB) cannot start over: %s (another program's open "
+                        "transaction, a long read); commits go on, the WAL grows until it ends",
+                        self._sizes()[0] >> 20, why)
 
     def _sizes(self) -> tuple[int, int]:
         """(bytes of frames in the WAL, bytes of them not yet copied into the database)."""
@@ -113,11 +154,7 @@ class Checkpointer:
 
     async def stop(self) -> None:
         self._task = await cancelled(self._task)
-        if self._shm >= 0:
-            os.close(self._shm)
-            self._shm = -1
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._thread, self._close)
+        await self.detach()
         self._thread.shutdown(wait=True)
 
     async def _loop(self) -> None:
@@ -136,6 +173,8 @@ class Checkpointer:
         self._db.execute("PRAGMA synchronous=NORMAL")
 
     def _checkpoint(self) -> None:
+        if self._db is None:  # detached: the file is being opened anew
+            return
         try:
             # fetchall: a statement left unfinished would hold a read snapshot, and no checkpoint could end
             (busy, frames, copied), = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()

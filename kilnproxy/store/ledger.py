@@ -15,6 +15,9 @@ transaction survives the gateway being killed; only a power cut could lose the
 last ones). A failed commit (a lock held by another program, a full disk) is
 retried with the same rows; none is dropped, and the responses wait. A value
 SQLite cannot bind is stored as text rather than wedge every later commit.
+A store that takes no rows for a while says so (``available`` false) and may
+ask for new requests to be refused at once (``refuses_requests``, read with
+``getattr``: a ledger without it never asks); see ``kilnproxy.store.sqlite``.
 
 The ledger is a store, not a plugin, and ``record_usage`` plugins are told of
 each row after its commit (``on_commit``, then the gateway's notifier task).

@@ -185,6 +185,18 @@ class SQLiteDb(_Rows):
             await self._conn.close()
             self._conn = None
 
+    async def pause(self) -> None:
+        """Close the connection, operations waiting until ``resume``: the ledger opens the file anew
+        (``SQLiteLedger.file_users``)."""
+        await self._lock.acquire()
+        await self.close()
+
+    async def resume(self) -> None:
+        try:
+            await self.open()
+        finally:
+            self._lock.release()
+
     async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
         async with self._lock:
             return [dict(r) for r in await self._conn.execute_fetchall(sql, args)]
