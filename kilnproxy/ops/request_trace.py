@@ -19,6 +19,7 @@ from asyncio import get_running_loop
 from random import getrandbits
 from time import time_ns
 
+from ..proxy.request_record import stored_text
 from . import otlp_wire as wire
 
 _ATTRIBUTE, _NO_STATUS = wire.attribute, wire.status(None)
@@ -261,11 +262,18 @@ _MODELS: dict[tuple[str, str], tuple[str, bytes]] = {}  # (operation, requested 
 
 
 def _model(operation: str, requested: str) -> tuple[str, bytes]:
-    """The request span's name and its ``gen_ai.request.model``, kept for the (operation, model) pairs seen."""
+    """The request span's name and its ``gen_ai.request.model``, kept for the (operation, model) pairs seen.
+
+    The model a client names is any JSON string up to the body's limit: a span holds it as the usage row
+    does (``stored_text``: its first 255 characters and "…", a NUL as U+FFFD), as ``gen_ai.response.model``
+    (the row's) does too; JSON cannot hold a lone surrogate, so it is valid UTF-8."""
     key = (operation, requested)
     found = _MODELS.get(key)
     if found is None:
+        shown = stored_text(requested)
+        if shown is not requested:  # cut or changed: not kept, nor the long text as a key
+            return f"{operation} {shown}", wire.unique(b"J", "gen_ai.request.model", shown)
         if len(_MODELS) >= wire.SEEN_AT_MOST:
             _MODELS.clear()
-        found = _MODELS[key] = (f"{operation} {requested}", _ATTRIBUTE(b"J", "gen_ai.request.model", requested))
+        found = _MODELS[key] = (f"{operation} {shown}", _ATTRIBUTE(b"J", "gen_ai.request.model", shown))
     return found
