@@ -401,3 +401,20 @@ def test_the_resource_is_the_services_with_otel_resource_attributes(monkeypatch)
     found = tracing_module.resource("gw")
     assert found["service.name"] == "gw" and found["deployment.environment"] == "prod" and found["team"] == "ml ops"
     assert found["telemetry.sdk.language"] == "python"
+
+
+def test_an_upstreams_error_code_is_held_as_the_usage_row_holds_text(memory):
+    """An upstream's error code is the row's ``error_code``, and an upstream may make it of what the client
+    sent: the span's ``error.type`` and status hold its first 255 characters and "…", a NUL as U+FFFD."""
+    from kilnproxy.ops import request_trace
+    from kilnproxy.proxy.request_record import MAX_ROW_TEXT
+    t = tracing_with(memory)
+    for n, code in enumerate(("c" * 100_000, "a\x00b")):
+        trace = t.begin({}, "completions", call(n))
+        trace.end(row(n, status=502, error_code=code), None)
+    spans = [s for s in finished(t, memory) if s["name"] == "text_completion"]
+    shown = ["c" * (MAX_ROW_TEXT - 1) + "…", "a\ufffdb"]
+    assert [s["attributes"]["error.type"] for s in spans] == shown
+    assert [s["status_message"] for s in spans] == shown
+    assert max(len(v) for v in request_trace._ERROR_TYPE.seen) <= MAX_ROW_TEXT
+    t.close()

@@ -246,10 +246,11 @@ class RequestTrace:
         if status is not None:
             attrs.append(_STATUS_CODE.encode(status))
         outcome = _NO_STATUS
-        if row["error_code"] is not None:
-            attrs.append(_ERROR_TYPE.encode(row["error_code"]))
+        if (code := row["error_code"]) is not None:
+            code = stored_text(code)  # an upstream's, perhaps made of the client's text
+            attrs.append(_ERROR_TYPE.encode(code))
             if status >= 500 or status == 200:  # a server fault, or a stream that ended in one
-                outcome = wire.status(row["error_code"])
+                outcome = wire.status(code)
         spans.append(wire.span(self.trace, ids[16:24], self.parent_id, self._state_field(), self.name, wire.SERVER,
                                self.start, now, b"".join(attrs), self.events, outcome,
                                wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
