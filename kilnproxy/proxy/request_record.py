@@ -91,7 +91,7 @@ class RequestRecord:
             "endpoint": call.endpoint,
             "stream": int(call.stream),
             "status": self.status,
-            "error_code": self.error_code,
+            "error_code": stored_text(self.error_code),  # an upstream's may be any text
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens,
