@@ -82,6 +82,9 @@ class RequestRecord:
         usage = self.final_usage()
         call = self.call
         model = call.model or stored_text(self.model)
+        code = self.error_code
+        if code is not None:  # an upstream's may be any text
+            code = stored_text(code)
         return {
             "id": call.generation_id,
             "created_at": self.created_at,
@@ -91,7 +94,7 @@ class RequestRecord:
             "endpoint": call.endpoint,
             "stream": int(call.stream),
             "status": self.status,
-            "error_code": self.error_code,
+            "error_code": code,
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens,
