@@ -17,6 +17,9 @@ A frame is parsed only when it may carry what the gateway reads or changes
 (the model's name, usage, an error), or when ``transform_event`` plugins are
 loaded; the others (the text deltas) go out as the upstream's own bytes and
 are counted, so that a client that leaves early is billed for what it got.
+An event orjson refuses but the json module reads (a lone surrogate escape)
+is read and written back by the json module (``event_json``), as the
+completions relay does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import orjson
 from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl
 from ..usage import Usage
+from .event_json import read_stdlib, writable, write
 from .relay import _event_only
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
@@ -39,6 +43,8 @@ DELTAS = {"responses": b'"response.output_text.delta"', "messages": b'"content_b
 FINAL = {"responses": ("response.completed", "response.incomplete", "response.failed"), "messages": ("message_stop",)}
 
 
+UNWRITABLE_CODE = "upstream_bad_response"
+UNWRITABLE_MESSAGE = "The upstream sent an event nested deeper than the gateway can write JSON back (254 levels)."
 MARKERS = (b'"model"', b'"usage"', b'"error"', b'"message_stop"', b'"response.failed"', b'"response.incomplete"')
 
 
@@ -157,7 +163,10 @@ class FramedRelay:
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return frame + b"\n\n"  # not ours to judge
+            try:
+                event = read_stdlib(payload)  # what only the json module reads (a lone surrogate)
+            except ValueError:
+                return frame + b"\n\n"  # not JSON: not ours to judge
         if not isinstance(event, dict):
             return frame + b"\n\n"
         self._read(event)
@@ -168,12 +177,22 @@ class FramedRelay:
             if verdict is STOP:
                 self.ended = True
         try:
-            data = orjson.dumps(event)
-        except TypeError as exc:  # a plugin put something in the event that is not JSON
+            data = write(event)
+        except TypeError as exc:
+            if not self.impls or not writable(payload):  # the upstream's event, not a plugin's change
+                return self._unwritable()
             names = ", ".join(impl.plugin for impl in self.impls)
             raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
         kept = [line for line in lines if line[:5] != b"data:"]
         return b"\n".join(kept + [b"data: " + data]) + b"\n\n"
+
+    def _unwritable(self) -> bytes:
+        """The error event that ends the stream when the upstream sent an event the gateway cannot write
+        back (nested deeper than 254 levels, as a JSON answer may not be): the upstream's fault, whatever
+        plugins saw the event. The rest of its answer is not read."""
+        self.record.error_code = UNWRITABLE_CODE
+        self.ended = True
+        return self.error_frame(UNWRITABLE_MESSAGE, UNWRITABLE_CODE)
 
     def _read(self, event: dict) -> None:
         """What the gateway takes from an event, and changes in it (model, usage's cost)."""

@@ -1,0 +1,223 @@
+"""Leftovers of the Responses API, Anthropic Messages and embeddings, through a running gateway on a real
+port, driven by the official SDKs or raw HTTP: what the client gets, byte for byte where it matters, and
+the usage row.
+
+- a lone surrogate escape (half an emoji: a server that cuts a code point between two tokens, or stops
+  in the middle of one) is JSON like any other, streamed or not: read, ruled (model, usage, cost, errors)
+  and written back with the escape as the upstream sent it, as on the completion endpoints;
+"""
+
+from __future__ import annotations
+
+import json
+import anthropic
+import orjson
+import pytest
+from test_json_odd_upstreams import answering, http
+from test_streaming import raw_upstream
+
+from kilnproxy import hookimpl
+from kilnproxy.testing import MODEL
+
+PROMPT, COMPLETION = 0.10 / 1e6, 0.30 / 1e6
+HIGH, LOW = "\\ud83d", "\\ude00"  # the two halves of U+1F600, as a JSON escape each
+
+
+def cost(prompt: int, completion: int) -> float:
+    return round(prompt * PROMPT + completion * COMPLETION, 10)
+
+
+def lone(data: bytes) -> bytes:
+    """``data`` with each ``"HIGH"``/``"LOW"`` written as the escape of that lone surrogate."""
+    return data.replace(b"<HIGH>", HIGH.encode()).replace(b"<LOW>", LOW.encode())
+
+
+def event(kind: str, **data) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + lone(orjson.dumps({"type": kind, **data})) + b"\n\n"
+
+
+def row_of(row: dict) -> tuple:
+    return (row["endpoint"], row["status"], row["error_code"], row["finish_reason"], row["prompt_tokens"],
+            row["completion_tokens"], row["cost"])
+
+
+def serving(url: str, endpoint: str):
+    return lambda config: config["models"][0].update(upstreams=[url], endpoints=[endpoint])
+
+
+def claude(h) -> anthropic.AsyncAnthropic:
+    client = anthropic.AsyncAnthropic(base_url=h.url, api_key=h.key, max_retries=0)
+    h._clients.append(client)
+    return client
+
+
+# -- 1. a lone surrogate escape ------------------------------------------------------------------------------
+
+
+def response(status: str, text: str | None, usage: dict | None) -> dict:
+    output = [] if text is None else [{"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+                                       "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    return {"id": "resp_1", "object": "response", "created_at": 1, "status": status, "model": "org/Up-7B",
+            "output": output, "usage": usage}
+
+
+USAGE = {"input_tokens": 2, "output_tokens": 2, "total_tokens": 4}
+CUT_TEXT = "Hi <HIGH>"  # max_output_tokens stopped the answer in the middle of an emoji
+
+
+def responses_stream(final: dict) -> list[bytes]:
+    item = {"id": "msg_1", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+    return [event("response.created", sequence_number=0, response=response("in_progress", None, None)),
+            event("response.output_item.added", sequence_number=1, output_index=0, item=item),
+            event("response.output_text.delta", sequence_number=2, item_id="msg_1", output_index=0, content_index=0,
+                  delta="Hi "),
+            event("response.output_text.delta", sequence_number=3, item_id="msg_1", output_index=0, content_index=0,
+                  delta="<HIGH>"),
+            event("response.output_text.done", sequence_number=4, item_id="msg_1", output_index=0, content_index=0,
+                  text=CUT_TEXT),
+            event("response.completed", sequence_number=5, response=final)]
+
+
+async def test_a_responses_stream_cut_in_the_middle_of_an_emoji_ends_as_the_upstream_ended_it(harness):
+    """``response.completed`` holds the text with its lone surrogate, the model and the usage: it is read (usage,
+    status), renamed, priced, and the stream ends there, as the SDK expects, with no error of the gateway's."""
+    frames = responses_stream(response("completed", CUT_TEXT, USAGE))
+    async with raw_upstream(stream=b"".join(frames)) as url:
+        async with harness(configure=serving(url, "responses")) as h:
+            async with h.post("/v1/responses", {"model": MODEL, "input": "hi", "stream": True}) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+            stream = await h.openai().responses.create(model=MODEL, input="hi", stream=True)
+            events = [e async for e in stream]
+    final = {**response("completed", CUT_TEXT, {**USAGE, "cost": cost(2, 2)}), "model": MODEL}
+    renamed = {**response("in_progress", None, None), "model": MODEL}
+    head, completed = raw.rsplit(b"data: ", 1)
+    assert head + b"data: " == b"".join([event("response.created", sequence_number=0, response=renamed), *frames[1:5],
+                                         b"event: response.completed\ndata: "])
+    assert json.loads(completed) == json.loads(lone(orjson.dumps({"type": "response.completed", "sequence_number": 5,
+                                                                   "response": final})))
+    assert completed.count(HIGH.encode()) == 1 and completed.endswith(b"}\n\n")
+    assert row_of(row) == ("responses", 200, None, "completed", 2, 2, cost(2, 2))
+    assert [e.type for e in events][-1] == "response.completed"
+    assert events[-1].response.output_text == "Hi \ud83d"
+    assert events[-1].response.usage.model_extra["cost"] == cost(2, 2)
+
+
+MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": "org/Up-7B", "content": [],
+           "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}
+
+
+def messages_stream(*texts: str) -> list[bytes]:
+    return [event("message_start", message=MESSAGE),
+            event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+            *[event("content_block_delta", index=0, delta={"type": "text_delta", "text": t}) for t in texts]]
+
+
+MESSAGES_END = [event("content_block_stop", index=0),
+                event("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
+                      usage={"output_tokens": 3}),
+                event("message_stop")]
+
+
+async def test_an_anthropic_error_event_with_a_lone_surrogate_ends_the_stream_as_the_upstreams_error(harness):
+    """The upstream's error names the half character it choked on: it is the stream's end, with its own type as
+    the row's error code, and no second error of the gateway's after it."""
+    error = event("error", error={"type": "overloaded_error", "message": "cannot decode <LOW>"})
+    frames = messages_stream("Hi", "<HIGH>") + [error]
+    async with raw_upstream(stream=b"".join(frames)) as url:
+        async with harness(configure=serving(url, "messages")) as h:
+            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with h.post("/v1/messages", body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                async with claude(h).messages.stream(model=MODEL, max_tokens=9,
+                                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+                    async for _ in stream:
+                        pass
+    start = event("message_start", message={**MESSAGE, "model": MODEL})
+    assert raw == start + b"".join(frames[1:])
+    assert (row["status"], row["error_code"], row["prompt_tokens"], row["completion_tokens"]) == \
+        (200, "overloaded_error", 3, 2)
+    assert caught.value.body["error"] == {"type": "overloaded_error", "message": "cannot decode \ude00"}
+
+
+SEEN: list = []
+
+
+class SeesTexts:
+    @hookimpl
+    def transform_event(self, event):
+        delta = event.get("delta")
+        if event.get("type") == "content_block_delta":
+            SEEN.append(delta["text"])
+
+
+async def test_a_plugin_sees_the_messages_events_with_a_lone_surrogate(harness):
+    SEEN.clear()
+    frames = messages_stream("Hi", "<HIGH>", "<LOW>") + MESSAGES_END
+    async with raw_upstream(stream=b"".join(frames)) as url:
+        async with harness(configure=serving(url, "messages"), plugins=[SeesTexts()]) as h:
+            async with claude(h).messages.stream(model=MODEL, max_tokens=9,
+                                                  messages=[{"role": "user", "content": "hi"}]) as stream:
+                text = "".join([t async for t in stream.text_stream])
+                final = await stream.get_final_message()
+            row = (await h.rows())[0]
+    assert SEEN == ["Hi", "\ud83d", "\ude00"]
+    assert text == "Hi\ud83d\ude00" and final.usage.output_tokens == 3
+    assert row_of(row) == ("messages", 200, None, "end_turn", 3, 3, cost(3, 3))
+
+
+JSON_ANSWERS = {
+    "messages": ({**MESSAGE, "content": [{"type": "text", "text": CUT_TEXT}], "stop_reason": "max_tokens",
+                  "usage": {"input_tokens": 3, "output_tokens": 2}},
+                 {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, ("max_tokens", 3, 2)),
+    "responses": (response("completed", CUT_TEXT, USAGE), {"input": "hi"}, ("completed", 2, 2)),
+    "completions": ({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "org/Up-7B",
+                     "choices": [{"index": 0, "text": CUT_TEXT, "logprobs": None, "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}},
+                    {"prompt": "hi"}, ("length", 2, 2)),
+}
+
+
+class Tags:
+    @hookimpl
+    def transform_response(self, body):
+        body["x_tagged"] = True
+
+
+@pytest.mark.parametrize("plugins", [[], [Tags()]], ids=["no plugin", "a transform_response plugin"])
+@pytest.mark.parametrize("endpoint", list(JSON_ANSWERS))
+async def test_a_json_answer_with_a_lone_surrogate_is_relayed_and_metered(harness, endpoint, plugins):
+    answer, body, (finish, prompt, completion) = JSON_ANSWERS[endpoint]
+    async with answering(http(lone(orjson.dumps(answer)))) as url:
+        async with harness(configure=serving(url, endpoint), plugins=plugins) as h:
+            async with h.post(f"/v1/{endpoint}", {"model": MODEL, **body}) as resp:
+                assert resp.status == 200, await resp.text()
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    expected = {**answer, "model": MODEL, "usage": {**answer["usage"], "cost": cost(prompt, completion)},
+                **({"x_tagged": True} if plugins else {})}
+    assert json.loads(raw) == json.loads(lone(orjson.dumps(expected)))  # floats as the json module writes them
+    assert raw.count(HIGH.encode()) == 1 and "\ufffd".encode() not in raw  # the escape as the upstream sent it
+    assert row_of(row) == (endpoint, 200, None, finish, prompt, completion, cost(prompt, completion))
+
+
+async def test_an_upstream_event_too_deep_to_write_back_ends_the_stream_blaming_no_plugin(harness):
+    """orjson reads 1,024 levels and writes 254: a ``message_delta`` whose usage holds a vendor object nested 300
+    deep cannot be written back. The stream ends with the upstream's fault, not a plugin's (none is loaded)."""
+    deep = b'{"x":' * 300 + b"1" + b"}" * 300
+    delta = event("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 1, "x_vendor": 0})
+    frames = messages_stream("Hi") + [delta.replace(b'"x_vendor":0', b'"x_vendor":' + deep), event("message_stop")]
+    async with raw_upstream(stream=b"".join(frames)) as url:
+        async with harness(configure=serving(url, "messages")) as h:
+            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with h.post("/v1/messages", body) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    assert raw == event("message_start", message={**MESSAGE, "model": MODEL}) + b"".join(frames[1:3]) + event(
+        "error", error={"type": "api_error", "message": "The upstream sent an event nested deeper than the gateway "
+                                                        "can write JSON back (254 levels)."})
+    assert (row["status"], row["error_code"]) == (200, "upstream_bad_response")
