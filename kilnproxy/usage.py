@@ -139,13 +139,15 @@ _PROMPT_FIELDS = ("prompt", "messages", "input", "system", "instructions")
 _RENDERED_AS_JSON = ("tools", "functions", "tool_choice", "documents")
 
 
-def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | None = None) -> int:
+def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | None = None,
+                       prompts: int | None = None) -> int:
     """The most tokens the request's prompt can be, for any real tokenizer and chat template: the UTF-8
     bytes of every string in the fields that make the prompt (``prompt``, ``messages``, ``input``,
     ``system``, ``instructions``; tool definitions twice the bytes of their text), one token per token id,
     ``TEMPLATE_TOKENS_PER_MESSAGE`` per message (or per prompt of a list, or per input), plus
     ``TEMPLATE_TOKENS``; never more than ``context_window`` per prompt when the model has one (the
-    upstream refuses a longer prompt).
+    upstream refuses a longer prompt). ``prompts``: how many prompts the body holds, each bounded by the
+    window on its own (default ``prompt_count``; embeddings: ``input_count``).
     """
     if not body:
         return 0
@@ -170,7 +172,7 @@ def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | Non
         if value is not None:
             tokens += 2 * len(repr(value).encode("utf-8", "surrogatepass")) + TEMPLATE_TOKENS
     if context_window:
-        tokens = min(tokens, context_window * prompt_count(body))
+        tokens = min(tokens, context_window * (prompt_count(body) if prompts is None else prompts))
     return tokens
 
 
@@ -180,6 +182,15 @@ def prompt_count(body: Mapping[str, Any]) -> int:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return len(prompt)
+    return 1
+
+
+def input_count(body: Mapping[str, Any]) -> int:
+    """How many inputs an embeddings request sends: a list of strings or of token-id lists is one input
+    each (each embedded, and bounded by the context window, on its own); 1 otherwise."""
+    value = body.get("input")
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        return len(value)
     return 1
 
 

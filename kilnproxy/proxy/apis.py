@@ -26,9 +26,10 @@ from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call
 from ..store.limits import Hold
-from ..usage import Usage
+from ..usage import Usage, input_count
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
+from .embedding_input import check_embeddings
 from .forward import read_upstream
 from .framed_stream import relay_framed
 from .gateway import GATEWAY, Gateway
@@ -67,7 +68,9 @@ def _error(err: GatewayError | UpstreamFailure, headers: dict | None = None, end
 
 
 def _checks(body: dict, call: Call, route: Route) -> None:
-    if call.endpoint != "embeddings":
+    if call.endpoint == "embeddings":
+        check_embeddings(body)
+    else:
         rules.check_stream(body, call)
 
 
@@ -83,10 +86,13 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
 
 
 def api_hold(call: Call, created_at: str, body: dict, context_window: int | None) -> Hold:
-    """The most the request can cost: embeddings produce no tokens; the Responses API caps its
-    output with ``max_output_tokens``; Anthropic's ``max_tokens`` is read as a completion's is."""
-    if call.endpoint in ("embeddings", "responses"):
-        limit = body.get("max_output_tokens") if call.endpoint == "responses" else 0
+    """The most the request can cost: embeddings produce no tokens, and each input of a batch may fill
+    the context window; the Responses API caps its output with ``max_output_tokens``; Anthropic's
+    ``max_tokens`` is read as a completion's is."""
+    if call.endpoint == "embeddings":  # the window bounds each input of a batch
+        return Hold(call, created_at, body, context_window, 0, input_count(body))
+    if call.endpoint == "responses":
+        limit = body.get("max_output_tokens")
         completion = limit if type(limit) is int and limit >= 0 else context_window or 0
         return Hold(call, created_at, body, context_window, completion)
     return Hold(call, created_at, body, context_window)
