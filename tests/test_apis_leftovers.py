@@ -348,3 +348,36 @@ async def test_an_encoding_or_dimensions_openai_refuses_is_a_clear_400(harness, 
         assert caught.value.body == {"message": message, "type": "invalid_request_error", "param": field,
                                      "code": "invalid_request"}
         assert await h.mock_requests() == []
+
+
+# -- 3. SDK-visible edges of the framed streams -------------------------------------------------------------------
+
+
+GATEWAY_CLOSED = {"type": "api_error", "message": "The upstream closed the stream before it finished."}
+
+
+@pytest.mark.parametrize("cut", [b"", b"event: content_block_delta\n",
+                                 b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"del'],
+                         ids=["at a frame's end", "after an event line", "in the middle of the JSON"])
+async def test_a_messages_stream_cut_short_ends_with_the_error_event_alone(harness, cut):
+    """The upstream's body ends before ``message_stop``, perhaps in the middle of an event: what was cut off is
+    not sent (the SDK would fail on it with a JSONDecodeError of its own, never reaching the error event), and
+    the stream ends with the gateway's error event, which the SDK raises as an APIStatusError."""
+    frames = messages_stream("Hi", " there")
+    async with raw_upstream(stream=b"".join(frames) + cut) as url:
+        async with harness(configure=serving(url, "messages")) as h:
+            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with h.post("/v1/messages", body) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+            texts = []
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                async with claude(h).messages.stream(model=MODEL, max_tokens=9,
+                                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+                    async for text in stream.text_stream:
+                        texts.append(text)
+    start = event("message_start", message={**MESSAGE, "model": MODEL})
+    assert raw == start + b"".join(frames[1:]) + event("error", error=GATEWAY_CLOSED)
+    assert (row["status"], row["error_code"], row["prompt_tokens"], row["completion_tokens"]) == \
+        (200, "upstream_error", 3, 2)
+    assert texts == ["Hi", " there"] and caught.value.body == {"type": "error", "error": GATEWAY_CLOSED}

@@ -32,7 +32,7 @@ import orjson
 from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl
 from ..usage import Usage
-from .event_json import read_stdlib, writable, write
+from .event_json import read, read_stdlib, writable, write
 from .relay import _event_only
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
@@ -64,6 +64,23 @@ def _marked(data: bytes) -> bool:
     """``data`` may hold what the gateway reads or changes (the model, usage, an error, the end)."""
     return (b'"model"' in data or b'"usage"' in data or b'"error"' in data or b'"message_stop"' in data
             or b'"response.failed"' in data or b'"response.incomplete"' in data)
+
+
+def _whole(frame: bytes) -> bool:
+    """``frame`` (one the upstream's body ended without its blank line) has data, and that data is JSON or
+    ``[DONE]``; a comment alone counts too."""
+    lines = frame.split(b"\n")
+    datas = [line[6:] if line[5:6] == b" " else line[5:] for line in lines if line[:5] == b"data:"]
+    if not datas:
+        return all(line[:1] == b":" for line in lines)
+    payload = b"\n".join(datas)
+    if payload.strip() == b"[DONE]":
+        return True
+    try:
+        read(payload)
+    except ValueError:
+        return False
+    return True
 
 
 class FramedRelay:
@@ -140,9 +157,12 @@ class FramedRelay:
                                           self.partial.cached_tokens)
 
     def close(self) -> bytes:
-        """The upstream's body ended: a last frame without its blank line still counts."""
+        """The upstream's body ended: a last frame without its blank line still counts when it is whole (its
+        data JSON, or ``[DONE]``); one cut off mid-way is not sent, as a client would fail to parse it."""
         rest, self.rest = self.rest.strip(b"\n"), b""
-        return self._frame(rest) if rest and not self.ended else b""
+        if not rest or self.ended or not _whole(rest):
+            return b""
+        return self._frame(rest)
 
     def _frame(self, frame: bytes) -> bytes:
         if not frame:
