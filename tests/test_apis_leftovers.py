@@ -381,3 +381,28 @@ async def test_a_messages_stream_cut_short_ends_with_the_error_event_alone(harne
     assert (row["status"], row["error_code"], row["prompt_tokens"], row["completion_tokens"]) == \
         (200, "upstream_error", 3, 2)
     assert texts == ["Hi", " there"] and caught.value.body == {"type": "error", "error": GATEWAY_CLOSED}
+
+
+async def test_a_timeout_on_messages_is_anthropics_timeout_error_before_and_during_the_stream(harness):
+    """Anthropic names a 504 ``timeout_error`` (its SDK's GatewayTimeoutError body); the gateway's
+    ``request_timeout`` passing before the answer and mid-stream says so in both places."""
+    def configure(config):
+        config["models"][0].update(endpoints=["messages"], request_timeout=0.3)
+    async with harness(configure=configure) as h:
+        client = claude(h)
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            await client.messages.create(model=MODEL, max_tokens=5, messages=messages, extra_body={"mock": {"fail": "hang"}})
+        assert caught.value.status_code == 504
+        assert caught.value.body == {"type": "error", "error": {
+            "type": "timeout_error", "message": "Model `test-model`: the request took longer than request_timeout "
+                                                "(0.3 s)."}}
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            async with client.messages.stream(model=MODEL, max_tokens=500, messages=messages,
+                                              extra_body={"mock": {"delay": 0.02}}) as stream:
+                async for _ in stream:
+                    pass
+        assert caught.value.body == {"type": "error", "error": {
+            "type": "timeout_error", "message": "The request took longer than the model's request_timeout."}}
+        assert [(r["status"], r["error_code"]) for r in await h.rows()] == [(504, "upstream_timeout"),
+                                                                            (200, "upstream_timeout")]

@@ -32,6 +32,7 @@ import orjson
 from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl
 from ..usage import Usage
+from .anthropic_errors import STREAM_TYPES
 from .event_json import read, read_stdlib, writable, write
 from .relay import _event_only
 from .request_record import RequestRecord
@@ -281,5 +282,5 @@ class FramedRelay:
             data = {"type": "error", "code": code, "message": message, "param": None,
                     "sequence_number": self.sequence}
         else:
-            data = {"type": "error", "error": {"type": "api_error", "message": message}}
+            data = {"type": "error", "error": {"type": STREAM_TYPES.get(code, "api_error"), "message": message}}
         return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
