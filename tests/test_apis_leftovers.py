@@ -9,6 +9,7 @@ the usage row.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 from contextlib import asynccontextmanager
@@ -406,3 +407,16 @@ async def test_a_timeout_on_messages_is_anthropics_timeout_error_before_and_duri
             "type": "timeout_error", "message": "The request took longer than the model's request_timeout."}}
         assert [(r["status"], r["error_code"]) for r in await h.rows()] == [(504, "upstream_timeout"),
                                                                             (200, "upstream_timeout")]
+
+
+async def test_the_sdks_default_base64_embeddings_come_back_as_the_same_vectors(harness):
+    """The openai SDK asks for base64 unless told otherwise, and decodes it: the mock answers as the model
+    servers do, and the gateway relays the strings untouched (float32: the floats as float32 rounds them)."""
+    async with harness(configure=lambda c: c["models"][0].update(endpoints=["embeddings"])) as h:
+        client = h.openai()
+        floats = await client.embeddings.create(model=MODEL, input=["a b", "c"], encoding_format="float")
+        raw = await client.embeddings.create(model=MODEL, input=["a b", "c"], encoding_format="base64")
+        decoded = await client.embeddings.create(model=MODEL, input=["a b", "c"])
+    assert all(isinstance(d.embedding, str) for d in raw.data)
+    assert [d.embedding for d in decoded.data] == [array.array("f", e.embedding).tolist() for e in floats.data]
+    assert decoded.usage.prompt_tokens == 3 and decoded.usage.model_extra["cost"] == cost(3, 0)
