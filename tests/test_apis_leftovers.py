@@ -19,6 +19,7 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
+from rawhttp import raw_server, read_request
 from test_json_odd_upstreams import answering, http
 from test_streaming import raw_upstream
 
@@ -420,3 +421,67 @@ async def test_the_sdks_default_base64_embeddings_come_back_as_the_same_vectors(
     assert all(isinstance(d.embedding, str) for d in raw.data)
     assert [d.embedding for d in decoded.data] == [array.array("f", e.embedding).tolist() for e in floats.data]
     assert decoded.usage.prompt_tokens == 3 and decoded.usage.model_extra["cost"] == cost(3, 0)
+
+
+@asynccontextmanager
+async def stalling_upstream(frames: bytes):
+    """An upstream that streams ``frames`` and then nothing more, its body unfinished, until the gateway hangs
+    up (``hung_up`` is then set): its URL and that event."""
+    hung_up = asyncio.Event()
+
+    async def serve(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"%x\r\n" % len(frames) + frames + b"\r\n")
+        await writer.drain()
+        await reader.read()  # until the gateway closes its end
+        hung_up.set()
+        writer.close()
+    async with raw_server(serve) as url:
+        yield url, hung_up
+
+
+class Recorded:
+    """Each committed row, as ``record_usage`` sees it (awaited, not polled)."""
+
+    def __init__(self):
+        self.rows: asyncio.Queue = asyncio.Queue()
+
+    @hookimpl
+    def record_usage(self, usage):
+        self.rows.put_nowait(dict(usage))
+
+
+def reasoning_stream() -> bytes:
+    item = {"id": "rs_1", "type": "reasoning", "summary": [], "content": []}
+    call = {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "pick", "arguments": ""}
+    deltas = [("response.reasoning_text.delta", {"item_id": "rs_1", "output_index": 0, "content_index": 0,
+                                                 "delta": d}) for d in ("Let", " me", " think")]
+    deltas += [("response.function_call_arguments.delta", {"item_id": "fc_1", "output_index": 1, "delta": d})
+               for d in ('{"a"', ": 1}")]
+    deltas += [("response.output_text.delta", {"item_id": "msg_1", "output_index": 2, "content_index": 0,
+                                               "delta": "Done"})]
+    frames = [event("response.created", sequence_number=0, response=response("in_progress", None, None)),
+              event("response.output_item.added", sequence_number=1, output_index=0, item=item)]
+    frames += [event(kind, sequence_number=2 + i, **data) for i, (kind, data) in enumerate(deltas[:3])]
+    frames += [event("response.output_item.added", sequence_number=5, output_index=1, item=call)]
+    frames += [event(kind, sequence_number=6 + i, **data) for i, (kind, data) in enumerate(deltas[3:])]
+    return b"".join(frames)
+
+
+async def test_a_client_leaving_a_responses_stream_pays_for_reasoning_and_tool_call_deltas_too(harness):
+    """No ``response.completed`` reached the gateway: the output is counted from the deltas the client got, each a
+    token, whatever the output (reasoning, a function call's arguments, text), as a Messages stream counts its
+    thinking and tool input deltas. One row, disconnected, and the upstream hung up on."""
+    stream = reasoning_stream()
+    recorded = Recorded()
+    async with stalling_upstream(stream) as (url, hung_up):
+        async with harness(configure=serving(url, "responses"), plugins=[recorded]) as h:
+            async with h.post("/v1/responses", {"model": MODEL, "input": "a b c d", "stream": True}) as resp:
+                got = b""
+                while not got.endswith(b'"delta":"Done"}\n\n'):
+                    got += await resp.content.readany()
+            await hung_up.wait()
+            row = await recorded.rows.get()
+    assert got.replace(b'"model":"test-model"', b'"model":"org/Up-7B"') == stream
+    assert (row["status"], row["disconnected"], row["prompt_tokens"], row["completion_tokens"]) == (200, 1, 2, 6)

@@ -15,7 +15,7 @@ unchanged), end without ``[DONE]``, and report usage in events of their own
 
 A frame is parsed only when it may carry what the gateway reads or changes
 (the model's name, usage, an error), or when ``transform_event`` plugins are
-loaded; the others (the text deltas) go out as the upstream's own bytes and
+loaded; the others (the output deltas) go out as the upstream's own bytes and
 are counted, so that a client that leaves early is billed for what it got.
 An event orjson refuses but the json module reads (a lone surrogate escape)
 is read and written back by the json module (``event_json``), as the
@@ -40,7 +40,11 @@ from .stream_errors import StreamPluginError
 
 log = logging.getLogger("kilnproxy.plugins")
 
-DELTAS = {"responses": b'"response.output_text.delta"', "messages": b'"content_block_delta"'}
+# The events that carry output, each counted as a token until the final count: on the Responses API every
+# ``response.*.delta`` (text, reasoning, a function call's arguments, ...); on Messages every
+# ``content_block_delta`` (text, thinking, a tool's input). Inside a JSON string a quote is escaped, so these
+# bytes are found only in an event's own ``type``.
+DELTAS = {"responses": b'.delta"', "messages": b'"content_block_delta"'}
 FINAL = {"responses": ("response.completed", "response.incomplete", "response.failed"), "messages": ("message_stop",)}
 
 
@@ -148,7 +152,7 @@ class FramedRelay:
         return b"".join(out)
 
     def _plain(self, block: bytes) -> None:
-        """Count what a run of frames that need no change holds: events, and text deltas."""
+        """Count what a run of frames that need no change holds: events, and output deltas."""
         self.sequence += block.count(b"\ndata:") + (block[:5] == b"data:")
         deltas = block.count(self.delta)
         if deltas:
