@@ -485,3 +485,49 @@ async def test_a_client_leaving_a_responses_stream_pays_for_reasoning_and_tool_c
             row = await recorded.rows.get()
     assert got.replace(b'"model":"test-model"', b'"model":"org/Up-7B"') == stream
     assert (row["status"], row["disconnected"], row["prompt_tokens"], row["completion_tokens"]) == (200, 1, 2, 6)
+
+
+OPENAI_ERROR = b'data: {"error":{"message":"engine died","type":"server_error","param":null,"code":"engine_dead"}}\n\n'
+OLD_VLLM_ERROR = b'data: {"object":"error","message":"engine died","type":"InternalServerError","code":503}\n\n'
+
+
+@pytest.mark.parametrize("error, code, kind", [(OPENAI_ERROR, "engine_dead", "api_error"),
+                                               (OLD_VLLM_ERROR, "upstream_error", "overloaded_error")],
+                         ids=["OpenAI's error object", "vLLM's older flat error"])
+async def test_an_openai_shaped_error_mid_messages_stream_is_anthropics_error_event(harness, error, code, kind):
+    """A server (or a proxy before it) that fails mid-stream in OpenAI's form, in a frame with no ``event:``
+    line: the Anthropic SDK skips such a frame, so the client is told in Anthropic's own error event (its type
+    by the upstream's numeric code, as for a status), the stream ends there, and the row keeps the code."""
+    frames = messages_stream("Hi")
+    async with raw_upstream(stream=b"".join(frames) + error + MESSAGES_END[-1]) as url:
+        async with harness(configure=serving(url, "messages")) as h:
+            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with h.post("/v1/messages", body) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                async with claude(h).messages.stream(model=MODEL, max_tokens=9,
+                                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+                    async for _ in stream:
+                        pass
+    translated = {"type": kind, "message": "engine died"}
+    start = event("message_start", message={**MESSAGE, "model": MODEL})
+    assert raw == start + b"".join(frames[1:]) + event("error", error=translated)
+    assert caught.value.body == {"type": "error", "error": translated}
+    assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, code, 1)
+
+
+async def test_an_openai_shaped_error_mid_responses_stream_is_the_responses_error_event(harness):
+    frames = responses_stream(response("completed", CUT_TEXT, USAGE))[:3]
+    async with raw_upstream(stream=b"".join(frames) + OPENAI_ERROR + frames[-1]) as url:
+        async with harness(configure=serving(url, "responses")) as h:
+            async with h.post("/v1/responses", {"model": MODEL, "input": "hi", "stream": True}) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+            events = [e async for e in await h.openai().responses.create(model=MODEL, input="hi", stream=True)]
+    renamed = {**response("in_progress", None, None), "model": MODEL}
+    assert raw == event("response.created", sequence_number=0, response=renamed) + b"".join(frames[1:]) + event(
+        "error", code="engine_dead", message="engine died", param=None, sequence_number=3)
+    assert [e.type for e in events][-1] == "error" and (events[-1].code, events[-1].message) == \
+        ("engine_dead", "engine died")
+    assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, "engine_dead", 1)

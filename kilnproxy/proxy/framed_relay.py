@@ -32,7 +32,7 @@ import orjson
 from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl
 from ..usage import Usage
-from .anthropic_errors import STREAM_TYPES
+from .anthropic_errors import STREAM_TYPES, error_type
 from .event_json import read, read_stdlib, writable, write
 from .relay import _event_only
 from .request_record import RequestRecord
@@ -194,6 +194,8 @@ class FramedRelay:
                 return frame + b"\n\n"  # not JSON: not ours to judge
         if not isinstance(event, dict):
             return frame + b"\n\n"
+        if event.get("type") != "error" and (event.get("error") is not None or event.get("object") == "error"):
+            return self._openai_error(event)
         self._read(event)
         if self.impls:
             verdict = self._transform(event)
@@ -210,6 +212,29 @@ class FramedRelay:
             raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
         kept = [line for line in lines if line[:5] != b"data:"]
         return b"\n".join(kept + [b"data: " + data]) + b"\n\n"
+
+    def _openai_error(self, event: dict) -> bytes:
+        """An upstream error in OpenAI's form (``{"error": {...}}``, or vLLM's older flat object), which
+        neither format's clients read as an error (the Anthropic SDK skips a frame with no ``event:``): told
+        as the format's own error event, which ends the stream. Its code as the completion endpoints take
+        it (a string ``code``, else ``upstream_error``); on Messages, its type by a numeric code as a
+        status would give it."""
+        error = event.get("error", event) if event.get("object") != "error" else event
+        if not isinstance(error, dict):
+            error = {"message": error}
+        code, message = error.get("code"), error.get("message")
+        if not isinstance(message, str):
+            message = "The upstream failed." if message is None else orjson.dumps(message).decode()
+        self.record.error_code = code if isinstance(code, str) else "upstream_error"
+        self.ended = self.finished = True
+        if self.endpoint == "responses":
+            param = error.get("param")
+            data = {"type": "error", "code": self.record.error_code, "message": message,
+                    "param": param if isinstance(param, str) else None, "sequence_number": self.sequence - 1}
+        else:
+            kind = error_type(code) if type(code) is int and 400 <= code <= 599 else "api_error"
+            data = {"type": "error", "error": {"type": kind, "message": message}}
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
 
     def _unwritable(self) -> bytes:
         """The error event that ends the stream when the upstream sent an event the gateway cannot write
