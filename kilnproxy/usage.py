@@ -119,7 +119,10 @@ def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
         elif isinstance(item, int) and not isinstance(item, bool):
             ids += 1
         elif isinstance(item, list):
-            stack.extend(item)
+            if all(type(x) is int for x in item):  # token ids: one token each
+                ids += len(item)
+            else:
+                stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(v for k, v in item.items() if k in ("content", "text", "input"))
     return max(1, ids + -(-chars // CHARS_PER_TOKEN))
@@ -164,7 +167,10 @@ def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | Non
             elif isinstance(item, int) and not isinstance(item, bool):
                 tokens += 1
             elif isinstance(item, list):
-                stack.extend(item)
+                if all(type(x) is int for x in item):  # token ids (a batch's may be millions): one token each
+                    tokens += len(item)
+                else:
+                    stack.extend(item)
             elif isinstance(item, dict):
                 stack.extend(item.values())
     for field in _RENDERED_AS_JSON:
