@@ -531,3 +531,55 @@ async def test_an_openai_shaped_error_mid_responses_stream_is_the_responses_erro
     assert [e.type for e in events][-1] == "error" and (events[-1].code, events[-1].message) == \
         ("engine_dead", "engine died")
     assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, "engine_dead", 1)
+
+
+# -- 4. the Responses API's stored conversations ------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def holding(answers: dict[str, int]):
+    """A vLLM-like Responses server keeping the responses named in ``answers`` (id -> tokens of its follow-up's
+    answer); a follow-up to any other id gets vLLM's 404. Yields its URL and the ids it was asked about."""
+    asked: list = []
+
+    async def respond(request: web.Request) -> web.Response:
+        body = await request.json()
+        previous = body.get("previous_response_id")
+        asked.append(previous)
+        if previous is not None and previous not in answers:
+            return web.json_response({"error": {"message": f"Response with id '{previous}' not found.",
+                                                "type": "invalid_request_error", "param": "response_id",
+                                                "code": 404}}, status=404)
+        return web.json_response({**response("completed", "ok", USAGE), "id": f"resp_after_{previous}"})
+    app = web.Application()
+    app.router.add_post("/v1/responses", respond)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1", asked
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_follow_up_reaches_the_upstream_that_holds_its_previous_response(harness):
+    """A model served by two upstreams, each keeping its own responses: a follow-up (``previous_response_id``)
+    that the balancing sends to the other one gets its 404 and is sent on to the next upstream, as a 429 or 5xx
+    would be, until one holds it; one row. A follow-up nobody holds ends as an upstream 404 does (502)."""
+    async with holding({"resp_a": 2}) as (url_a, asked_a), holding({}) as (url_b, asked_b):
+        def configure(config):
+            config["models"][0].update(upstreams=[url_a, url_b], endpoints=["responses"])
+        async with harness(configure=configure) as h:
+            client = h.openai()
+            ids = [(await client.responses.create(model=MODEL, input="more", previous_response_id="resp_a")).id
+                   for _ in range(4)]  # the balancing takes each upstream first in turn
+            with pytest.raises(openai.InternalServerError):
+                await client.responses.create(model=MODEL, input="more", previous_response_id="resp_gone")
+            fresh = await client.responses.create(model=MODEL, input="new")  # none to follow: answered at once
+            rows = await h.rows()
+    assert ids == ["resp_after_resp_a"] * 4 and fresh.id == "resp_after_None"
+    assert asked_a.count("resp_a") == 4 and asked_b.count("resp_a") == 2
+    assert asked_a.count("resp_gone") == asked_b.count("resp_gone") == 1
+    assert asked_a.count(None) + asked_b.count(None) == 1
+    assert [(r["status"], r["error_code"]) for r in rows] == [(200, None)] * 4 + [(502, "upstream_error"), (200, None)]

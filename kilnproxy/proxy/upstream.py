@@ -132,12 +132,13 @@ class Route:
 
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
-                   trace=None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
+                   trace=None, elsewhere: int | None = None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
         and the answer is a stream, its first bytes (else None). The caller must release the response
         and call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the
-        headers that carry the trace."""
+        headers that carry the trace. ``elsewhere``: a status that, like a 429 or 5xx, sends the request on
+        to another upstream of the model (a Responses follow-up's 404: this one does not hold the response)."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
@@ -172,7 +173,7 @@ class Route:
                 upstream.failed()
             elif status < 500:
                 upstream.succeeded()
-            if not cannot_take(status) or not any(u not in tried for u in self.candidates()):
+            if not (cannot_take(status) or status == elsewhere) or not any(u not in tried for u in self.candidates()):
                 return upstream, resp, first
             upstream.release()
             resp.close()
