@@ -583,3 +583,28 @@ async def test_a_follow_up_reaches_the_upstream_that_holds_its_previous_response
     assert asked_a.count("resp_gone") == asked_b.count("resp_gone") == 1
     assert asked_a.count(None) + asked_b.count(None) == 1
     assert [(r["status"], r["error_code"]) for r in rows] == [(200, None)] * 4 + [(502, "upstream_error"), (200, None)]
+
+
+class FailsOnBoom:
+    @hookimpl
+    def transform_event(self, event):
+        delta = event.get("delta")
+        if isinstance(delta, dict) and delta.get("text") == " boom":
+            raise RuntimeError("boom")
+
+
+async def test_a_plugin_failing_mid_chunk_lets_the_events_it_passed_before_it_through(harness):
+    """The whole stream arrives in one chunk; the plugin fails on its third delta: the events before it, which
+    the plugins let through, reach the client before the error event, as on the completion endpoints; the row
+    counts the deltas the client got."""
+    frames = messages_stream("Hi", " there", " boom", " after") + MESSAGES_END
+    async with raw_upstream(stream=b"".join(frames)) as url:
+        async with harness(configure=serving(url, "messages"), plugins=[FailsOnBoom()]) as h:
+            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with h.post("/v1/messages", body) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    start = event("message_start", message={**MESSAGE, "model": MODEL})
+    error = {"type": "api_error", "message": "Plugin 'FailsOnBoom' raised in transform_event: RuntimeError: boom"}
+    assert raw == start + b"".join(frames[1:4]) + event("error", error=error)
+    assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, "plugin_error", 2)

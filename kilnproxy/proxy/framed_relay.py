@@ -143,12 +143,16 @@ class FramedRelay:
 
     def _frames(self, block: bytes) -> bytes:
         out = []
-        for frame in block.split(b"\n\n"):
-            if self.ended:
-                break
-            sent = self._frame(frame.lstrip(b"\n"))
-            if sent:
-                out.append(sent)
+        try:
+            for frame in block.split(b"\n\n"):
+                if self.ended:
+                    break
+                sent = self._frame(frame.lstrip(b"\n"))
+                if sent:
+                    out.append(sent)
+        except StreamPluginError as exc:  # the events the plugins let through before it go out first
+            exc.before = b"".join(out) + exc.before
+            raise
         return b"".join(out)
 
     def _plain(self, block: bytes) -> None:
@@ -178,22 +182,18 @@ class FramedRelay:
             return frame + b"\n\n"  # comments pass through
         payload = datas[0] if len(datas) == 1 else b"\n".join(datas)
         self.sequence += 1
-        if self.delta in payload:
-            self.record.streamed_chunks += 1
-            if self.partial is not None:  # until the final count: the output streamed so far
-                self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
-                                          self.partial.cached_tokens)
+        delta = self.delta in payload  # counted once it is sent (not when a plugin drops it or fails on it)
         if not self.impls and not _marked(payload):
-            return frame + b"\n\n"
+            return self._sent(frame + b"\n\n", delta)
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
             try:
                 event = read_stdlib(payload)  # what only the json module reads (a lone surrogate)
             except ValueError:
-                return frame + b"\n\n"  # not JSON: not ours to judge
+                return self._sent(frame + b"\n\n", delta)  # not JSON: not ours to judge
         if not isinstance(event, dict):
-            return frame + b"\n\n"
+            return self._sent(frame + b"\n\n", delta)
         if event.get("type") != "error" and (event.get("error") is not None or event.get("object") == "error"):
             return self._openai_error(event)
         self._read(event)
@@ -211,7 +211,16 @@ class FramedRelay:
             names = ", ".join(impl.plugin for impl in self.impls)
             raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
         kept = [line for line in lines if line[:5] != b"data:"]
-        return b"\n".join(kept + [b"data: " + data]) + b"\n\n"
+        return self._sent(b"\n".join(kept + [b"data: " + data]) + b"\n\n", delta)
+
+    def _sent(self, out: bytes, delta: bool) -> bytes:
+        """``out``, an event going to the client; a delta counted as a token of output."""
+        if delta:
+            self.record.streamed_chunks += 1
+            if self.partial is not None:  # until the final count: the output streamed so far
+                self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
+                                          self.partial.cached_tokens)
+        return out
 
     def _openai_error(self, event: dict) -> bytes:
         """An upstream error in OpenAI's form (``{"error": {...}}``, or vLLM's older flat object), which

@@ -79,7 +79,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                     last = True
         except StreamPluginError as exc:
             record.error_code = exc.error.code
-            return relay.error_frame(exc.error.message, exc.error.code)
+            return exc.before + relay.error_frame(exc.error.message, exc.error.code)
         except Exception:  # a fault of the relay's own: logged, told as the format's error event
             log.exception("unexpected error relaying the stream of %s", record.call.generation_id)
             return _failed(relay, record, "internal_error", "The gateway failed unexpectedly; see its log.")
