@@ -608,3 +608,37 @@ async def test_a_plugin_failing_mid_chunk_lets_the_events_it_passed_before_it_th
     error = {"type": "api_error", "message": "Plugin 'FailsOnBoom' raised in transform_event: RuntimeError: boom"}
     assert raw == start + b"".join(frames[1:4]) + event("error", error=error)
     assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, "plugin_error", 2)
+
+
+@asynccontextmanager
+async def closing_early(frames: bytes):
+    """An upstream that streams ``frames`` in a chunked body, then closes its connection without the chunk that
+    ends the body (a server that crashed, or a proxy that dropped the connection, once the answer was sent)."""
+    async def serve(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"%x\r\n" % len(frames) + frames + b"\r\n")
+        await writer.drain()
+        writer.close()
+    async with raw_server(serve) as url:
+        yield url
+
+
+@pytest.mark.parametrize("endpoint", ["messages", "responses"])
+async def test_a_connection_lost_after_the_last_event_ends_the_stream_as_finished(harness, endpoint):
+    """The answer was whole (``message_stop``, ``response.completed``) when the upstream's connection was lost:
+    the client gets it as it is, without an error event after the end (which an SDK raises, and a client
+    retries, paying twice), and the row has no error."""
+    if endpoint == "messages":
+        frames = b"".join(messages_stream("Hi") + MESSAGES_END)
+        body = {"max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}
+    else:
+        frames = b"".join(responses_stream(response("completed", CUT_TEXT, USAGE)))
+        body = {"input": "hi"}
+    async with closing_early(frames) as url:
+        async with harness(configure=serving(url, endpoint)) as h:
+            async with h.post(f"/v1/{endpoint}", {"model": MODEL, "stream": True, **body}) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    assert b"event: error" not in raw and raw.count(b"\n\n") == frames.count(b"\n\n")
+    assert (row["status"], row["error_code"]) == (200, None)
