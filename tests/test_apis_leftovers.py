@@ -642,3 +642,23 @@ async def test_a_connection_lost_after_the_last_event_ends_the_stream_as_finishe
                 row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
     assert b"event: error" not in raw and raw.count(b"\n\n") == frames.count(b"\n\n")
     assert (row["status"], row["error_code"]) == (200, None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+async def test_a_failed_response_records_its_error_code_streamed_or_not(harness, stream):
+    """A Responses answer whose ``status`` is ``failed`` carries its error in ``response.error``: the row takes its
+    code (else ``upstream_error``) whether it came as the JSON answer or as ``response.failed``."""
+    failed = {**response("failed", None, USAGE), "error": {"code": "server_error", "message": "the engine died"}}
+    if stream:
+        upstream = raw_upstream(stream=event("response.created", sequence_number=0, response=response(
+            "in_progress", None, None)) + event("response.failed", sequence_number=1, response=failed))
+    else:
+        upstream = answering(http(orjson.dumps(failed)))
+    async with upstream as url:
+        async with harness(configure=serving(url, "responses")) as h:
+            async with h.post("/v1/responses", {"model": MODEL, "input": "hi", "stream": stream}) as resp:
+                assert resp.status == 200
+                await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    assert (row["status"], row["error_code"], row["finish_reason"], row["prompt_tokens"]) == \
+        (200, "server_error", "failed", 2)

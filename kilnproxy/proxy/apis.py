@@ -109,13 +109,18 @@ async def _relay(request: web.BaseRequest, gw: Gateway, call: Call, route: Route
 
 def read_answer(call: Call, record: RequestRecord, answer: dict) -> None:
     """Usage from the endpoint's own usage object; the Responses API's ``status`` or Anthropic's
-    ``stop_reason`` as the finish reason."""
+    ``stop_reason`` as the finish reason; a ``failed`` response's ``error.code`` (else ``upstream_error``)
+    as the error code, as its stream's ``response.failed`` gives it."""
     usage = answer.get("usage")
     if isinstance(usage, dict):
         record.usage = Usage.of_endpoint(call.endpoint, usage)
     reason = answer.get("stop_reason") if call.endpoint == "messages" else answer.get("status")
     if call.endpoint != "embeddings" and isinstance(reason, str):
         record.finish_reason = reason
+    if call.endpoint == "responses" and reason == "failed":
+        error = answer.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        record.error_code = code if isinstance(code, str) else "upstream_error"
 
 
 async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) -> web.Response:
