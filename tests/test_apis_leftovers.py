@@ -662,3 +662,15 @@ async def test_a_failed_response_records_its_error_code_streamed_or_not(harness,
                 row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
     assert (row["status"], row["error_code"], row["finish_reason"], row["prompt_tokens"]) == \
         (200, "server_error", "failed", 2)
+
+
+async def test_an_openai_shaped_error_with_a_lone_surrogate_is_translated_too(harness):
+    error = lone(b'data: {"error":{"message":"cannot decode <HIGH>","type":"server_error","code":"bad_token"}}\n\n')
+    async with raw_upstream(stream=b"".join(messages_stream("Hi")) + error) as url:
+        async with harness(configure=serving(url, "messages")) as h:
+            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with h.post("/v1/messages", body) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    assert raw.endswith(b"\n\n" + event("error", error={"type": "api_error", "message": "cannot decode <HIGH>"}))
+    assert (row["status"], row["error_code"]) == (200, "bad_token")

@@ -233,7 +233,7 @@ class FramedRelay:
             error = {"message": error}
         code, message = error.get("code"), error.get("message")
         if not isinstance(message, str):
-            message = "The upstream failed." if message is None else orjson.dumps(message).decode()
+            message = "The upstream failed." if message is None else write(message).decode("utf-8", "replace")
         self.record.error_code = code if isinstance(code, str) else "upstream_error"
         self.ended = self.finished = True
         if self.endpoint == "responses":
@@ -243,7 +243,7 @@ class FramedRelay:
         else:
             kind = error_type(code) if type(code) is int and 400 <= code <= 599 else "api_error"
             data = {"type": "error", "error": {"type": kind, "message": message}}
-        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+        return b"event: error\ndata: " + write(data) + b"\n\n"  # write: the message may hold a lone surrogate
 
     def _unwritable(self) -> bytes:
         """The error event that ends the stream when the upstream sent an event the gateway cannot write
