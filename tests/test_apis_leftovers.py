@@ -394,7 +394,8 @@ async def test_a_timeout_on_messages_is_anthropics_timeout_error_before_and_duri
         client = claude(h)
         messages = [{"role": "user", "content": "hi"}]
         with pytest.raises(anthropic.APIStatusError) as caught:
-            await client.messages.create(model=MODEL, max_tokens=5, messages=messages, extra_body={"mock": {"fail": "hang"}})
+            await client.messages.create(model=MODEL, max_tokens=5, messages=messages,
+                                         extra_body={"mock": {"fail": "hang"}})
         assert caught.value.status_code == 504
         assert caught.value.body == {"type": "error", "error": {
             "type": "timeout_error", "message": "Model `test-model`: the request took longer than request_timeout "
