@@ -194,7 +194,7 @@ class FramedRelay:
                 return self._sent(frame + b"\n\n", delta)  # not JSON: not ours to judge
         if not isinstance(event, dict):
             return self._sent(frame + b"\n\n", delta)
-        if event.get("type") != "error" and (event.get("error") is not None or event.get("object") == "error"):
+        if (event.get("error") is not None or event.get("object") == "error") and event.get("type") != "error":
             return self._openai_error(event)
         self._read(event)
         if self.impls:
@@ -204,14 +204,26 @@ class FramedRelay:
             if verdict is STOP:
                 self.ended = True
         try:
-            data = write(event)
-        except TypeError as exc:
-            if not self.impls or not writable(payload):  # the upstream's event, not a plugin's change
+            data = orjson.dumps(event)
+        except TypeError:  # what only the json module writes (a lone surrogate), else not JSON
+            data = self._written(event, payload)
+            if data is None:
                 return self._unwritable()
+        kept = [line for line in lines if line[:5] != b"data:"]
+        out = b"\n".join(kept + [b"data: " + data]) + b"\n\n"
+        return self._sent(out, True) if delta else out
+
+    def _written(self, event: dict, payload: bytes) -> bytes | None:
+        """``event`` written by the json module (``event_json``); None when the upstream's event itself
+        cannot be written back (nested too deep: its fault, whatever plugins saw it); a plugin's
+        ``StreamPluginError`` when its change made the event no longer JSON."""
+        try:
+            return write(event)
+        except TypeError as exc:
+            if not self.impls or not writable(payload):
+                return None
             names = ", ".join(impl.plugin for impl in self.impls)
             raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
-        kept = [line for line in lines if line[:5] != b"data:"]
-        return self._sent(b"\n".join(kept + [b"data: " + data]) + b"\n\n", delta)
 
     def _sent(self, out: bytes, delta: bool) -> bytes:
         """``out``, an event going to the client; a delta counted as a token of output."""
