@@ -257,3 +257,24 @@ async def test_an_openai_shaped_error_with_a_lone_surrogate_is_translated_too(ha
                 row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
     assert raw.endswith(b"\n\n" + event("error", error={"type": "api_error", "message": "cannot decode <HIGH>"}))
     assert (row["status"], row["error_code"]) == (200, "bad_token")
+
+
+async def test_an_anthropic_error_event_without_its_event_line_gets_one(harness):
+    """An upstream that writes Anthropic's error event as a bare ``data:`` frame: the Anthropic SDK only reads
+    an error from a frame named ``error``, and skipped it (the stream then just ended, as if cut short with no
+    error). The gateway names it, so the SDK raises it; the row keeps its type as the code."""
+    error = b'data: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
+    async with raw_upstream(stream=b"".join(messages_stream("Hi")) + error) as url:
+        async with harness(configure=serving(url, "messages")) as h:
+            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            async with h.post("/v1/messages", body) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                async with claude(h).messages.stream(model=MODEL, max_tokens=9,
+                                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+                    async for _ in stream:
+                        pass
+    assert raw.endswith(b"\n\nevent: error\n" + error)
+    assert caught.value.body == {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    assert (row["status"], row["error_code"]) == (200, "overloaded_error")

@@ -210,6 +210,8 @@ class FramedRelay:
             if data is None:
                 return self._unwritable()
         kept = [line for line in lines if line[:5] != b"data:"]
+        if self.ended and event.get("type") == "error" and not any(line[:6] == b"event:" for line in kept):
+            kept.insert(0, b"event: error")  # the Anthropic SDK reads an error only from a frame named so
         out = b"\n".join(kept + [b"data: " + data]) + b"\n\n"
         return self._sent(out, True) if delta else out
 
