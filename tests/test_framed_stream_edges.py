@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import anthropic
 import pytest
 from rawhttp import raw_server, read_request
-from test_apis_leftovers import (CUT_TEXT, MESSAGE, MESSAGES_END, USAGE, claude, event, lone, messages_stream,
+from test_apis_leftovers import (CUT_TEXT, MESSAGE, MESSAGES_END, USAGE, claude, cost, event, lone, messages_stream,
                                  response, responses_stream, serving)
 from test_streaming import raw_upstream
 
@@ -278,3 +278,19 @@ async def test_an_anthropic_error_event_without_its_event_line_gets_one(harness)
     assert raw.endswith(b"\n\nevent: error\n" + error)
     assert caught.value.body == {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
     assert (row["status"], row["error_code"]) == (200, "overloaded_error")
+
+
+async def test_a_zero_in_the_last_message_delta_does_not_erase_the_prompt_count(harness):
+    """A server that fills every usage field of ``message_delta`` and has no count for the prompt there writes 0
+    (as vLLM's converter does when a chunk carries no usage): a count reported before is kept, as zeros never
+    replace counts on the completion endpoints. The client's ``cost`` is priced on the same counts."""
+    end = [MESSAGES_END[0], event("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
+                                  usage={"input_tokens": 0, "output_tokens": 2}), MESSAGES_END[2]]
+    async with raw_upstream(stream=b"".join(messages_stream("Hi", " there") + end)) as url:
+        async with harness(configure=serving(url, "messages")) as h:
+            async with claude(h).messages.stream(model=MODEL, max_tokens=9,
+                                                  messages=[{"role": "user", "content": "hi"}]) as stream:
+                deltas = [e for e in [e async for e in stream] if e.type == "message_delta"]
+            row = (await h.rows())[0]
+    assert (row["prompt_tokens"], row["completion_tokens"], row["cost"]) == (3, 2, cost(3, 2))
+    assert deltas[0].usage.model_extra["cost"] == cost(3, 2)

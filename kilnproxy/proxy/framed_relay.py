@@ -10,8 +10,8 @@ unchanged), end without ``[DONE]``, and report usage in events of their own
   ``error`` event or ``response.failed``;
 * Messages: ``message_start`` (``message.usage``: the prompt counts), then
   ``message_delta`` (``usage``: the output count, and sometimes the prompt's
-  again; each count's last report wins, and the last ``message_delta``'s
-  usage gets ``cost``), ``message_stop``; a failure is ``event: error``.
+  again; each count's last report wins, a zero never replacing a count, and
+  the last ``message_delta``'s usage gets ``cost``), ``message_stop``; a failure is ``event: error``.
 
 A frame is parsed only when it may carry what the gateway reads or changes
 (the model's name, usage, an error), or when ``transform_event`` plugins are
@@ -302,8 +302,9 @@ class FramedRelay:
             message["model"] = self.call.model
         usage = event.get("usage", message.get("usage") if isinstance(message, dict) else None)
         if isinstance(usage, dict):
-            self.counts.update((k, v) for k, v in usage.items() if type(v) is int)
-            counts = Usage.of_endpoint("messages", self.counts)
+            reported = self.counts  # each count's last report wins, but a zero never replaces a count
+            reported.update((k, v) for k, v in usage.items() if type(v) is int and (v or not reported.get(k)))
+            counts = Usage.of_endpoint("messages", reported)
             if kind == "message_delta":
                 record.usage, self.partial = counts, None
                 usage["cost"] = counts.cost(self.call.pricing)
