@@ -13,6 +13,7 @@ and test_embeddings_input.py too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import asynccontextmanager
 
@@ -302,3 +303,47 @@ async def test_a_failed_response_records_its_error_code_streamed_or_not(harness,
                 row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
     assert (row["status"], row["error_code"], row["finish_reason"], row["prompt_tokens"]) == \
         (200, "server_error", "failed", 2)
+
+
+async def test_a_follow_up_is_held_for_a_whole_context_window_of_prompt(harness):
+    """A follow-up's prompt is the stored conversation the server prepends, up to the context window, not the
+    few words it sends: with the first follow-up at the upstream (held: a window of 100 prompt tokens and 5 of
+    output), an org with credits for 100 tokens has none left for a second request (402), which a hold of the
+    body's own bound (68 tokens) let through."""
+    entered: asyncio.Queue = asyncio.Queue()
+    release = asyncio.Event()
+
+    async def respond(request: web.Request) -> web.Response:
+        entered.put_nowait(None)
+        await release.wait()
+        return web.json_response(response("completed", "ok", {"input_tokens": 90, "output_tokens": 5,
+                                                               "total_tokens": 95}))
+    app = web.Application()
+    app.router.add_post("/v1/responses", respond)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+
+    def configure(config):
+        config["models"][0].update(upstreams=[url], endpoints=["responses"], context_window=100)
+        config["orgs"][0]["credits"] = 100 * PROMPT
+    try:
+        async with harness(configure=configure) as h:
+            client = h.openai()
+            first = asyncio.create_task(client.responses.create(model=MODEL, input="more", max_output_tokens=5,
+                                                                previous_response_id="resp_a"))
+            await entered.get()
+            second = asyncio.create_task(client.responses.create(model=MODEL, input="hi", max_output_tokens=5))
+            reached = asyncio.create_task(entered.get())
+            done, _ = await asyncio.wait({second, reached}, return_when=asyncio.FIRST_COMPLETED)
+            release.set()
+            assert second in done, "the second request reached the upstream"
+            reached.cancel()
+            with pytest.raises(openai.APIStatusError) as caught:
+                await second
+            assert caught.value.status_code == 402
+            assert (await first).usage.input_tokens == 90
+    finally:
+        release.set()
+        await runner.cleanup()

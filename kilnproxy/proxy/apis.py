@@ -87,14 +87,17 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
 
 def api_hold(call: Call, created_at: str, body: dict, context_window: int | None) -> Hold:
     """The most the request can cost: embeddings produce no tokens, and each input of a batch may fill
-    the context window; the Responses API caps its output with ``max_output_tokens``; Anthropic's
-    ``max_tokens`` is read as a completion's is."""
+    the context window; the Responses API caps its output with ``max_output_tokens``, and a follow-up of
+    a stored response or conversation may fill the window with its prompt; Anthropic's ``max_tokens`` is
+    read as a completion's is."""
     if call.endpoint == "embeddings":  # the window bounds each input of a batch
         return Hold(call, created_at, body, context_window, 0, input_count(body))
     if call.endpoint == "responses":
         limit = body.get("max_output_tokens")
         completion = limit if type(limit) is int and limit >= 0 else context_window or 0
-        return Hold(call, created_at, body, context_window, completion)
+        # a follow-up's prompt is the stored conversation the server prepends: up to the whole window
+        stored = context_window if body.get("previous_response_id") or body.get("conversation") else None
+        return Hold(call, created_at, body, context_window, completion, prompt=stored or None)
     return Hold(call, created_at, body, context_window)
 
 
