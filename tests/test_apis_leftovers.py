@@ -347,3 +347,22 @@ async def test_a_follow_up_is_held_for_a_whole_context_window_of_prompt(harness)
     finally:
         release.set()
         await runner.cleanup()
+
+
+async def test_a_background_response_is_refused_as_a_clear_400(harness):
+    """``background: true`` answers at once (``queued``, no usage) and leaves the model generating for a client that
+    would fetch the result from ``GET /v1/responses/{id}``, which the gateway does not serve: the answer could never
+    be read through it, nor metered. Refused before the upstream, in OpenAI's form; ``false`` is the default."""
+    async with harness(configure=lambda c: c["models"][0].update(endpoints=["responses"])) as h:
+        client = h.openai()
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model=MODEL, input="hi", max_output_tokens=3, background=True)
+        assert caught.value.body == {
+            "message": "`background` responses are not supported: the gateway does not serve GET "
+                       "/v1/responses/{id}, where their answer is read.",
+            "type": "invalid_request_error", "param": "background", "code": "unsupported_parameter"}
+        out = await client.responses.create(model=MODEL, input="hi", max_output_tokens=3, background=False)
+        assert out.output_text == "Paris is the"
+        assert [(r["status"], r["error_code"]) for r in await h.rows()] == [(400, "unsupported_parameter"),
+                                                                            (200, None)]
+        assert len(await h.mock_requests()) == 1

@@ -4,6 +4,9 @@ The same path as a completion (``request_path.handle``): key, account, body,
 model (and the endpoints it serves), slot and hold, plugins, upstream, one
 usage row whatever way the request ends. What differs:
 
+* the checks: embeddings' ``input`` (``embedding_input``); a Responses request
+  may not ask for ``background`` (its answer is read from an endpoint the
+  gateway does not serve);
 * the hold: embeddings hold their input only; the Responses API's
   completion part is ``max_output_tokens``, Anthropic's ``max_tokens``;
 * usage is read from each format's own usage object (``Usage.of_endpoint``);
@@ -23,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from ..config import KeyConfig
-from ..errors import GatewayError, UpstreamFailure
+from ..errors import GatewayError, UpstreamFailure, bad_request
 from ..plugins.call import Call
 from ..store.limits import Hold
 from ..usage import Usage, input_count
@@ -70,8 +73,13 @@ def _error(err: GatewayError | UpstreamFailure, headers: dict | None = None, end
 def _checks(body: dict, call: Call, route: Route) -> None:
     if call.endpoint == "embeddings":
         check_embeddings(body)
-    else:
-        rules.check_stream(body, call)
+        return
+    rules.check_stream(body, call)
+    if call.endpoint == "responses" and body.get("background") not in (None, False):
+        # answered at once, its answer read later from GET /v1/responses/{id}: neither served nor metered here
+        raise bad_request("`background` responses are not supported: the gateway does not serve GET "
+                          "/v1/responses/{id}, where their answer is read.", param="background",
+                          code="unsupported_parameter")
 
 
 async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.StreamResponse:
