@@ -366,3 +366,25 @@ async def test_a_background_response_is_refused_as_a_clear_400(harness):
         assert [(r["status"], r["error_code"]) for r in await h.rows()] == [(400, "unsupported_parameter"),
                                                                             (200, None)]
         assert len(await h.mock_requests()) == 1
+
+
+async def test_a_token_count_is_answered_while_every_generation_slot_is_busy(harness):
+    """``max_in_flight`` counts a server's generation slots (llama.cpp's ``--parallel``); counting tokens takes
+    none. A coding agent asks for counts while its answer streams: with the upstream's one slot busy, the count is
+    still forwarded and answered (it was a 503 ``overloaded_error`` at once), and the stream is not disturbed."""
+    def configure(config):
+        model = config["models"][0]
+        model.update(endpoints=["messages"], upstreams=[{"url": model["upstreams"][0], "max_in_flight": 1}])
+    async with harness(configure=configure) as h:
+        client = claude(h)
+        messages = [{"role": "user", "content": "a b c"}]
+        async with client.messages.stream(model=MODEL, max_tokens=6, messages=messages,
+                                          extra_body={"mock": {"delay": 0.05}}) as stream:
+            texts = []
+            async for text in stream.text_stream:
+                if not texts:
+                    counted = await client.messages.count_tokens(model=MODEL, messages=messages)
+                texts.append(text)
+        assert counted.input_tokens == 3 and len(texts) == 6
+        rows = await h.rows()
+    assert [(r["endpoint"], r["status"], r["error_code"]) for r in rows] == [("messages", 200, None)]

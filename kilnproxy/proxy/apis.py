@@ -14,7 +14,8 @@ usage row whatever way the request ends. What differs:
 * ``/v1/messages`` takes its key from ``x-api-key`` too, forwards the
   ``anthropic-version`` and ``anthropic-beta`` headers, and answers every
   error in Anthropic's form (``anthropic_errors``);
-* ``/v1/messages/count_tokens`` is forwarded unmetered: no hold, no row.
+* ``/v1/messages/count_tokens`` is forwarded unmetered: no hold, no row, and no
+  upstream slot (``max_in_flight`` counts generations; a count waits for none).
 """
 
 from __future__ import annotations
@@ -143,12 +144,12 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         route = rules.check_model(body, key, gw.routes)
         rules.check_endpoint(route, "messages")
         body["model"] = route.model.upstream_model
-        upstream, resp, _ = await route.open(gw.upstream_client, endpoint, orjson.dumps(body),
-                                             headers=_upstream_headers(request))  # a free slot, or 503 at once
+        # no generation slot: counting tokens takes none of the server's, and must not wait for them
+        upstream, resp = await route.send(gw.upstream_client, endpoint, orjson.dumps(body),
+                                          headers=_upstream_headers(request))
         try:
             raw = await read_upstream(resp)
         finally:
-            upstream.release()
             resp.release()
         if resp.status >= 300 and resp.status not in (400, 422):
             raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{endpoint}")
