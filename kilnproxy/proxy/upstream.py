@@ -183,17 +183,16 @@ class Route:
                    headers: Mapping[str, str] | None = None) -> tuple[Upstream, UpstreamResponse]:
         """``body`` to the least busy upstream not marked down, taking none of its slots: a request that
         uses none of a server's generation slots (``max_in_flight``), such as a token count, is not held
-        up by them, nor counted in them. One attempt; the caller releases the response (there is no slot
-        to give back). Raises 503 ``no_backend_available`` or ``UpstreamFailure``."""
-        candidates = self.candidates()
-        if not candidates:
-            raise no_backend_available(self.id)
-        upstream = candidates[0]
-        try:
-            resp = await client.post(self._target(upstream, endpoint), headers, body)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise UpstreamFailure(f"{upstream.base_url}: {_describe(exc)}", code=_failure_code(exc)) from None
-        return upstream, resp
+        up by them, nor counted in them. The next upstream is tried when one cannot be reached; the caller
+        releases the response (there is no slot to give back). Raises 503 ``no_backend_available`` or the
+        last ``UpstreamFailure``."""
+        problem: UpstreamFailure | None = None
+        for upstream in self.candidates():
+            try:
+                return upstream, await client.post(self._target(upstream, endpoint), headers, body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                problem = UpstreamFailure(f"{upstream.base_url}: {_describe(exc)}", code=_failure_code(exc))
+        raise problem or no_backend_available(self.id)
 
     def _target(self, upstream: Upstream, endpoint: str) -> RequestTarget:
         """The request head for ``endpoint`` on ``upstream``, built at its first use."""
