@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-import orjson
 from aiohttp import web
 
 from ..config import KeyConfig
@@ -34,6 +33,7 @@ from ..usage import Usage, input_count
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
 from .embedding_input import check_embeddings
+from .event_json import write
 from .forward import read_upstream
 from .framed_stream import relay_framed
 from .gateway import GATEWAY, Gateway
@@ -145,7 +145,7 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         rules.check_endpoint(route, "messages")
         body["model"] = route.model.upstream_model
         # no generation slot: counting tokens takes none of the server's, and must not wait for them
-        upstream, resp = await route.send(gw.upstream_client, endpoint, orjson.dumps(body),
+        upstream, resp = await route.send(gw.upstream_client, endpoint, write(body),
                                           headers=_upstream_headers(request))
         try:
             raw = await read_upstream(resp)
