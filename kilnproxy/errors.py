@@ -99,8 +99,8 @@ def invalid_api_key() -> GatewayError:
     return GatewayError(
         401,
         "invalid_api_key",
-        "Invalid API key. Send 'Authorization: Bearer <key>' (on /v1/messages, or 'x-api-key: <key>') with a key "
-        "the gateway knows.",
+        "Invalid API key. Send 'Authorization: Bearer <key>' (on /v1/messages and the GET endpoints, or "
+        "'x-api-key: <key>') with a key the gateway knows.",
         type="authentication_error",
     )
 

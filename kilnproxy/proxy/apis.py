@@ -32,6 +32,7 @@ from ..store.limits import Hold
 from ..usage import Usage, input_count
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
+from .auth import either_header
 from .embedding_input import check_embeddings
 from .event_json import write
 from .forward import read_upstream
@@ -58,11 +59,9 @@ async def _route(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 def _authorization(request: web.BaseRequest, endpoint: str) -> str | None:
     """A bearer, or on Anthropic's endpoints the ``x-api-key`` its SDK sends (as a bearer)."""
-    header = request.headers.get("Authorization")
-    if header is None and endpoint.startswith("messages"):
-        api_key = request.headers.get("x-api-key")
-        return None if api_key is None else f"Bearer {api_key}"
-    return header
+    if endpoint.startswith("messages"):
+        return either_header(request.headers)
+    return request.headers.get("Authorization")
 
 
 def _error(err: GatewayError | UpstreamFailure, headers: dict | None = None, endpoint: str = "") -> web.Response:
