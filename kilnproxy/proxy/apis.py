@@ -28,7 +28,7 @@ from aiohttp import web
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, bad_request
 from ..plugins.call import Call
-from ..store.limits import Hold
+from ..store.limits import Hold, output_bound
 from ..usage import Usage, input_count
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
@@ -102,7 +102,7 @@ def api_hold(call: Call, created_at: str, body: dict, context_window: int | None
         return Hold(call, created_at, body, context_window, 0, input_count(body))
     if call.endpoint == "responses":
         limit = body.get("max_output_tokens")
-        completion = limit if type(limit) is int and limit >= 0 else context_window or 0
+        completion = output_bound(limit if type(limit) is int and limit >= 0 else None, context_window)
         # a follow-up's prompt is the stored conversation the server prepends: up to the whole window
         stored = context_window if body.get("previous_response_id") or body.get("conversation") else None
         return Hold(call, created_at, body, context_window, completion, prompt=stored or None)
