@@ -23,6 +23,14 @@ def chat_of_short_messages() -> dict:
             "messages": [{"role": "user", "content": "ok"}] * 60, "mock": {"delay": 0.02}}
 
 
+def both_limits() -> dict:
+    """OpenAI's two output limits: vLLM's chat generates ``max_completion_tokens`` (the newer one), whatever
+    ``max_tokens`` says."""
+    return {"model": MODEL, "max_tokens": 1, "max_completion_tokens": 300, "stream": True,
+            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "ok"}],
+            "mock": {"delay": 0.001}}
+
+
 def many_choices() -> dict:
     return completion_body(stream=True, prompt="hi", max_tokens=5, n=8, mock={"flavor": "llamacpp", "delay": 0.02})
 
@@ -47,7 +55,9 @@ async def one_cost(harness, path: str, body: dict) -> float:
 
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", chat_of_short_messages()),
-                                        ("/v1/completions", many_choices())], ids=["short-messages", "n=8"])
+                                        ("/v1/completions", many_choices()),
+                                        ("/v1/chat/completions", both_limits())],
+                         ids=["short-messages", "n=8", "max_tokens-and-max_completion_tokens"])
 async def test_concurrent_requests_overdraw_an_org_by_one_request_at_most(harness, store, path, body):
     cost = await one_cost(harness, path, body)
     granted = cost * 3.5

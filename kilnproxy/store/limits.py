@@ -77,11 +77,18 @@ def output_bound(limit: int | None, context_window: int | None) -> int:
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    """The larger of ``max_tokens`` and ``max_completion_tokens``: vLLM's chat generates the second when both
+    are given, other servers the first. None (no limit known) when neither is given, or when one is given but
+    is not an integer >= 0, which a server may still read as a number ("100", 100.0) or as no limit (-1)."""
+    limit = None
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
-        if type(value) is int and value >= 0:
-            return value
-    return None
+        if value is None:
+            continue
+        if type(value) is not int or value < 0:
+            return None
+        limit = value if limit is None else max(limit, value)
+    return limit
 
 
 def rate_limited(org: str, limit: int) -> GatewayError:
