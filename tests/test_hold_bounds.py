@@ -114,7 +114,8 @@ def test_the_prompt_bound_covers_every_field_that_makes_a_prompt():
     assert prompt_token_bound({"messages": [], "tools": tools}) > base + 60
     assert prompt_token_bound({"prompt": "x" * 10_000}, context_window=4096) == 4096
     assert prompt_token_bound({"prompt": ["x" * 10_000] * 2}, context_window=4096) == 2 * 4096
-    assert [choice_count({"n": n}) for n in (8, 0, -1, True, "8", 2.0, None)] == [8, 1, 1, 1, 1, 1, 1]
+    assert [choice_count({"n": n}) for n in (8, 0, -1, True, "8", 2.0, None)] == [8, 1, 1, 1, 1, 2, 1]  # 2.0: 2, as vLLM reads it
+    assert choice_count({"n": 10**30}) == choice_count({"best_of": 1e300}) == 1024  # refused later: a hold in 64 bits
     assert choice_count({"n": 2, "best_of": 5}) == 5
     assert prompt_count({"prompt": ["a", "b", "c"]}) == 3 and prompt_count({"prompt": [1, 2]}) == 1
 
