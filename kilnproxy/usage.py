@@ -200,12 +200,18 @@ def input_count(body: Mapping[str, Any]) -> int:
     return 1
 
 
+MAX_CHOICES = 1024  # n and best_of at most (OpenAI allows 128): a hold of more is beyond 64 bits of tokens
+
+
 def choice_count(body: Mapping[str, Any]) -> int:
     """The choices a request asks the upstream to generate for each prompt: the larger of ``n`` and
-    ``best_of`` (an int >= 1; anything else counts as 1)."""
+    ``best_of`` (a whole number >= 1, ``2.0`` as 2; anything else counts as 1), at most ``MAX_CHOICES``.
+    The completion endpoints refuse any other value, after the hold (``rules.check_choices``)."""
     count = 1
     for name in ("n", "best_of"):
         value = body.get(name)
         if type(value) is int and value > count:
             count = value
-    return count
+        elif type(value) is float and value.is_integer() and value > count:
+            count = int(min(value, MAX_CHOICES))
+    return min(count, MAX_CHOICES)

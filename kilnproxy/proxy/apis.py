@@ -23,17 +23,18 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-import orjson
 from aiohttp import web
 
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, bad_request
 from ..plugins.call import Call
-from ..store.limits import Hold
+from ..store.limits import Hold, output_bound
 from ..usage import Usage, input_count
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
+from .auth import either_header
 from .embedding_input import check_embeddings
+from .event_json import write
 from .forward import read_upstream
 from .framed_stream import relay_framed
 from .gateway import GATEWAY, Gateway
@@ -58,11 +59,9 @@ async def _route(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 def _authorization(request: web.BaseRequest, endpoint: str) -> str | None:
     """A bearer, or on Anthropic's endpoints the ``x-api-key`` its SDK sends (as a bearer)."""
-    header = request.headers.get("Authorization")
-    if header is None and endpoint.startswith("messages"):
-        api_key = request.headers.get("x-api-key")
-        return None if api_key is None else f"Bearer {api_key}"
-    return header
+    if endpoint.startswith("messages"):
+        return either_header(request.headers)
+    return request.headers.get("Authorization")
 
 
 def _error(err: GatewayError | UpstreamFailure, headers: dict | None = None, endpoint: str = "") -> web.Response:
@@ -103,7 +102,7 @@ def api_hold(call: Call, created_at: str, body: dict, context_window: int | None
         return Hold(call, created_at, body, context_window, 0, input_count(body))
     if call.endpoint == "responses":
         limit = body.get("max_output_tokens")
-        completion = limit if type(limit) is int and limit >= 0 else context_window or 0
+        completion = output_bound(limit if type(limit) is int and limit >= 0 else None, context_window)
         # a follow-up's prompt is the stored conversation the server prepends: up to the whole window
         stored = context_window if body.get("previous_response_id") or body.get("conversation") else None
         return Hold(call, created_at, body, context_window, completion, prompt=stored or None)
@@ -145,7 +144,7 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         rules.check_endpoint(route, "messages")
         body["model"] = route.model.upstream_model
         # no generation slot: counting tokens takes none of the server's, and must not wait for them
-        upstream, resp = await route.send(gw.upstream_client, endpoint, orjson.dumps(body),
+        upstream, resp = await route.send(gw.upstream_client, endpoint, write(body),
                                           headers=_upstream_headers(request))
         try:
             raw = await read_upstream(resp)

@@ -26,14 +26,13 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple
 
-import orjson
-
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, plugin_failed
 from ..plugins.call import Call, set_model
 from ..plugins.manager import BUILT_IN
 from ..store.limits import Hold
 from .deadlines import RequestTimedOut, deadline_of, request_deadline_passed
+from .event_json import write
 from .gateway import Gateway
 from .request_record import RequestRecord
 from .upstream import Route, Upstream, cannot_take
@@ -88,7 +87,7 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
                       headers: dict[str, str] | None) -> Opened:
     model = route.model
     try:
-        payload = orjson.dumps(body)
+        payload = write(body)  # orjson's bytes; the json module's for a lone surrogate escape the client sent
     except TypeError as exc:  # only a plugin shown the body can have put something there
         raise _body_spoilt(gw, exc) from exc
     if record.tap is not None:
