@@ -29,7 +29,8 @@ class Hold:
     ``max_tokens`` (at most the model's ``context_window``, the window when absent: ``output_bound``) for
     each choice it asks for (``n``, ``best_of``, and each prompt of a list) at the completion price;
     ``completion``, ``prompts`` (the prompts the window bounds one by one) or the ``prompt`` bound itself
-    given, for the APIs that count them otherwise. ``amount`` is held against the org's credits and the key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
+    given, for the APIs that count them otherwise. ``amount`` is held against the org's credits and the
+    key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
 
     It also carries what a ``replica_lost`` row needs, should its replica die: ``prompt_tokens`` and
     ``prompt_cost``, the prompt part of the hold (its bound), what such a row is charged.
