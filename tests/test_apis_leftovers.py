@@ -129,6 +129,22 @@ MESSAGES_END = [event("content_block_stop", index=0),
                 event("message_stop")]
 
 
+async def failed_messages_stream(h) -> tuple[bytes, dict, anthropic.APIStatusError]:
+    """The same streamed ``/v1/messages`` request through ``h`` twice: raw (its bytes and its usage row), then by
+    the Anthropic SDK, which must raise; returns the bytes, the row and what the SDK raised."""
+    body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with h.post("/v1/messages", body) as resp:
+        assert resp.status == 200
+        raw = await resp.read()
+        row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        async with claude(h).messages.stream(model=MODEL, max_tokens=9,
+                                              messages=[{"role": "user", "content": "hi"}]) as stream:
+            async for _ in stream:
+                pass
+    return raw, row, caught.value
+
+
 async def test_an_anthropic_error_event_with_a_lone_surrogate_ends_the_stream_as_the_upstreams_error(harness):
     """The upstream's error names the half character it choked on: it is the stream's end, with its own type as
     the row's error code, and no second error of the gateway's after it."""
@@ -136,21 +152,12 @@ async def test_an_anthropic_error_event_with_a_lone_surrogate_ends_the_stream_as
     frames = messages_stream("Hi", "<HIGH>") + [error]
     async with raw_upstream(stream=b"".join(frames)) as url:
         async with harness(configure=serving(url, "messages")) as h:
-            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-            async with h.post("/v1/messages", body) as resp:
-                assert resp.status == 200
-                raw = await resp.read()
-                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
-            with pytest.raises(anthropic.APIStatusError) as caught:
-                async with claude(h).messages.stream(model=MODEL, max_tokens=9,
-                                                      messages=[{"role": "user", "content": "hi"}]) as stream:
-                    async for _ in stream:
-                        pass
+            raw, row, failed = await failed_messages_stream(h)
     start = event("message_start", message={**MESSAGE, "model": MODEL})
     assert raw == start + b"".join(frames[1:])
     assert (row["status"], row["error_code"], row["prompt_tokens"], row["completion_tokens"]) == \
         (200, "overloaded_error", 3, 2)
-    assert caught.value.body["error"] == {"type": "overloaded_error", "message": "cannot decode \ude00"}
+    assert failed.body["error"] == {"type": "overloaded_error", "message": "cannot decode \ude00"}
 
 
 SEEN: list = []

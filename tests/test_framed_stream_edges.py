@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager
 import anthropic
 import pytest
 from rawhttp import raw_server, read_request
-from test_apis_leftovers import (CUT_TEXT, MESSAGE, MESSAGES_END, USAGE, claude, cost, event, lone, messages_stream,
-                                 response, responses_stream, serving)
+from test_apis_leftovers import (CUT_TEXT, MESSAGE, MESSAGES_END, USAGE, claude, cost, event, failed_messages_stream,
+                                 lone, messages_stream, response, responses_stream, serving)
 from test_streaming import raw_upstream
 
 from kilnproxy import hookimpl
@@ -156,19 +156,11 @@ async def test_an_openai_shaped_error_mid_messages_stream_is_anthropics_error_ev
     frames = messages_stream("Hi")
     async with raw_upstream(stream=b"".join(frames) + error + MESSAGES_END[-1]) as url:
         async with harness(configure=serving(url, "messages")) as h:
-            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-            async with h.post("/v1/messages", body) as resp:
-                raw = await resp.read()
-                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
-            with pytest.raises(anthropic.APIStatusError) as caught:
-                async with claude(h).messages.stream(model=MODEL, max_tokens=9,
-                                                      messages=[{"role": "user", "content": "hi"}]) as stream:
-                    async for _ in stream:
-                        pass
+            raw, row, failed = await failed_messages_stream(h)
     translated = {"type": kind, "message": "engine died"}
     start = event("message_start", message={**MESSAGE, "model": MODEL})
     assert raw == start + b"".join(frames[1:]) + event("error", error=translated)
-    assert caught.value.body == {"type": "error", "error": translated}
+    assert failed.body == {"type": "error", "error": translated}
     assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, code, 1)
 
 
@@ -266,17 +258,9 @@ async def test_an_anthropic_error_event_without_its_event_line_gets_one(harness)
     error = b'data: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
     async with raw_upstream(stream=b"".join(messages_stream("Hi")) + error) as url:
         async with harness(configure=serving(url, "messages")) as h:
-            body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-            async with h.post("/v1/messages", body) as resp:
-                raw = await resp.read()
-                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
-            with pytest.raises(anthropic.APIStatusError) as caught:
-                async with claude(h).messages.stream(model=MODEL, max_tokens=9,
-                                                      messages=[{"role": "user", "content": "hi"}]) as stream:
-                    async for _ in stream:
-                        pass
+            raw, row, failed = await failed_messages_stream(h)
     assert raw.endswith(b"\n\nevent: error\n" + error)
-    assert caught.value.body == {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    assert failed.body == {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
     assert (row["status"], row["error_code"]) == (200, "overloaded_error")
 
 

@@ -207,20 +207,23 @@ async def metrics_text(h) -> str:
         return await r.text()
 
 
+def odd_org_and_discovered_models(config: dict) -> None:
+    """The test config with its model's ids taken from the mock's own list (``served_models``) and an org,
+    with a key ``sk-odd``, whose id holds a quote and a backslash."""
+    model = config["models"][0]
+    model.update(id="", discover=True, upstream_model="mock-vllm")
+    del model["reject_chat_params"]
+    config["orgs"].append({"id": 'or"g\\x', "credits": 10.0})
+    config["keys"].append({"key": "sk-odd", "org": 'or"g\\x', "id": "odd-key"})
+
+
 async def test_model_and_org_label_values_are_escaped_and_read_back_whole(harness):
     """Catalog ids come from the config and from the upstreams' own lists (any character but controls), org
     ids from the config or the admin API: quotes, backslashes and other characters are escaped as the format
     says, so a scrape parses back to the very same values and no value writes a line of its own."""
     odd = ('q"uote\\back\\nslash', 'ünï/cödé}', 'evil"} 1\nkilnproxy_fake_total 1')
 
-    def configure(config):
-        model = config["models"][0]
-        model.update(id="", discover=True, upstream_model="mock-vllm")
-        del model["reject_chat_params"]
-        config["orgs"].append({"id": 'or"g\\x', "credits": 10.0})
-        config["keys"].append({"key": "sk-odd", "org": 'or"g\\x', "id": "odd-key"})
-
-    async with harness(mock_options={"served_models": odd}, configure=configure) as h:
+    async with harness(mock_options={"served_models": odd}, configure=odd_org_and_discovered_models) as h:
         for model, key in ((odd[0], None), (odd[1], "sk-odd")):
             async with h.post("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}, key=key) as r:
                 assert r.status == 200

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from prometheus import PROMTOOL, Prometheus
+from test_metrics import odd_org_and_discovered_models
 
 from kilnproxy.testing import MODEL, OTHER_KEY, completion_body, free_port
 
@@ -170,14 +171,7 @@ async def test_prometheus_stores_odd_label_values_as_they_are(harness, tmp_path,
     one series, whatever the names."""
     odd = ('q"uote\\back\\nslash', 'ünï/cödé} 1')
 
-    def configure(config):
-        model = config["models"][0]
-        model.update(id="", discover=True, upstream_model="mock-vllm")
-        del model["reject_chat_params"]
-        config["orgs"].append({"id": 'or"g\\x', "credits": 10.0})
-        config["keys"].append({"key": "sk-odd", "org": 'or"g\\x', "id": "odd-key"})
-
-    async with harness(mock_options={"served_models": odd}, configure=configure) as h:
+    async with harness(mock_options={"served_models": odd}, configure=odd_org_and_discovered_models) as h:
         for model, key, status in ((odd[0], None, 200), (odd[1], "sk-odd", 200), ("nope\n1", None, 404),
                                    ('nope"2', None, 404)):
             async with h.post("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}, key=key) as r:
