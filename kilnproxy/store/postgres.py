@@ -17,6 +17,17 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
 * Outage: with PostgreSQL out of reach, ``admit`` answers 503
   ``store_unavailable`` at once, and rows that cannot be settled go to the
   spool (``kilnproxy.store.spool``), flushed once the database answers again.
+  A database that answers but refuses the gateway's statements (read-only, a
+  full disk, a lock held past ``LOCK_TIMEOUT``, a dropped table) is down the
+  same way (``down_error``); only an error of the batch itself (its data, a
+  deadlock) leaves the store up. The store is up again once a heartbeat and a
+  settlement of spooled rows have both passed (``Heartbeat.beat``): a database
+  that answers reads but still refuses rows does not make it flap.
+* Every statement is bounded on both sides: PostgreSQL ends one that waits for
+  a lock past ``LOCK_TIMEOUT`` or runs past ``SERVER_STATEMENT_TIMEOUT`` (the
+  session's settings), before the client gives up at ``STATEMENT_TIMEOUT``. A
+  statement the client gave up on would otherwise go on in the server, its
+  locks held, and might commit a hold for a request already answered 503.
 
 Nothing holds a connection across a stream. The admitter and the writer each
 keep a connection of their own for their statements (``kilnproxy.store.pinned``:
@@ -66,12 +77,29 @@ logging.getLogger("asyncpg.pool").addFilter(OneLine())
 
 POOL_SIZE = 5  # besides the admitter's and the writer's own connections (``Pinned``)
 STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
+LOCK_TIMEOUT = 2.0  # seconds a statement may wait for a lock, in the server (another session's lock)
+SERVER_STATEMENT_TIMEOUT = 2.5  # seconds a statement may run, in the server: ended there before the client's
+REMIND_SECONDS = 60.0  # while down, how often the log says so again
 CONNECT_TIMEOUT = 5.0
 FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
 # What a lost connection raises. InternalClientError: asyncpg's protocol state after a session was
 # terminated mid-statement (MagicStack/asyncpg#1069); the pool's connections are then replaced.
 UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
                asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
+
+# Errors of one batch, not of the database: its data (22), a constraint (23), a deadlock or a
+# serialization failure (40). Every other error PostgreSQL answers is the state of the database.
+BATCH_ERROR_CLASSES = ("22", "23", "40")
+
+
+def down_error(exc: BaseException) -> bool:
+    """Whether ``exc`` means the store cannot take statements now (rather than this batch failed):
+    out of reach, or PostgreSQL refusing them (read-only, a full disk, a lock or statement timeout,
+    too many connections, a password or a table gone)."""
+    if isinstance(exc, UNREACHABLE):
+        return True
+    return isinstance(exc, asyncpg.PostgresError) and (exc.sqlstate or "")[:2] not in BATCH_ERROR_CLASSES
+
 
 ADMIT = "SELECT * FROM kiln_admit($1::jsonb, $2, $3)"
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
@@ -146,6 +174,9 @@ class PostgresStore(GroupCommitted):
         self._flushing = asyncio.Lock()
         self.spooled = 0
         self.commit_failures = 0
+        self._down_since: float | None = None  # loop time the store went down (None: up)
+        self._said_at = 0.0  # loop time the log last said the store is down
+        self._down_reason = ""
 
     # -- life cycle -------------------------------------------------------------
 
@@ -181,7 +212,9 @@ class PostgresStore(GroupCommitted):
             await self.flush_spool()
 
     def _session(self) -> dict[str, str]:
-        return {"application_name": f"kilnproxy {self.replica}"}
+        return {"application_name": f"kilnproxy {self.replica}",
+                "lock_timeout": str(int(LOCK_TIMEOUT * 1000)),
+                "statement_timeout": str(int(SERVER_STATEMENT_TIMEOUT * 1000))}
 
     async def connect(self) -> asyncpg.Connection:
         """A new connection of this replica, outside the pool (``Pinned``)."""
@@ -234,14 +267,14 @@ class PostgresStore(GroupCommitted):
         self.counts.taken(hold.org)
 
     async def _admit(self, holds: list[dict[str, Any]]) -> list[tuple[str, float]]:
+        if not self.available:  # went down while these waited for the batch before: refused at once
+            raise store_unavailable()
         try:
             verdicts = await self.admitter.run("fetch", ADMIT, orjson.dumps(holds).decode(), self.replica,
                                                self.timeout)
-        except UNREACHABLE as exc:
-            self.lost(exc)
-            raise store_unavailable() from None
-        except asyncpg.PostgresError as exc:  # a deadlock: these requests get 503, the next batch is tried anew
-            log.error("admission of %d requests failed: %s", len(holds), exc)
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):  # a deadlock: these requests get 503, the next batch is tried anew
+                log.error("admission of %d requests failed: %s", len(holds), exc)
             raise store_unavailable() from None
         return [(v["r_verdict"], v["r_spent"]) for v in verdicts]
 
@@ -255,11 +288,9 @@ class PostgresStore(GroupCommitted):
                 "amount": new.amount, "prompt_cost": new.prompt_cost, "prompt_tokens": new.prompt_tokens,
                 "key_id": hold.key_id, "model": new.model, "requested_model": hold.model,
                 "key_limit": hold.key_limit, "key_since": hold.key_since}).decode(), self.timeout)
-        except UNREACHABLE as exc:
-            self.lost(exc)
-            raise store_unavailable() from None
-        except asyncpg.PostgresError as exc:
-            log.error("re-placing the hold of %s failed: %s", hold.id, exc)
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):
+                log.error("re-placing the hold of %s failed: %s", hold.id, exc)
             raise store_unavailable() from None
         self.credits.spent[hold.org] = row["r_spent"]
         if row["r_verdict"] == "insufficient_credits":
@@ -285,14 +316,12 @@ class PostgresStore(GroupCommitted):
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Rows are durable once settled in PostgreSQL, or else in the spool."""
-        if not await self._settle(rows, self.writer.run):
+        if not (self.available and await self._settle(rows, self.writer.run)):
             await self._spool(rows)
 
     async def _settle(self, rows: list[dict[str, Any]], run=None) -> bool:
         """One ``kiln_settle`` transaction (sent with ``run``, by default ``self.run``); False when it
         did not commit (the rows must be kept)."""
-        if not self.available:
-            return False
         run = run or self.run
         try:
             body = orjson.dumps(rows).decode()
@@ -301,12 +330,10 @@ class PostgresStore(GroupCommitted):
                                   row_notices(self.replica, [r["id"] for r in rows]))
             else:
                 spent = await run("fetch", SETTLE, body, self.replica)
-        except UNREACHABLE as exc:
-            self.lost(exc)
-            return False
-        except asyncpg.PostgresError as exc:  # a deadlock, a constraint: kept in the spool and retried
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
             self.commit_failures += 1
-            log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
+            if not self.lost(exc):  # a deadlock, a constraint: kept in the spool and retried
+                log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
             return False
         except Exception:  # a bug must not stop the writer: the rows are spooled, the responses go on
             self.commit_failures += 1
@@ -331,29 +358,60 @@ class PostgresStore(GroupCommitted):
         if self.tell_rows:
             await self.attempt("execute", "SELECT pg_notify($1, $2)", ROWS_CHANNEL, f"{self.replica} *")
 
-    async def flush_spool(self) -> None:
-        """Settle the spooled rows in PostgreSQL, oldest first; stops at the first failure."""
+    async def flush_spool(self, batches: int | None = None) -> bool:
+        """Settle the spooled rows in PostgreSQL, oldest first, ``FLUSH_ROWS`` at a time (``batches`` of
+        them at most; while the store is down, only so many are tried); stops at the first failure.
+        Whether the last one tried committed (True when there was nothing to settle)."""
         async with self._flushing:
-            while self.spooled and self.available:
+            while self.spooled and (self.available or batches is not None):
+                if batches is not None:
+                    if batches == 0:
+                        break
+                    batches -= 1
                 rows = await asyncio.to_thread(self.spool.take, FLUSH_ROWS)
                 if not rows:
                     self.spooled = 0
-                    return
+                    break
                 if not await self._settle(rows):
-                    return
+                    return False
                 await asyncio.to_thread(self.spool.remove, [r["id"] for r in rows])
                 self.spooled = max(0, self.spooled - len(rows))
-                log.info("settled %d spooled usage rows, %d left", len(rows), self.spooled)
+                if not self.spooled:
+                    log.info("settled every spooled usage row")
+            return True
 
     # -- reachability ----------------------------------------------------------------
 
-    def lost(self, exc: BaseException) -> None:
+    def lost(self, exc: BaseException) -> bool:
+        """A statement failed with ``exc``: if it means the store cannot take statements now
+        (``down_error``), the store is down (the log says so when it goes down, then once every
+        ``REMIND_SECONDS``). Whether it does."""
+        if not down_error(exc):
+            return False
         self.heartbeat.in_touch_since = None
+        now = asyncio.get_running_loop().time()
+        reason = self._why(exc)
         if self.available:
-            log.error("PostgreSQL is out of reach (%s); new requests get 503 store_unavailable, rows are spooled",
-                      self._reason(exc))
             self.available = False
+            self._down_since, self._said_at, self._down_reason = now, now, reason
+            log.error("%s; new requests get 503 store_unavailable, rows are spooled", reason)
             self.heartbeat.poke()
+        elif now - self._said_at >= REMIND_SECONDS:
+            self._said_at, self._down_reason = now, reason
+            log.error("still down after %.0f s: %s; usage rows spooled: %d", now - (self._down_since or now),
+                      reason, self.spooled)
+        return True
+
+    def _why(self, exc: BaseException) -> str:
+        """What the log says of a store down because of ``exc``."""
+        if isinstance(exc, asyncpg.LockNotAvailableError):
+            return (f"PostgreSQL refuses the gateway's statements: a lock held by another session for more "
+                    f"than {LOCK_TIMEOUT:g} s ({self._reason(exc)})")
+        if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
+            return f"PostgreSQL refuses the gateway's statements: the database is read-only ({self._reason(exc)})"
+        if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, UNREACHABLE):
+            return f"PostgreSQL refuses the gateway's statements ({type(exc).__name__}: {self._reason(exc)})"
+        return f"PostgreSQL is out of reach ({self._reason(exc)})"
 
     async def run(self, method: str, sql: str, *args):
         """``conn.<method>(sql, *args)`` on a pooled connection; borrowing it, the statement and giving
@@ -365,11 +423,12 @@ class PostgresStore(GroupCommitted):
         return await asyncio.wait_for(call(), 2 * STATEMENT_TIMEOUT)
 
     async def attempt(self, method: str, sql: str, *args):
-        """``run``, or ``None`` when the database is out of reach (marked so)."""
+        """``run``, or ``None`` when the store cannot take statements (marked down: ``lost``)."""
         try:
             return await self.run(method, sql, *args)
-        except UNREACHABLE as exc:
-            self.lost(exc)
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):
+                raise
             return None
 
     async def expire_connections(self) -> None:
@@ -380,8 +439,11 @@ class PostgresStore(GroupCommitted):
         self.admitter.expire()
 
     def reached(self) -> None:
-        if not self.available:
-            log.warning("PostgreSQL answers again")
+        """A heartbeat and a settlement passed: the store is up."""
+        if self._down_since is not None:  # (not at start-up)
+            log.warning("PostgreSQL takes rows again after %.1f s; new requests are served again",
+                        asyncio.get_running_loop().time() - self._down_since)
+            self._down_since = None
         self.available = True
 
     def _load_spent(self, records: Iterable[asyncpg.Record]) -> None:
@@ -412,8 +474,9 @@ class PostgresStore(GroupCommitted):
             raise store_unavailable()
         try:
             return await self.run(method, sql, *args)
-        except UNREACHABLE as exc:
-            self.lost(exc)
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):
+                raise
             raise store_unavailable() from None
 
     def stats(self) -> dict[str, float]:

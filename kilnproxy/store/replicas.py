@@ -10,8 +10,11 @@ A replica reaps only once it has itself been in touch with the database for
 a whole timeout: right after an outage every replica's heartbeat is stale,
 and the first one back must not take the others, still reconnecting, for dead.
 
-While the database is out of reach the beat is tried every ``RETRY_SECONDS``,
-so that the store is marked reachable again soon after it answers; then the
+While the store is down the beat is tried every ``RETRY_SECONDS``, on new
+connections (the old ones may keep a session's state, such as read-only); the
+store is up again once the beat passes and, if rows are spooled, the first
+batch of them is settled: a database that answers but still refuses rows (a
+lock, read-only) keeps it down rather than make it flap. Then the rest of the
 spool is flushed.
 """
 
@@ -54,7 +57,7 @@ class Heartbeat:
         self._poke.set()
 
     async def beat(self) -> None:
-        """One heartbeat; marks the store reachable or not. Never raises for an unreachable database."""
+        """One heartbeat; marks the store up or down. Never raises for a store that is down."""
         store = self.store
         if not store.available:
             await store.expire_connections()  # after a failure, none of them is to be trusted
@@ -64,6 +67,8 @@ class Heartbeat:
         if self.in_touch_since is None:
             self.in_touch_since = asyncio.get_running_loop().time()
         store._load_spent(rows)
+        if not store.available and store.spooled and not await store.flush_spool(batches=1):
+            return  # the database answers, but does not take rows yet
         store.reached()
 
     async def reap(self) -> None:
@@ -91,7 +96,7 @@ class Heartbeat:
                     continue
                 if self.store.spooled:
                     await self.store.flush_spool()
-                if loop.time() - self.in_touch_since >= self.store.timeout:
+                if self.in_touch_since is not None and loop.time() - self.in_touch_since >= self.store.timeout:
                     await self.reap()
             except asyncio.CancelledError:
                 raise

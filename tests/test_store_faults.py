@@ -1,0 +1,258 @@
+"""Several replicas (docs/reference.md) when PostgreSQL answers but misbehaves, or the spool does: what
+an operator running replicas on one PostgreSQL meets ("When PostgreSQL cannot take the rows").
+
+Real replicas (``python -m kilnproxy`` processes) on a real PostgreSQL server of the test's own
+(``PostgresServer``: the shared one of the other tests is never disturbed), in front of the mock
+upstream. Faults: the database turns read-only and writable again, another session holds a lock
+the gateway's statements need. For each: what clients get and how fast, what /healthz, /metrics
+and the log say, and that every request ends in exactly one row, with no slot nor hold left over,
+once the fault clears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import aiohttp
+import asyncpg
+import pytest
+from replicas import Ledger, replica, stop_all
+
+from kilnproxy.testing import KEY, completion_body
+from kilnproxy.testing.postgres import PostgresServer
+
+GEN = "X-Neocloud-Generation-Id"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+DOWN_LINE = "new requests get 503 store_unavailable"
+UP_LINE = "PostgreSQL takes rows again"
+GUARD_SECONDS = 30  # a bound on events that come within seconds: a test that hangs fails instead
+
+
+@pytest.fixture
+def own_postgres():
+    with PostgresServer() as server:
+        yield server
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str | None, bytes]:
+    async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as resp:
+        return resp.status, resp.headers.get(GEN), await resp.read()
+
+
+async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def health(session: aiohttp.ClientSession, url: str) -> tuple[dict, int]:
+    async with session.get(f"{url}/healthz") as resp:
+        body = await resp.json()
+    async with session.get(f"{url}/healthz?ready") as resp:
+        return body, resp.status
+
+
+def store_lines(gateway) -> list[str]:
+    return [line for line in gateway.lines["stderr"] if "kilnproxy.ledger" in line or "kilnproxy.replicas" in line]
+
+
+async def cancelled(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def settled_once(url: str, sent: dict[str, int], eventually) -> None:
+    """Every request of ``sent`` (generation id -> status) has exactly one row with that status, no
+    hold is left, and every org's spending is the sum of its rows."""
+    async with Ledger(url) as db:
+        async def all_there():
+            return len(await db.rows()) >= len(sent) and await db.holds() == []
+
+        await eventually(all_there)
+        rows = await db.rows()
+        assert sorted(r["id"] for r in rows) == sorted(sent)
+        assert {r["id"]: r["status"] for r in rows} == sent
+        assert await db.consistent()
+
+
+async def served_again(session, gateway, sent: dict[str, int]) -> None:
+    """After a fault: a new request is served, nothing is in flight, the store is up."""
+    status, gen, _ = await post(session, gateway.url, completion_body())
+    assert status == 200
+    sent[gen] = status
+    assert (await health(session, gateway.url)) == ({"status": "ok", "store": "up"}, 200)
+    assert await metric(session, gateway.url, "kilnproxy_store_up") == 1
+    assert await metric(session, gateway.url, "kilnproxy_store_spooled_rows") == 0
+    assert await metric(session, gateway.url, 'kilnproxy_in_flight_requests{org="acme"}') == 0
+
+
+@pytest.mark.parametrize("how", ["database", "server"])
+async def test_a_read_only_database_is_a_store_down_that_ends_by_itself(
+        tmp_path, mock_url, own_postgres, eventually, how):
+    """``default_transaction_read_only`` turned on: for the database (new sessions; the gateway's are
+    ended, as a fail-over to a standby would), or for the server (a reload: every session at once).
+    The store was taken for up while every statement failed (each request a 503 and an error line,
+    the heartbeat a traceback every second), and it never came back when the database was writable
+    again: its sessions kept the setting they started with. Now: down, said once; writable again,
+    it comes back by itself with every row."""
+    pg = own_postgres
+    url = pg.url()
+    a = await replica(tmp_path, "a", mock_url, url)
+    sent: dict[str, int] = {}
+    streams = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, gen, _ = await post(session, a.url, completion_body())
+            assert status == 200
+            sent[gen] = status
+            slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
+            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
+            for s in streams:
+                assert s.status == 200
+                await s.content.readline()  # under way when the database turns read-only
+            if how == "database":
+                pg.psql("ALTER DATABASE kiln SET default_transaction_read_only = on;")
+                assert pg.terminate_connections("kiln") >= 1
+            else:
+                pg.psql("ALTER SYSTEM SET default_transaction_read_only = on; SELECT pg_reload_conf();")
+            for s in streams:  # admitted streams run to their end; their rows go to the spool
+                raw = await asyncio.wait_for(s.read(), GUARD_SECONDS)
+                assert raw.endswith(b"data: [DONE]\n\n")
+                sent[s.headers[GEN]] = 200
+            status, gen, raw = await asyncio.wait_for(post(session, a.url, completion_body()), GUARD_SECONDS)
+            assert status == 503 and json.loads(raw)["error"]["code"] == "store_unavailable"
+            sent[gen] = status
+            await a.wait_for("stderr", DOWN_LINE)
+            for body in (completion_body(), completion_body(stream=True)):
+                status, gen, raw = await asyncio.wait_for(post(session, a.url, body), GUARD_SECONDS)
+                assert status == 503 and json.loads(raw)["error"]["code"] == "store_unavailable"
+                sent[gen] = status
+            body, ready = await health(session, a.url)
+            assert body["store"] == "down" and ready == 503
+            assert await metric(session, a.url, "kilnproxy_store_up") == 0
+            down = [line for line in a.lines["stderr"] if DOWN_LINE in line]
+            assert "read-only" in down[0], down
+
+            if how == "database":
+                pg.psql("ALTER DATABASE kiln SET default_transaction_read_only = off;")
+            else:
+                pg.psql("ALTER SYSTEM RESET default_transaction_read_only; SELECT pg_reload_conf();")
+            await a.wait_for("stderr", UP_LINE)
+            await eventually(lambda: metric_is(session, a.url, "kilnproxy_store_spooled_rows", 0))
+            await served_again(session, a, sent)
+        a.send(signal.SIGTERM)
+        assert await a.wait() == 0
+    finally:
+        await stop_all(a)
+        for s in streams:
+            s.close()
+    await settled_once(url, sent, eventually)
+    lines = store_lines(a)
+    assert len(lines) <= 4, lines  # down once, up once; not a line per request nor per heartbeat
+    assert "Traceback" not in "\n".join(a.lines["stderr"])
+
+
+async def metric_is(session, url: str, name: str, value: float) -> bool:
+    return await metric(session, url, name) == value
+
+
+async def metric_above(session, url: str, name: str, value: float) -> bool:
+    return await metric(session, url, name) > value
+
+
+class Locker:
+    """Another session's transaction holding a lock the gateway needs, until ``release()``."""
+
+    def __init__(self, url: str, sql: str):
+        self.url, self.sql = url, sql
+        self.conn: asyncpg.Connection | None = None
+
+    async def take(self) -> None:
+        self.conn = await asyncpg.connect(self.url)
+        await self.conn.execute("BEGIN")
+        await self.conn.execute(self.sql)
+
+    async def release(self) -> None:
+        if self.conn is not None:
+            conn, self.conn = self.conn, None
+            await conn.execute("ROLLBACK")
+            await conn.close()
+
+
+LOCKS = {
+    "holds table": "LOCK TABLE kiln_holds IN ACCESS EXCLUSIVE MODE",  # admission and settlement wait
+    "org row": "SELECT * FROM kiln_orgs WHERE org = 'acme' FOR UPDATE",  # settlement waits
+}
+
+
+@pytest.mark.parametrize("lock", list(LOCKS))
+async def test_a_lock_held_by_another_session_bounds_the_wait_and_leaves_no_hold(
+        tmp_path, mock_url, own_postgres, eventually, lock):
+    """Another session keeps a lock for longer than a statement may wait. Requests got 503 after the
+    client-side 3 s, but their statements went on waiting in PostgreSQL, the org's admission lock
+    held: each later admission queued behind them and timed out too, a new session every 3 s, and
+    when the lock went, the abandoned admissions committed holds no row would ever delete: slots and
+    credits of requests long answered, held for as long as the replica lived. Now PostgreSQL itself
+    ends a statement that waits (``lock_timeout``), the store is down until a settlement passes
+    again (said once), and no hold is left."""
+    pg = own_postgres
+    url = pg.url()
+    a = await replica(tmp_path, "a", mock_url, url)
+    locker = Locker(url, LOCKS[lock])
+    sent: dict[str, int] = {}
+    waiting: list[asyncio.Task] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, gen, _ = await post(session, a.url, completion_body())
+            assert status == 200
+            sent[gen] = status
+            await locker.take()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            waiting += [asyncio.create_task(post(session, a.url, completion_body(stream=i % 2 == 1)))
+                        for i in range(4)]
+            for status, gen, raw in await asyncio.wait_for(asyncio.gather(*waiting), GUARD_SECONDS):
+                assert status in (200, 503)
+                if status == 503:
+                    assert json.loads(raw)["error"]["code"] == "store_unavailable"
+                sent[gen] = status
+            assert loop.time() - started < 4.0  # the wait was bounded
+            await a.wait_for("stderr", DOWN_LINE)
+            assert "lock" in [line for line in a.lines["stderr"] if DOWN_LINE in line][0]
+            # while the lock is held the store stays down (it flapped: up at each heartbeat, down at the next
+            # statement), tried again by the heartbeat, and a new request is refused at once
+            failures = await metric(session, a.url, "kilnproxy_ledger_commit_failures_total")
+            await eventually(lambda: metric_above(session, a.url, "kilnproxy_ledger_commit_failures_total", failures + 1))
+            status, gen, raw = await asyncio.wait_for(post(session, a.url, completion_body()), GUARD_SECONDS)
+            assert status == 503
+            sent[gen] = status
+            assert (await health(session, a.url))[0]["store"] == "down"
+            await locker.release()
+            await a.wait_for("stderr", UP_LINE)
+            await eventually(lambda: metric_is(session, a.url, "kilnproxy_store_spooled_rows", 0))
+            await served_again(session, a, sent)
+            async with Ledger(url) as db:
+                await eventually(lambda: no_holds(db))
+                waiting_sessions = await db.conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'kilnproxy %'"
+                    " AND wait_event_type = 'Lock'")
+                assert waiting_sessions == 0
+        a.send(signal.SIGTERM)
+        assert await a.wait() == 0
+    finally:
+        await locker.release()
+        await cancelled(waiting)
+        await stop_all(a)
+    await settled_once(url, sent, eventually)
+    lines = store_lines(a)
+    assert len(lines) <= 4, lines
+    assert "Traceback" not in "\n".join(a.lines["stderr"])
+
+
+async def no_holds(db: Ledger) -> bool:
+    return await db.holds() == []
