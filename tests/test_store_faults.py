@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+from pathlib import Path
 
 import aiohttp
 import asyncpg
 import pytest
 from replicas import Ledger, replica, stop_all
+from test_ledger_faults import fill, mounted
 
 from kilnproxy.testing import KEY, completion_body
 from kilnproxy.testing.postgres import PostgresServer
@@ -256,3 +259,181 @@ async def test_a_lock_held_by_another_session_bounds_the_wait_and_leaves_no_hold
 
 async def no_holds(db: Ledger) -> bool:
     return await db.holds() == []
+
+
+@pytest.fixture
+def spool_disk(tmp_path):
+    """A 4 MB tmpfs for the spool, to fill up: (its folder, fill it, free it)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs: root only")
+    with mounted(tmp_path / "disk", "-t", "tmpfs", "-o", "size=4m", "tmpfs") as disk:
+        filler: list[Path] = []
+
+        def free() -> None:
+            while filler:
+                filler.pop().unlink()
+
+        try:
+            yield disk, lambda: filler.append(fill(disk)), free
+        finally:
+            free()
+
+
+async def test_a_spool_that_cannot_be_written_during_an_outage_refuses_at_once_and_loses_nothing(
+        tmp_path, mock_url, own_postgres, spool_disk, eventually):
+    """PostgreSQL stopped and the spool's disk full. The 503 of a new request waited for its row to be
+    written to the spool, so clients hung for as long as the disk stayed full; the writer tried the
+    spool alone again every 0.2 s, a log line each time, and never PostgreSQL, back meanwhile: the
+    rows and the responses waiting for them stayed stuck while the database answered. Now a refusal
+    does not wait for its row, the log says it once, and rows waiting go to PostgreSQL once it is back."""
+    folder, fill_disk, free_disk = spool_disk
+    pg = own_postgres
+    url = pg.url()
+    a = await replica(tmp_path, "a", mock_url, url, storage={"spool_path": str(folder / "spool.db")})
+    sent: dict[str, int] = {}
+    streams, waiting = [], []
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, gen, _ = await post(session, a.url, completion_body())
+            assert status == 200
+            sent[gen] = status
+            slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
+            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
+            for s in streams:
+                assert s.status == 200
+                await s.content.readline()
+            pg.stop("immediate")
+            fill_disk()
+            waiting = [asyncio.create_task(s.read()) for s in streams]
+            await a.wait_for("stderr", "cannot write")  # the streams' rows: neither PostgreSQL nor the spool
+            for body in (completion_body(), completion_body(stream=True), completion_body()):
+                status, gen, raw = await asyncio.wait_for(post(session, a.url, body), GUARD_SECONDS)
+                assert status == 503 and json.loads(raw)["error"]["code"] == "store_unavailable"
+                sent[gen] = status
+            assert not any(task.done() for task in waiting)  # served, waiting for their rows
+            assert (await health(session, a.url))[0]["store"] == "down"
+
+            pg.start()  # the disk still full: the rows waiting go to PostgreSQL
+            for s, task in zip(streams, waiting):
+                assert (await asyncio.wait_for(task, GUARD_SECONDS)).endswith(b"data: [DONE]\n\n")
+                sent[s.headers[GEN]] = 200
+            await a.wait_for("stderr", UP_LINE)
+            await eventually(lambda: metric_is(session, a.url, "kilnproxy_ledger_queue_depth", 0))
+            free_disk()
+            await served_again(session, a, sent)
+        a.send(signal.SIGTERM)
+        assert await a.wait() == 0
+    finally:
+        await cancelled(waiting)
+        await stop_all(a)
+        for s in streams:
+            s.close()
+    await settled_once(url, sent, eventually)
+    lines = store_lines(a)
+    assert len(lines) <= 5, lines  # down, the spool full, up: once each, not at every retry
+    assert "Traceback" not in "\n".join(a.lines["stderr"])
+
+
+ROW_LINE = "kilnproxy.ledger: usage row not committed: "  # then the row as JSON
+
+
+async def test_a_stop_while_neither_postgresql_nor_the_spool_takes_rows_logs_them_and_exits_2(
+        tmp_path, mock_url, own_postgres, spool_disk):
+    """SIGTERM with PostgreSQL stopped and the spool's disk full: the replica never exited (the writer
+    tried the spool for ever). Now, as the SQLite ledger does, it tries 5 s more, then writes each
+    row it could not keep to the log as JSON and exits 2 saying how many."""
+    folder, fill_disk, _ = spool_disk
+    pg = own_postgres
+    a = await replica(tmp_path, "a", mock_url, pg.url(), storage={"spool_path": str(folder / "spool.db")},
+                      server={"drain_seconds": 0, "shutdown_grace_seconds": 1})
+    clients: list[asyncio.Task] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
+            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
+            for s in streams:
+                await s.content.readline()
+            pg.stop("immediate")
+            fill_disk()
+            clients += [asyncio.create_task(s.read()) for s in streams]
+            await a.wait_for("stderr", "cannot write")
+            status, refused, _ = await asyncio.wait_for(post(session, a.url, completion_body()), GUARD_SECONDS)
+            assert status == 503
+            a.send(signal.SIGTERM)
+            assert await a.wait(timeout=60) == 2
+            await asyncio.gather(*clients, return_exceptions=True)
+    finally:
+        await cancelled(clients)
+        await stop_all(a)
+    stderr = a.lines["stderr"]
+    assert "Traceback" not in "\n".join(stderr)
+    logged = [json.loads(line.split(ROW_LINE, 1)[1]) for line in stderr if ROW_LINE in line]
+    assert sorted(r["id"] for r in logged) == sorted([*(s.headers[GEN] for s in streams), refused])
+    assert {r["status"] for r in logged if r["id"] != refused} == {200}
+    assert all(r["cost"] > 0 for r in logged if r["id"] != refused)
+    assert stderr[-1] == (f"kilnproxy: error: stopped with usage rows not committed to the ledger: {len(logged)}; "
+                          "each is in the log above, on a line 'usage row not committed: ' and the row as JSON")
+
+
+async def test_a_replica_stopped_during_an_outage_keeps_the_rows_of_its_streams_for_its_next_run(
+        tmp_path, mock_url, own_postgres, eventually):
+    """PostgreSQL stopped (``pg_ctl stop -m fast``) with streams under way, then SIGTERM: the streams end
+    within the grace period, the replica exits 0 with their rows in its spool, and its next run, once
+    PostgreSQL is back, settles them, each once."""
+    pg = own_postgres
+    url = pg.url()
+    a = await replica(tmp_path, "a", mock_url, url, server={"drain_seconds": 0, "shutdown_grace_seconds": 10})
+    sent: dict[str, int] = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            slow = completion_body(stream=True, max_tokens=20, mock={"delay": 0.05})
+            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(3)]
+            for s in streams:
+                await s.content.readline()
+            pg.stop("fast")
+            status, gen, _ = await asyncio.wait_for(post(session, a.url, completion_body()), GUARD_SECONDS)
+            assert status == 503
+            sent[gen] = status
+            a.send(signal.SIGTERM)
+            for s in streams:
+                assert (await asyncio.wait_for(s.read(), GUARD_SECONDS)).endswith(b"data: [DONE]\n\n")
+                sent[s.headers[GEN]] = 200
+            assert await a.wait() == 0
+    finally:
+        await stop_all(a)
+    assert "Traceback" not in "\n".join(a.lines["stderr"])
+    pg.start()
+    again = await replica(tmp_path, "a", mock_url, url)  # the same folder: the same spool
+    try:
+        await again.wait_for("stderr", "4 usage rows spooled by an earlier run")
+        await settled_once(url, sent, eventually)
+    finally:
+        await stop_all(again)
+
+
+async def test_rows_of_refusals_wait_up_to_a_bound_then_refusals_have_none(
+        harness, tmp_path, own_postgres, eventually):
+    """During an outage every refusal's row went to the spool, without bound: a client retrying in a
+    loop through a long outage filled the spool's disk. Now, as on SQLite, past ``max_waiting_rows``
+    rows waiting (in memory and in the spool) a refusal has no row and no generation id, and is
+    counted; the answers never wait for their rows."""
+    pg = own_postgres
+    storage = {"url": pg.url(), "spool_path": str(tmp_path / "spool.db"), "replica_timeout_seconds": 2.0}
+    async with harness(overrides={"storage": storage}) as h:
+        ledger = h.gw.ledger
+        ledger.max_waiting_rows = 4
+        pg.stop("immediate")
+        answers = [await asyncio.wait_for(post(h.session, h.url, completion_body(stream=i % 2 == 1)), GUARD_SECONDS)
+                   for i in range(6)]
+        assert [status for status, _, _ in answers] == [503] * 6
+        assert {json.loads(raw)["error"]["code"] for _, _, raw in answers} == {"store_unavailable"}
+        with_row = [gen for _, gen, _ in answers if gen is not None]
+        assert len(with_row) == 4 and [gen for _, gen, _ in answers[4:]] == [None, None]
+        assert await metric(h.session, h.url, "kilnproxy_ledger_refused_unrecorded_total") == 2
+        pg.start()
+        async with Ledger(pg.url()) as db:
+            await eventually(lambda: ids_are(db, with_row))
+
+
+async def ids_are(db: Ledger, ids: list[str]) -> bool:
+    return sorted(r["id"] for r in await db.rows()) == sorted(ids)

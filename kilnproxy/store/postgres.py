@@ -80,6 +80,11 @@ STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated a
 LOCK_TIMEOUT = 2.0  # seconds a statement may wait for a lock, in the server (another session's lock)
 SERVER_STATEMENT_TIMEOUT = 2.5  # seconds a statement may run, in the server: ended there before the client's
 REMIND_SECONDS = 60.0  # while down, how often the log says so again
+SPOOL_RETRY_SECONDS = 0.2  # while the spool cannot be written, how often it (and PostgreSQL) is tried again
+LAST_TRY_SECONDS = 5.0  # at a stop, how long rows that neither PostgreSQL nor the spool takes are still tried
+# Rows waiting (in memory and in the spool) past which a request refused while the store is down gets
+# no row: a long outage under traffic does not fill the spool's disk with refusals (about 60 MB).
+MAX_WAITING_ROWS = 200_000
 CONNECT_TIMEOUT = 5.0
 FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
 # What a lost connection raises. InternalClientError: asyncpg's protocol state after a session was
@@ -165,6 +170,15 @@ class PostgresStore(GroupCommitted):
         self.spool = Spool(config.spool_path)
         self.pool: asyncpg.Pool | None = None
         self.available = False  # the last statement reached the database
+        # the same, read by the request path: while down, new requests are refused at once
+        # (``kilnproxy.proxy.request_path.refused_while_down``), their rows not awaited
+        self.refuses_requests = False
+        self.max_waiting_rows = MAX_WAITING_ROWS
+        self.refused = 0  # requests refused while down (this outage), with a row
+        self.refused_unrecorded = 0  # requests refused without a row: max_waiting_rows were waiting (ever)
+        self.not_committed: list[dict[str, Any]] = []  # rows given up at a stop (and written to the log)
+        self._give_up_at: float | None = None  # loop time, once stopping, past which rows are given up
+        self._spooling = 0  # rows the writer is putting in the spool
         self.heartbeat = Heartbeat(self)
         self.counts = Counts()  # this replica's requests in flight, for metrics
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
@@ -221,7 +235,10 @@ class PostgresStore(GroupCommitted):
         return await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT, server_settings=self._session())
 
     async def close(self) -> None:
-        """Settle everything submitted (into the spool if the database is out of reach), then disconnect."""
+        """Settle everything submitted (into the spool if the database is out of reach), then disconnect.
+        Rows that neither takes for ``LAST_TRY_SECONDS`` are written to the log, one JSON line each
+        (``not_committed``)."""
+        self._give_up_at = asyncio.get_running_loop().time() + LAST_TRY_SECONDS
         await self.rows.close()
         await self.heartbeat.stop()
         await self.admissions.close()
@@ -238,6 +255,12 @@ class PostgresStore(GroupCommitted):
                 self.pool.terminate()
             self.pool = None
         self.spool.close()
+        if self.not_committed:
+            log.error("stopping with usage rows neither PostgreSQL nor the spool %s took: %d; each follows on a line "
+                      "of its own, 'usage row not committed: ' and the row as JSON", self.spool.path,
+                      len(self.not_committed))
+            for row in self.not_committed:
+                log.error("usage row not committed: %s", orjson.dumps(row, default=str).decode())
 
     def _reason(self, exc: BaseException) -> str:
         return _reason(exc, urlsplit(self.url).password)
@@ -298,6 +321,10 @@ class PostgresStore(GroupCommitted):
         if row["r_verdict"] == "key_limit_exceeded":
             raise key_limit_exceeded(hold.key_id, hold.key_limit)
 
+    def keeps_refused_rows(self) -> bool:
+        """While down: whether the row of a request refused now can still wait (``max_waiting_rows``)."""
+        return self.queue_depth() + self._spooling + self.spooled < self.max_waiting_rows
+
     def release(self, hold: Hold) -> None:
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
         self.counts.given_back(hold.org)
@@ -343,15 +370,44 @@ class PostgresStore(GroupCommitted):
         return True
 
     async def _spool(self, rows: list[dict[str, Any]]) -> None:
+        """Keep ``rows`` in the spool. While it cannot be written (a full disk), the responses waiting
+        for them wait: it is tried again every ``SPOOL_RETRY_SECONDS``, and so is PostgreSQL once
+        the store is up; the log says so once, when the error changes, then once a minute. Stopping,
+        rows are given up after ``LAST_TRY_SECONDS`` (``not_committed``)."""
+        self._spooling = len(rows)
+        try:
+            await self._keep(rows)
+        finally:
+            self._spooling = 0
+
+    async def _keep(self, rows: list[dict[str, Any]]) -> None:
+        loop = asyncio.get_running_loop()
+        failing_since = said_at = None
+        error = ""
         while True:
             try:
                 await asyncio.to_thread(self.spool.add, rows)
-                self.spooled += len(rows)
-                return
-            except Exception as exc:  # a full disk: the responses wait, no row is dropped
+            except Exception as exc:
                 self.commit_failures += 1
-                log.error("cannot spool %d usage rows, retrying: %s", len(rows), exc)
-                await asyncio.sleep(0.2)
+                now = loop.time()
+                if failing_since is None or str(exc) != error or now - said_at >= REMIND_SECONDS:
+                    log.error("cannot write %d usage rows to the spool %s: %s; tried again every %g s, and "
+                              "PostgreSQL once it is up; the responses waiting for them wait", len(rows),
+                              self.spool.path, exc, SPOOL_RETRY_SECONDS)
+                    said_at = now
+                failing_since, error = failing_since or now, str(exc)
+                if self._give_up_at is not None and now >= self._give_up_at:
+                    self.not_committed += rows
+                    return
+                await asyncio.sleep(SPOOL_RETRY_SECONDS)
+                if self.available and await self._settle(rows, self.writer.run):
+                    log.warning("%d usage rows the spool could not take are settled in PostgreSQL", len(rows))
+                    return
+                continue
+            self.spooled += len(rows)
+            if failing_since is not None:
+                log.warning("the spool takes rows again after %.1f s", loop.time() - failing_since)
+            return
 
     async def tell_reaped(self) -> None:
         """Rows were reaped (``replica_lost``): ``"<replica> *"`` tells every inspector to reload its list."""
@@ -393,6 +449,8 @@ class PostgresStore(GroupCommitted):
         reason = self._why(exc)
         if self.available:
             self.available = False
+            self.refuses_requests = True
+            self.refused = 0
             self._down_since, self._said_at, self._down_reason = now, now, reason
             log.error("%s; new requests get 503 store_unavailable, rows are spooled", reason)
             self.heartbeat.poke()
@@ -441,10 +499,10 @@ class PostgresStore(GroupCommitted):
     def reached(self) -> None:
         """A heartbeat and a settlement passed: the store is up."""
         if self._down_since is not None:  # (not at start-up)
-            log.warning("PostgreSQL takes rows again after %.1f s; new requests are served again",
-                        asyncio.get_running_loop().time() - self._down_since)
+            log.warning("PostgreSQL takes rows again after %.1f s; new requests are served again (%d refused "
+                        "meanwhile)", asyncio.get_running_loop().time() - self._down_since, self.refused)
             self._down_since = None
-        self.available = True
+        self.available, self.refuses_requests = True, False
 
     def _load_spent(self, records: Iterable[asyncpg.Record]) -> None:
         for org, spent in records:
@@ -480,7 +538,8 @@ class PostgresStore(GroupCommitted):
             raise store_unavailable() from None
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), "spooled": self.spooled, "store_up": int(self.available)}
+        return {**super().stats(), "spooled": self.spooled, "store_up": int(self.available),
+                "refused_unrecorded": self.refused_unrecorded}
 
 
 async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
