@@ -20,7 +20,8 @@ from pathlib import Path
 import aiohttp
 import asyncpg
 import pytest
-from replicas import Ledger, replica, stop_all
+from processes import GatewayProcess
+from replicas import Ledger, replica, replica_config, stop_all
 from test_ledger_faults import fill, mounted
 
 from kilnproxy.testing import KEY, completion_body
@@ -437,3 +438,35 @@ async def test_rows_of_refusals_wait_up_to_a_bound_then_refusals_have_none(
 
 async def ids_are(db: Ledger, ids: list[str]) -> bool:
     return sorted(r["id"] for r in await db.rows()) == sorted(ids)
+
+
+@pytest.mark.parametrize("damage", ["not a database", "truncated", "overwritten"])
+async def test_a_damaged_spool_stops_the_start_with_one_line_saying_what_to_do(
+        tmp_path, mock_url, own_postgres, damage):
+    """A spool file damaged while the replica was stopped (a disk error, a copy cut short): start-up
+    said "check [storage] spool_path and its permissions", which is not the problem. Now the line
+    says the file is damaged and what to do; the file is left as it is (its rows are not given up)."""
+    pg = own_postgres
+    url = pg.url()
+    a = await replica(tmp_path, "a", mock_url, url)
+    async with aiohttp.ClientSession() as session:
+        pg.stop("immediate")
+        for _ in range(300):  # enough rows for a few pages
+            status, _, _ = await post(session, a.url, completion_body())
+            assert status == 503
+    a.send(signal.SIGTERM)
+    assert await a.wait() == 0
+    spool = tmp_path / "a" / "spool.db"
+    data = spool.read_bytes()
+    damaged = {"not a database": b"\x00garbage" * 1000, "truncated": data[:len(data) // 2 + 100],
+               "overwritten": data[:4096] + b"\xff" * 4096 + data[8192:]}[damage]
+    spool.write_bytes(damaged)
+    pg.start()
+    again = GatewayProcess(tmp_path / "a", replica_config(mock_url, url))
+    await again.start_without_banner()
+    assert await again.wait() == 2
+    err = [line for line in again.lines["stderr"] if line.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"kilnproxy: error: the spool {str(spool)!r} is damaged (")
+    assert "move it aside" in err[0] and "permissions" not in err[0]
+    assert spool.read_bytes() == damaged

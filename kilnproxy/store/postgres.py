@@ -56,7 +56,7 @@ from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_excee
 from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
-from .spool import Spool
+from .spool import Damaged, Spool
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -214,6 +214,11 @@ class PostgresStore(GroupCommitted):
         await self.heartbeat.beat()
         try:
             self.spooled = await asyncio.to_thread(self.spool.open)
+        except Damaged as exc:
+            await self.pool.close()
+            raise StorageError(f"the spool {str(self.spool.path)!r} is damaged ({exc}): move it aside and start "
+                               "again; its rows can be saved with `sqlite3 FILE .recover` into a new file, then "
+                               "`kilnproxy import-ledger NEWFILE`") from None
         except Exception as exc:
             await self.pool.close()
             raise StorageError(f"cannot open the spool {str(self.spool.path)!r}: {exc}"

@@ -7,6 +7,10 @@ broke is not charged twice). The file outlives the process: a replica
 restarted during an outage flushes what its previous run spooled.
 
 Every method is synchronous; the store calls them in a thread.
+
+A file damaged while no replica had it open (a disk error, a copy cut short)
+is refused at ``open`` (``Damaged``, after SQLite's ``quick_check``) rather
+than read in part: its rows are the operator's to recover.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from .sqlite import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values, add_missing_colu
 _ADD = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")
 
 
+class Damaged(Exception):
+    """The spool's file cannot be read as a whole (the reason is SQLite's)."""
+
+
 class Spool:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -31,11 +39,26 @@ class Spool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None,
                                    check_same_thread=False)
+        try:
+            self._check()
+        except BaseException:
+            self.close()
+            raise
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # a committed row survives the process being killed
         self._db.executescript(SCHEMA)
         add_missing_columns(self._db)
         return self.count()
+
+    def _check(self) -> None:
+        try:
+            check = self._db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.OperationalError:  # cannot read or lock the file: not a matter of its content
+            raise
+        except sqlite3.DatabaseError as exc:  # "file is not a database", "database disk image is malformed"
+            raise Damaged(str(exc)) from None
+        if check != [("ok",)]:
+            raise Damaged(check[0][0])
 
     def add(self, rows: list[dict[str, Any]]) -> None:
         with self._db:
