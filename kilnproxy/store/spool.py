@@ -6,7 +6,10 @@ idempotent by id, so a row that did reach PostgreSQL before the connection
 broke is not charged twice). The file outlives the process: a replica
 restarted during an outage flushes what its previous run spooled.
 
-Every method is synchronous; the store calls them in a thread.
+Every method is synchronous; the store calls them in a thread, and from
+more than one at a time (its writer adds rows while its heartbeat flushes):
+they take turns on the file's one connection (``_turn``), or a BEGIN of one
+would land in the other's transaction, and its rollback undo the other's rows.
 
 A file damaged while no replica had it open (a disk error, a copy cut short)
 is refused at ``open`` (``Damaged``, after SQLite's ``quick_check``) rather
@@ -16,6 +19,7 @@ than read in part: its rows are the operator's to recover.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ class Spool:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._db: sqlite3.Connection | None = None
+        self._turn = threading.Lock()
 
     def open(self) -> int:
         """Open (creating) the file; returns the rows it already holds."""
@@ -61,24 +66,28 @@ class Spool:
             raise Damaged(check[0][0])
 
     def add(self, rows: list[dict[str, Any]]) -> None:
-        with self._db:
+        with self._turn, self._db:
             self._db.execute("BEGIN")
             self._db.executemany(_ADD, [_values(r) for r in rows])
 
     def take(self, limit: int) -> list[dict[str, Any]]:
         """The oldest ``limit`` rows, still in the spool."""
-        cur = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_events ORDER BY rowid LIMIT ?", (limit,))
-        return [dict(zip(COLUMNS, r)) for r in cur.fetchall()]
+        with self._turn:
+            cur = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_events ORDER BY rowid LIMIT ?",
+                                   (limit,))
+            return [dict(zip(COLUMNS, r)) for r in cur.fetchall()]
 
     def remove(self, ids: list[str]) -> None:
-        with self._db:
+        with self._turn, self._db:
             self._db.execute("BEGIN")
             self._db.executemany("DELETE FROM usage_events WHERE id = ?", [(i,) for i in ids])
 
     def count(self) -> int:
-        return self._db.execute("SELECT count(*) FROM usage_events").fetchone()[0]
+        with self._turn:
+            return self._db.execute("SELECT count(*) FROM usage_events").fetchone()[0]
 
     def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        with self._turn:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
