@@ -534,3 +534,59 @@ async def test_sessions_terminated_under_load_on_two_replicas_leave_exact_rows_c
     for gateway in (a, b):
         assert "Traceback" not in "\n".join(gateway.lines["stderr"])
         assert not any("to the spool" in line for line in gateway.lines["stderr"])  # it never failed
+
+
+@pytest.fixture
+async def odd_codes_upstream():
+    """An upstream whose rejection (a 400) and mid-stream error event carry an error code with a NUL
+    in it: the URL of its ``/v1``."""
+    from aiohttp import web
+
+    code = "bad\x00code"
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"error": {"message": "no", "type": "invalid_request_error", "code": code}},
+                                     status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "text": "hi", "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: " + json.dumps({"error": {"message": "boom", "code": code}}).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    await runner.cleanup()
+
+
+async def test_an_upstream_error_code_holding_a_nul_is_settled_and_blocks_nothing(
+        tmp_path, odd_codes_upstream, pg_url, eventually):
+    """An upstream's error code went into the row as it came: with a NUL in it, PostgreSQL refused the
+    whole settlement ("unsupported Unicode escape sequence"), so that row and the others of its batch
+    went to the spool, and the flush tried them at every heartbeat for ever (an error line each
+    time), every spooled row behind them stuck, their holds (slots, credits) kept for as long as the
+    replica lived. The code is now stored as the model and finish reason are: a NUL as U+FFFD."""
+    a = await replica(tmp_path, "a", odd_codes_upstream, pg_url)
+    sent: dict[str, int] = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for body in (completion_body(), completion_body(stream=True)):
+                status, gen, raw = await post(session, a.url, body)
+                sent[gen] = status
+            assert sorted(sent.values()) == [200, 400]
+            assert await metric(session, a.url, "kilnproxy_store_spooled_rows") == 0
+        await settled_once(pg_url, sent, eventually)
+        async with Ledger(pg_url) as db:
+            assert {r["error_code"] for r in await db.rows()} == {"bad\ufffdcode"}
+    finally:
+        await stop_all(a)
+    assert not [line for line in a.lines["stderr"] if "kilnproxy.ledger" in line]
