@@ -101,9 +101,9 @@ async def test_a_read_only_database_is_a_store_down_that_ends_by_itself(
     """``default_transaction_read_only`` turned on: for the database (new sessions; the gateway's are
     ended, as a fail-over to a standby would), or for the server (a reload: every session at once).
     The store was taken for up while every statement failed (each request a 503 and an error line,
-    the heartbeat a traceback every second), and it never came back when the database was writable
-    again: its sessions kept the setting they started with. Now: down, said once; writable again,
-    it comes back by itself with every row."""
+    the heartbeat a traceback every second, a change of the admin API a 500), and it never came back
+    when the database was writable again: its sessions kept the setting they started with. Now: down,
+    said once, the admin API's changes 503; writable again, it comes back by itself with every row."""
     pg = own_postgres
     url = pg.url()
     a = await replica(tmp_path, "a", mock_url, url)
@@ -141,6 +141,8 @@ async def test_a_read_only_database_is_a_store_down_that_ends_by_itself(
             assert await metric(session, a.url, "kilnproxy_store_up") == 0
             down = [line for line in a.lines["stderr"] if DOWN_LINE in line]
             assert "read-only" in down[0], down
+            async with session.post(f"{a.url}/admin/v1/orgs", json={"id": "beta"}) as resp:  # was a 500
+                assert resp.status == 503 and (await resp.json())["error"]["code"] == "store_unavailable"
 
             if how == "database":
                 pg.psql("ALTER DATABASE kiln SET default_transaction_read_only = off;")
@@ -590,3 +592,39 @@ async def test_an_upstream_error_code_holding_a_nul_is_settled_and_blocks_nothin
     finally:
         await stop_all(a)
     assert not [line for line in a.lines["stderr"] if "kilnproxy.ledger" in line]
+
+
+async def test_the_watch_of_runtime_orgs_and_keys_says_an_outage_once_not_at_every_check(caplog):
+    """While PostgreSQL was away, the watch of runtime orgs and keys logged two lines at every check
+    (every 5 s, for as long as the outage lasted). Now one line for each thing that fails, and one
+    when it works again."""
+    import logging
+
+    from kilnproxy.store.tenancy_watch import ChangeWatch
+
+    checks, down, enough = [], True, asyncio.Event()
+    wanted = 30
+
+    async def on_change():
+        checks.append(1)
+        if len(checks) >= wanted:
+            enough.set()
+        if down:
+            raise ConnectionRefusedError(111, "Connection refused")
+
+    watch = ChangeWatch(on_change, "postgresql://kiln:x@127.0.0.1:1/kiln")  # nothing listens on port 1
+    watch.poll = 0.01
+    caplog.set_level(logging.INFO, "kilnproxy.tenancy")
+    watch.start()
+    try:
+        await asyncio.wait_for(enough.wait(), GUARD_SECONDS)  # 30 checks while down
+        down, wanted = False, len(checks) + 3
+        enough.clear()
+        await asyncio.wait_for(enough.wait(), GUARD_SECONDS)  # and 3 once it answers
+    finally:
+        await watch.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "kilnproxy.tenancy"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("cannot listen for changes of orgs and keys: ")
+    assert lines[1].startswith("cannot read runtime orgs and keys from the store: ")
+    assert lines[2].startswith("can read runtime orgs and keys from the store again after ")

@@ -57,6 +57,7 @@ from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
 from .spool import Damaged, Spool
+from .sqlstates import database_state
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -92,18 +93,13 @@ FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
 UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
                asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
 
-# Errors of one batch, not of the database: its data (22), a constraint (23), a deadlock or a
-# serialization failure (40). Every other error PostgreSQL answers is the state of the database.
-BATCH_ERROR_CLASSES = ("22", "23", "40")
-
-
 def down_error(exc: BaseException) -> bool:
     """Whether ``exc`` means the store cannot take statements now (rather than this batch failed):
     out of reach, or PostgreSQL refusing them (read-only, a full disk, a lock or statement timeout,
     too many connections, a password or a table gone)."""
     if isinstance(exc, UNREACHABLE):
         return True
-    return isinstance(exc, asyncpg.PostgresError) and (exc.sqlstate or "")[:2] not in BATCH_ERROR_CLASSES
+    return isinstance(exc, asyncpg.PostgresError) and database_state(exc.sqlstate)
 
 
 ADMIT = "SELECT * FROM kiln_admit($1::jsonb, $2, $3)"
