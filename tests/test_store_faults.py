@@ -628,3 +628,65 @@ async def test_the_watch_of_runtime_orgs_and_keys_says_an_outage_once_not_at_eve
     assert lines[0].startswith("cannot listen for changes of orgs and keys: ")
     assert lines[1].startswith("cannot read runtime orgs and keys from the store: ")
     assert lines[2].startswith("can read runtime orgs and keys from the store again after ")
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+async def test_postgresql_stopped_and_started_under_load_ends_every_request_in_one_row(
+        tmp_path, mock_url, own_postgres, eventually, mode):
+    """``pg_ctl stop -m fast`` (or ``immediate``: a crash), then ``start``, while two replicas serve streamed and JSON requests
+    without pause: answers are 200 or 503 ``store_unavailable`` (none hangs, never a 500), both
+    replicas come back by themselves, and once the spools are flushed every request has exactly one
+    row, no hold is left, spending is the sum of the rows and nothing is counted in flight."""
+    pg = own_postgres
+    url = pg.url()
+    orgs = [{"id": "acme", "credits": 100.0, "max_in_flight": 64}]
+    keys = [{"key": KEY, "org": "acme", "id": "k"}]
+    a, b = await asyncio.gather(*(replica(tmp_path, name, mock_url, url, orgs=orgs, keys=keys) for name in "ab"))
+    sent: dict[str, int] = {}
+    running = True
+    served = asyncio.Condition()
+
+    async def client(session, gateway, i: int):
+        while running:
+            body = completion_body(stream=i % 2 == 0, max_tokens=4, mock={"delay": 0.01})
+            status, gen, raw = await asyncio.wait_for(post(session, gateway.url, body), GUARD_SECONDS)
+            assert status in (200, 503), raw
+            if status == 503:
+                assert json.loads(raw)["error"]["code"] == "store_unavailable"
+            sent[gen] = status
+            async with served:
+                served.notify_all()
+
+    async def answers(status: int, n: int) -> None:
+        """Wait until ``n`` more answers of ``status`` have come."""
+        target = list(sent.values()).count(status) + n
+        async with served:
+            await asyncio.wait_for(served.wait_for(lambda: list(sent.values()).count(status) >= target),
+                                   GUARD_SECONDS)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            load = asyncio.gather(*(client(session, (a, b)[i % 2], i) for i in range(6)))
+            try:
+                await answers(200, 20)
+                await asyncio.to_thread(pg.stop, mode)
+                for gateway in (a, b):
+                    await gateway.wait_for("stderr", DOWN_LINE)
+                await answers(503, 1000)
+                await asyncio.to_thread(pg.start)
+                for gateway in (a, b):
+                    await gateway.wait_for("stderr", UP_LINE)
+                await answers(200, 20)
+            finally:
+                running = False
+                await load
+            for gateway in (a, b):
+                await eventually(lambda g=gateway: metric_is(session, g.url, "kilnproxy_store_spooled_rows", 0))
+                await served_again(session, gateway, sent)
+        await settled_once(url, sent, eventually)
+    finally:
+        running = False
+        await stop_all(a, b)
+    for gateway in (a, b):
+        assert "Traceback" not in "\n".join(gateway.lines["stderr"])
+        assert len(store_lines(gateway)) <= 6, store_lines(gateway)
