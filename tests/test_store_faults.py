@@ -690,3 +690,49 @@ async def test_postgresql_stopped_and_started_under_load_ends_every_request_in_o
     for gateway in (a, b):
         assert "Traceback" not in "\n".join(gateway.lines["stderr"])
         assert len(store_lines(gateway)) <= 6, store_lines(gateway)
+
+
+async def test_a_long_flush_of_the_spool_does_not_make_a_live_replica_look_dead(
+        tmp_path, mock_url, own_postgres, eventually):
+    """After an outage under traffic the spool holds thousands of refusals' rows. The heartbeat flushed
+    them itself, beating no more until it was done: after a flush longer than ``replica_timeout_seconds``
+    the replica's next reaping (it, or another replica) took its own requests still in flight for
+    those of a dead replica: ``replica_lost`` rows, their slots and holds freed while they ran. Now
+    the flush runs beside the heartbeat."""
+    pg = own_postgres
+    url = pg.url()
+    timeout = {"storage": {"replica_timeout_seconds": 1.0}}
+    a, b = await asyncio.gather(replica(tmp_path, "a", mock_url, url, **timeout),
+                                replica(tmp_path, "b", mock_url, url, **timeout))
+    try:
+        async with aiohttp.ClientSession() as session:
+            stream = await session.post(f"{a.url}/v1/completions", headers=AUTH,
+                                        json=completion_body(stream=True, mock={"fail": "stall", "after": 1}))
+            assert stream.status == 200
+            await stream.content.readline()  # in flight on a, its hold in the database
+            pg.stop("fast")  # (a crash may lose a hold committed in the last moments: holds are not fsynced)
+            refused = 0
+
+            async def client():
+                nonlocal refused
+                while refused < 20000:
+                    refused += 1
+                    status, _, _ = await post(session, a.url, completion_body())
+                    assert status == 503
+
+            await asyncio.gather(*(client() for _ in range(16)))
+            pg.start()
+            await a.wait_for("stderr", "settled every spooled usage row", timeout=GUARD_SECONDS)
+            await eventually(lambda: metric_is(session, b.url, "kilnproxy_store_up", 1))
+            async with Ledger(url) as db:
+                assert len(await db.holds()) == 1  # the stream's, still in flight
+                assert await db.rows(error_code="replica_lost") == []
+            assert await metric(session, b.url, "kilnproxy_store_replica_lost_rows_total") == 0
+            stream.close()
+            async with Ledger(url) as db:
+                await eventually(lambda: no_holds(db))
+                assert await db.rows(error_code="replica_lost") == []
+    finally:
+        await stop_all(a, b)
+    for gateway in (a, b):
+        assert not [line for line in gateway.lines["stderr"] if "replica_lost" in line]

@@ -15,7 +15,9 @@ connections (the old ones may keep a session's state, such as read-only); the
 store is up again once the beat passes and, if rows are spooled, the first
 batch of them is settled: a database that answers but still refuses rows (a
 lock, read-only) keeps it down rather than make it flap. Then the rest of the
-spool is flushed.
+spool is flushed, by a task of its own: thousands of rows spooled through an
+outage take seconds to settle, and a heartbeat that waited for them would make
+its replica look dead to the others (its requests in flight reaped).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Heartbeat:
         self.in_touch_since: float | None = None  # loop time of the first beat since the last failure
         self.reaped = 0
         self._task: asyncio.Task | None = None
+        self._flush: asyncio.Task | None = None
         self._poke = asyncio.Event()
 
     def start(self) -> None:
@@ -51,6 +54,7 @@ class Heartbeat:
 
     async def stop(self) -> None:
         self._task = await cancelled(self._task)
+        self._flush = await cancelled(self._flush)  # what it settled is settled; the rest stays spooled
 
     def poke(self) -> None:
         """The store just became unreachable: try again soon rather than at the next interval."""
@@ -82,6 +86,12 @@ class Heartbeat:
         if lost_before != self.reaped:
             await store.tell_reaped()
 
+    async def _flush_spool(self) -> None:
+        try:
+            await self.store.flush_spool()
+        except Exception:  # a bug: the next beat tries again
+            log.exception("flushing the spool failed")
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -94,8 +104,8 @@ class Heartbeat:
                 await self.beat()
                 if not self.store.available:
                     continue
-                if self.store.spooled:
-                    await self.store.flush_spool()
+                if self.store.spooled and (self._flush is None or self._flush.done()):
+                    self._flush = asyncio.create_task(self._flush_spool(), name="kilnproxy-spool-flush")
                 if self.in_touch_since is not None and loop.time() - self.in_touch_since >= self.store.timeout:
                     await self.reap()
             except asyncio.CancelledError:
