@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 from pathlib import Path
 
 import aiohttp
@@ -25,6 +26,7 @@ from replicas import Ledger, replica, replica_config, stop_all
 from test_ledger_faults import fill, mounted
 
 from kilnproxy.testing import KEY, completion_body
+from kilnproxy.usage import COLUMNS
 from kilnproxy.testing.postgres import PostgresServer
 
 GEN = "X-Neocloud-Generation-Id"
@@ -736,3 +738,45 @@ async def test_a_long_flush_of_the_spool_does_not_make_a_live_replica_look_dead(
         await stop_all(a, b)
     for gateway in (a, b):
         assert not [line for line in gateway.lines["stderr"] if "replica_lost" in line]
+
+
+async def test_rows_postgresql_refuses_do_not_hold_up_the_spool(tmp_path, mock_url, pg_url, eventually):
+    """A spool holding a row PostgreSQL refuses (a NUL in a text, as a release before this one could
+    spool; a value of the wrong type) with good rows behind it: the flush failed on their batch at
+    every heartbeat, a log line each time, and none of them ever settled. Now the batch is settled row
+    by row: the NUL becomes U+FFFD, the row that cannot be settled stays in the spool, said once."""
+    a = await replica(tmp_path, "a", mock_url, pg_url)
+    await stop_all(a)
+    spool = tmp_path / "a" / "spool.db"
+    rows = [{**dict.fromkeys(COLUMNS), "id": f"gen-{i}", "created_at": "2026-12-01T21:00:00.000+00:00",
+             "org": "acme", "key_id": "acme-key", "endpoint": "completions", "stream": 0, "status": 502,
+             "prompt_tokens": 1, "completion_tokens": 0, "cached_tokens": 0, "total_tokens": 1, "cost": 0.25,
+             "disconnected": 0} for i in range(5)]
+    rows[1]["error_code"] = "bad\x00code"
+    rows[2]["stream"] = "not a number"
+    db = sqlite3.connect(spool)
+    with db:
+        db.executemany(f"INSERT INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                       [[r[c] for c in COLUMNS] for r in rows])
+    db.close()
+    a = await replica(tmp_path, "a", mock_url, pg_url)
+    try:
+        async with Ledger(pg_url) as ledger:
+            await eventually(lambda: ids_are(ledger, ["gen-0", "gen-1", "gen-3", "gen-4"]))
+            assert (await ledger.rows(id="gen-1"))[0]["error_code"] == "bad\ufffdcode"
+            assert (await ledger.spent())["acme"] == 1.0
+            seen = await ledger.conn.fetchval("SELECT max(seen_at) FROM kiln_replicas")
+            for _ in range(3):  # three heartbeats more: the row set aside is not tried again
+                await eventually(lambda: beat_since(ledger, seen))
+                seen = await ledger.conn.fetchval("SELECT max(seen_at) FROM kiln_replicas")
+        async with aiohttp.ClientSession() as session:
+            assert await metric(session, a.url, "kilnproxy_store_spooled_rows") == 1
+    finally:
+        await stop_all(a)
+    refused = [line for line in a.lines["stderr"] if "gen-2" in line]
+    assert len(refused) == 1 and "stays in the spool" in refused[0]
+    assert len(store_lines(a)) <= 5, "\n".join(store_lines(a))
+
+
+async def beat_since(ledger: Ledger, seen) -> bool:
+    return await ledger.conn.fetchval("SELECT max(seen_at) FROM kiln_replicas") > seen

@@ -56,6 +56,7 @@ from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_excee
 from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
+from . import spool_flush
 from .spool import Damaged, Spool
 from .sqlstates import database_state
 
@@ -87,7 +88,6 @@ LAST_TRY_SECONDS = 5.0  # at a stop, how long rows that neither PostgreSQL nor t
 # no row: a long outage under traffic does not fill the spool's disk with refusals (about 60 MB).
 MAX_WAITING_ROWS = 200_000
 CONNECT_TIMEOUT = 5.0
-FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
 # What a lost connection raises. InternalClientError: asyncpg's protocol state after a session was
 # terminated mid-statement (MagicStack/asyncpg#1069); the pool's connections are then replaced.
 UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
@@ -182,7 +182,9 @@ class PostgresStore(GroupCommitted):
         self.writer = Pinned(self)  # the connection of ``rows``' task
         self.admitter = Pinned(self)  # the connection of ``admissions``' task
         self._flushing = asyncio.Lock()
-        self.spooled = 0
+        self.spooled = 0  # rows in the spool
+        self.stuck: set[str] = set()  # ids of spooled rows PostgreSQL refused, set aside (spool_flush)
+        self.settle_error: BaseException | None = None  # why the last failed settlement failed, the store up
         self.commit_failures = 0
         self._down_since: float | None = None  # loop time the store went down (None: up)
         self._said_at = 0.0  # loop time the log last said the store is down
@@ -347,9 +349,10 @@ class PostgresStore(GroupCommitted):
         if not (self.available and await self._settle(rows, self.writer.run)):
             await self._spool(rows)
 
-    async def _settle(self, rows: list[dict[str, Any]], run=None) -> bool:
+    async def _settle(self, rows: list[dict[str, Any]], run=None, say: bool = True) -> bool:
         """One ``kiln_settle`` transaction (sent with ``run``, by default ``self.run``); False when it
-        did not commit (the rows must be kept)."""
+        did not commit (the rows must be kept): ``settle_error`` says why, unless the store is down. A
+        refusal is logged if ``say``."""
         run = run or self.run
         try:
             body = orjson.dumps(rows).decode()
@@ -360,11 +363,15 @@ class PostgresStore(GroupCommitted):
                 spent = await run("fetch", SETTLE, body, self.replica)
         except (*UNREACHABLE, asyncpg.PostgresError) as exc:
             self.commit_failures += 1
-            if not self.lost(exc):  # a deadlock, a constraint: kept in the spool and retried
-                log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
+            self.settle_error = None
+            if not self.lost(exc):  # a deadlock, a value refused: kept in the spool and retried
+                self.settle_error = exc
+                if say:
+                    log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
             return False
-        except Exception:  # a bug must not stop the writer: the rows are spooled, the responses go on
+        except Exception as exc:  # a bug must not stop the writer: the rows are spooled, the responses go on
             self.commit_failures += 1
+            self.settle_error = exc
             log.exception("usage settlement of %d rows failed, spooled for a retry", len(rows))
             return False
         self._load_spent(spent)
@@ -416,26 +423,9 @@ class PostgresStore(GroupCommitted):
             await self.attempt("execute", "SELECT pg_notify($1, $2)", ROWS_CHANNEL, f"{self.replica} *")
 
     async def flush_spool(self, batches: int | None = None) -> bool:
-        """Settle the spooled rows in PostgreSQL, oldest first, ``FLUSH_ROWS`` at a time (``batches`` of
-        them at most; while the store is down, only so many are tried); stops at the first failure.
-        Whether the last one tried committed (True when there was nothing to settle)."""
+        """Settle the spooled rows in PostgreSQL (``kilnproxy.store.spool_flush``)."""
         async with self._flushing:
-            while self.spooled and (self.available or batches is not None):
-                if batches is not None:
-                    if batches == 0:
-                        break
-                    batches -= 1
-                rows = await asyncio.to_thread(self.spool.take, FLUSH_ROWS)
-                if not rows:
-                    self.spooled = 0
-                    break
-                if not await self._settle(rows):
-                    return False
-                await asyncio.to_thread(self.spool.remove, [r["id"] for r in rows])
-                self.spooled = max(0, self.spooled - len(rows))
-                if not self.spooled:
-                    log.info("settled every spooled usage row")
-            return True
+            return await spool_flush.flush(self, batches)
 
     # -- reachability ----------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from ..usage import COLUMNS
 from .sqlite import INSERT, LOCK_WAIT_SECONDS, SCHEMA, _values, add_missing_columns
@@ -70,11 +70,12 @@ class Spool:
             self._db.execute("BEGIN")
             self._db.executemany(_ADD, [_values(r) for r in rows])
 
-    def take(self, limit: int) -> list[dict[str, Any]]:
-        """The oldest ``limit`` rows, still in the spool."""
+    def take(self, limit: int, skip: Collection[str] = ()) -> list[dict[str, Any]]:
+        """The oldest ``limit`` rows but those of ids in ``skip``, still in the spool."""
         with self._turn:
-            cur = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_events ORDER BY rowid LIMIT ?",
-                                   (limit,))
+            cur = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM usage_events"
+                                   f" WHERE id NOT IN ({', '.join('?' * len(skip))}) ORDER BY rowid LIMIT ?",
+                                   (*skip, limit))
             return [dict(zip(COLUMNS, r)) for r in cur.fetchall()]
 
     def remove(self, ids: list[str]) -> None:
