@@ -156,6 +156,51 @@ async def test_every_inspector_answer_carries_the_headers_of_an_admin_page(harne
             assert headers["Cache-Control"] == expected, name
 
 
+
+def assert_admin_page_headers(headers, name):
+    policy = dict(d.strip().split(" ", 1) for d in headers["Content-Security-Policy"].split(";"))
+    assert policy["script-src"] == "'self'" and policy["style-src"] == "'self'", name
+    assert policy["frame-ancestors"] == "'none'" and policy["default-src"] == "'none'", name
+    assert headers["X-Frame-Options"] == "DENY" and headers["X-Content-Type-Options"] == "nosniff", name
+    assert headers["Referrer-Policy"] == "no-referrer", name
+
+
+async def test_the_inspectors_fallback_answers_carry_the_headers_of_its_pages(harness, monkeypatch):
+    """No route's own refusals: a path under /ui that no route serves (404), a method none takes (405),
+    a body over the limit (413), a handler that fails (500)."""
+    from kilnproxy.inspector.queries import InspectorStore
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(InspectorStore, "usage", broken)
+    async with harness(overrides={"inspector": {"token": "s3cret"}, "server": {"max_request_bytes": 1000}}) as h:
+        auth = {"Authorization": "Bearer s3cret"}
+        answers = {}
+        for method, path, body, status, code in (
+                ("GET", "/ui/nothing", None, 404, "not_found"),
+                ("GET", "/ui/api/nothing/%0Aat%20all", None, 404, "not_found"),
+                ("GET", "/ui/static", None, 404, "not_found"),
+                ("POST", "/ui/", b"{}", 405, "method_not_allowed"),
+                ("PUT", "/ui", b"{}", 405, "method_not_allowed"),
+                ("DELETE", "/ui/api/meta", None, 405, "method_not_allowed"),
+                ("POST", "/ui/api/keys", b'{"org": "' + b"x" * 2000 + b'"}', 413, None),
+                ("GET", "/ui/api/usage", None, 500, "internal_error")):
+            async with h.session.request(method, yarl.URL(f"{h.url}{path}", encoded=True), data=body,
+                                         headers={**auth, "Content-Type": "application/json"},
+                                         allow_redirects=False) as resp:
+                answers[f"{method} {path}"] = resp.status, resp.headers, await resp.read()
+                assert resp.status == status, (method, path, resp.status)
+                if code is not None:
+                    assert error_of(await resp.read())[0] == code, (method, path)
+        for name, (_, headers, _) in answers.items():
+            assert_admin_page_headers(headers, name)
+            assert headers["Cache-Control"] == "no-store", name
+        status, headers, _ = await get(h, "/uinothing")  # not under /ui: the gateway's plain 404
+        assert status == 404 and "Content-Security-Policy" not in headers
+        status, headers, _ = await get(h, "/v1/nothing")
+        assert status == 404 and "Content-Security-Policy" not in headers
+
+
 # -- the page ------------------------------------------------------------------------------------
 
 

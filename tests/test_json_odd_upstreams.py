@@ -132,3 +132,18 @@ async def test_a_body_without_length_nor_chunks_ends_with_the_connection(harness
         harness, http(orjson.dumps(ANSWER), Content_Length="", Transfer_Encoding=coding))
     assert status == 200 and orjson.loads(body)["choices"][0]["text"] == "hi"
     assert (row["error_code"], row["completion_tokens"]) == (None, 5)
+
+
+@pytest.mark.parametrize("code, stored", [
+    ("a\u0000b", "a\ufffdb"),  # PostgreSQL's text cannot hold a NUL: the row would never settle
+    ("c" * 100_000, "c" * 255 + "…"),
+])
+async def test_an_upstreams_error_code_is_stored_as_other_text_from_outside(harness, store, committed, code, stored):
+    body = orjson.dumps({"error": {"message": "no", "type": "invalid_request_error", "code": code}})
+    async with answering(http(body, status="400 Bad Request")) as url, \
+            harness(overrides=store, configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi"}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["code"] == code  # the client gets the upstream's own
+        [row] = await committed(h, 1)
+    assert (row["status"], row["error_code"]) == (400, stored)

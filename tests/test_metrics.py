@@ -1,6 +1,7 @@
 """GET /metrics on a real gateway process, parsed with prometheus_client's own parser."""
 
 import aiohttp
+from aiohttp import web
 import pytest
 from aiohttp.test_utils import make_mocked_request
 from processes import GatewayProcess, gateway_config
@@ -190,3 +191,95 @@ async def test_each_gateway_has_its_own_registry(harness, tmp_path):
         labels = dict(org="acme", model=MODEL, endpoint="completions", status="200")
         assert value(mine, "kilnproxy_requests_total", **labels) == 1
         assert value(other, "kilnproxy_requests_total", **labels) == 0
+
+
+# -- label values that come from clients, upstreams and the admin API ---------------------------------------
+
+
+def series(text: str, name: str) -> list[dict]:
+    """The label sets of ``name``'s samples in a scrape."""
+    return [s.labels for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+async def metrics_text(h) -> str:
+    async with h.session.get(f"{h.url}/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+async def test_model_and_org_label_values_are_escaped_and_read_back_whole(harness):
+    """Catalog ids come from the config and from the upstreams' own lists (any character but controls), org
+    ids from the config or the admin API: quotes, backslashes and other characters are escaped as the format
+    says, so a scrape parses back to the very same values and no value writes a line of its own."""
+    odd = ('q"uote\\back\\nslash', 'ünï/cödé}', 'evil"} 1\nkilnproxy_fake_total 1')
+
+    def configure(config):
+        model = config["models"][0]
+        model.update(id="", discover=True, upstream_model="mock-vllm")
+        del model["reject_chat_params"]
+        config["orgs"].append({"id": 'or"g\\x', "credits": 10.0})
+        config["keys"].append({"key": "sk-odd", "org": 'or"g\\x', "id": "odd-key"})
+
+    async with harness(mock_options={"served_models": odd}, configure=configure) as h:
+        for model, key in ((odd[0], None), (odd[1], "sk-odd")):
+            async with h.post("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}, key=key) as r:
+                assert r.status == 200
+        text = await metrics_text(h)
+    assert "kilnproxy_fake" not in text  # the id with a newline is not served (discovery refuses it)
+    assert all(line.startswith(("#", "kilnproxy_", "process_")) for line in text.splitlines())
+    requests = series(text, "kilnproxy_requests_total")
+    assert sorted((s["org"], s["model"]) for s in requests) == sorted([("acme", odd[0]), ('or"g\\x', odd[1])])
+    assert 'model="q\\"uote\\\\back\\\\nslash"' in text and 'org="or\\"g\\\\x"' in text
+    assert {s["model"] for s in series(text, "kilnproxy_upstream_up")} == {odd[0], odd[1]}
+    assert {s["org"] for s in series(text, "kilnproxy_org_credits_remaining_usd")} == {"acme", "globex", 'or"g\\x'}
+
+
+async def test_models_a_client_names_outside_the_catalog_are_one_series(harness):
+    async with harness() as h:
+        for n in range(50):
+            async with h.post("/v1/completions", {"model": f"nope-{n}\n\"", "prompt": "hi"}) as r:
+                assert r.status == 404
+        text = await metrics_text(h)
+    assert series(text, "kilnproxy_requests_total") == [
+        {"org": "acme", "model": "", "endpoint": "completions", "status": "404"}]
+    assert [s for s in series(text, "kilnproxy_request_duration_seconds_count")] == [
+        {"model": "", "endpoint": "completions"}]
+
+
+async def echoing_upstream(request: web.Request) -> web.Response:
+    """An upstream that refuses every request with an error code made of the client's prompt."""
+    body = await request.json()
+    return web.json_response({"error": {"message": "no", "type": "invalid_request_error",
+                                        "code": body["prompt"]}}, status=400)
+
+
+async def test_error_codes_an_upstream_makes_of_what_clients_send_are_bounded(harness):
+    """The ``code`` label is the request's error code: the gateway's own, or the upstream's. An upstream can
+    make one of the client's text: past MAX_ERROR_CODES codes, or for one that does not look like a code
+    (at most 64 letters, digits and ``_.:-``), the requests are counted under ``code="other"``; the usage
+    row keeps the code."""
+    from kilnproxy.ops.metrics import MAX_ERROR_CODES
+    app = web.Application()
+    app.router.add_post("/v1/completions", echoing_upstream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    odd = ["x" * 65, 'quo"te', "new\nline", "é"]
+    try:
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+            for prompt in [*odd, *(f"code-{n}" for n in range(MAX_ERROR_CODES + 20))]:
+                async with h.post("/v1/completions", {"model": MODEL, "prompt": prompt}) as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"]["code"] == prompt
+            text = await metrics_text(h)
+            rows = await h.rows()
+    finally:
+        await runner.cleanup()
+    assert [r["error_code"] for r in rows] == [*odd, *(f"code-{n}" for n in range(MAX_ERROR_CODES + 20))]
+    codes = {s.labels["code"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "kilnproxy_request_errors_total"}
+    assert len(codes) == MAX_ERROR_CODES + 1
+    assert codes["other"] == len(odd) + 20
+    assert sorted(c for c in codes if c != "other") == sorted(f"code-{n}" for n in range(MAX_ERROR_CODES))

@@ -162,3 +162,28 @@ async def test_prometheus_sees_a_gateway_that_stops(harness, tmp_path, prometheu
         await prom.until(lambda: prom.query('up{job="kilnproxy"}'), {(): 1.0})
     await prom.until(lambda: prom.query('up{job="kilnproxy"}'), {(): 0.0})
     await prom.until(lambda: _alerts(prom), {("KilnproxyDown", None, "pending")})
+
+
+async def test_prometheus_stores_odd_label_values_as_they_are(harness, tmp_path, prometheus_for):
+    """Model ids from an upstream's own list and org ids hold quotes, backslashes and any letter: the scrape
+    escapes them so that Prometheus stores the very values; models a client names outside the catalog are
+    one series, whatever the names."""
+    odd = ('q"uote\\back\\nslash', 'ünï/cödé} 1')
+
+    def configure(config):
+        model = config["models"][0]
+        model.update(id="", discover=True, upstream_model="mock-vllm")
+        del model["reject_chat_params"]
+        config["orgs"].append({"id": 'or"g\\x', "credits": 10.0})
+        config["keys"].append({"key": "sk-odd", "org": 'or"g\\x', "id": "odd-key"})
+
+    async with harness(mock_options={"served_models": odd}, configure=configure) as h:
+        for model, key, status in ((odd[0], None, 200), (odd[1], "sk-odd", 200), ("nope\n1", None, 404),
+                                   ('nope"2', None, 404)):
+            async with h.post("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2}, key=key) as r:
+                assert r.status == status
+        prom = await prometheus_for(tmp_path / "prometheus", [h.url.removeprefix("http://")])
+        await prom.until(lambda: prom.query("kilnproxy_requests_total"), {
+            (("endpoint", "completions"), ("model", odd[0]), ("org", "acme"), ("status", "200")): 1.0,
+            (("endpoint", "completions"), ("model", odd[1]), ("org", 'or"g\\x'), ("status", "200")): 1.0,
+            (("endpoint", "completions"), ("org", "acme"), ("status", "404")): 2.0})  # an empty label is none

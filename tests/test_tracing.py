@@ -205,3 +205,66 @@ async def test_a_requests_spans_are_encoded_after_its_answer_is_written(harness,
             await resp.read()
     assert [kind for kind, _ in order] == ["answer", "spans", "answer", "spans"]
     assert [n for kind, n in order if kind == "spans"] == [4, 5]  # the request's and its children
+
+
+async def test_a_span_holds_the_model_a_client_names_as_the_usage_row_does(harness, receiver):
+    """A client can name any model, of any length (up to the body's limit), with control characters: the
+    span's name and its model attributes hold what the usage row holds (its first 255 characters and "…",
+    a NUL as U+FFFD), and the tracer's tables of recent values do not keep the long text."""
+    from kilnproxy.ops import otlp_wire, request_trace
+    from kilnproxy.proxy.request_record import MAX_ROW_TEXT
+    sent = {"long": "m" * 1_000_000, "not ascii": "a" + "é" * MAX_ROW_TEXT,
+            "controls": "\x00\x1b[2J\u2028" + "\U0001f600" * MAX_ROW_TEXT}
+    shown = {"long": "m" * (MAX_ROW_TEXT - 1) + "…", "not ascii": "a" + "é" * (MAX_ROW_TEXT - 2) + "…",
+             "controls": "\ufffd\x1b[2J\u2028" + "\U0001f600" * (MAX_ROW_TEXT - 7) + "…"}
+    async with harness(overrides=traced(receiver)) as h:
+        for name, model in sent.items():
+            async with h.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}) as resp:
+                assert resp.status == 404, name
+        assert [r["model"] for r in await h.rows()] == list(shown.values())
+        kept = [k[1] for k in request_trace._MODELS] + list(otlp_wire._NAMES)
+        assert max(len(v) for v in kept) <= MAX_ROW_TEXT + len("text_completion ")
+    roots = [s for s in receiver.spans if s["name"].startswith("text_completion ")]
+    assert [r["attributes"]["gen_ai.request.model"] for r in roots] == list(shown.values())
+    assert [r["attributes"]["gen_ai.response.model"] for r in roots] == list(shown.values())
+    assert [r["name"] for r in roots] == [f"text_completion {v}" for v in shown.values()]
+    assert all(r["attributes"]["error.type"] == "model_not_found" for r in roots)
+
+
+async def test_the_upstream_gets_one_valid_traceparent_whatever_the_client_sent(harness, receiver):
+    """The W3C Trace Context rules at the edges, through the gateway: what continues the client's trace, what
+    starts a new one, what tracestate goes on."""
+    from multidict import CIMultiDict
+    good = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+    long_member = "big=" + "x" * 200
+    cases = [  # the client's trace context; whether its trace goes on; the tracestate sent upstream
+        ([("traceparent", f"ff-{TRACE_ID}-{CLIENT_SPAN}-01")], False, None),
+        ([("traceparent", f"01-{TRACE_ID}-{CLIENT_SPAN}-01-what-the-future-will-be")], True, None),
+        ([("traceparent", f"cc-{TRACE_ID}-{CLIENT_SPAN}-01.what")], False, None),
+        ([("traceparent", f"00-{'0' * 32}-{CLIENT_SPAN}-01")], False, None),
+        ([("traceparent", f"00-{TRACE_ID}-{'0' * 16}-01")], False, None),
+        ([("traceparent", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-01")], False, None),
+        ([("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01-extra"), ("tracestate", "vendor=1")], False, None),
+        ([("traceparent", good), ("traceparent", good)], False, None),
+        ([("traceparent", good), ("tracestate", ",".join(f"k{n}=v" for n in range(33)))], True, None),
+        ([("traceparent", good), ("tracestate", "a=1,B=2")], True, None),
+        ([("traceparent", good), ("tracestate", "a=1"), ("tracestate", "b=2")], True, "a=1,b=2"),
+        # over 512 characters: whole members left out, the right-most long one first
+        ([("traceparent", good), ("tracestate", f"a=1,{long_member},bog={'x' * 200},c={'y' * 250}")], True,
+         f"a=1,{long_member},bog={'x' * 200}"),
+        ([("traceparent", good), ("tracestate", f"a=1,{long_member},bog={'x' * 200},bug={'x' * 200},b=2,c=3")], True,
+         f"a=1,{long_member},bog={'x' * 200},b=2,c=3"),
+        ([("traceparent", good), ("tracestate", ",".join(f"k{n:02d}={'v' * 60}" for n in range(10)))], True,
+         ",".join(f"k{n:02d}={'v' * 60}" for n in range(7))),
+    ]
+    async with harness(overrides=traced(receiver)) as h:
+        for fields, continued, state in cases:
+            async with h.session.post(f"{h.url}/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                                       "max_tokens": 1},
+                                      headers=CIMultiDict([*h.headers().items(), *fields])) as resp:
+                assert resp.status == 200, fields
+            sent = (await h.mock_requests())[-1]["headers"]
+            found = re.fullmatch(r"00-([0-9a-f]{32})-([0-9a-f]{16})-01", sent["traceparent"])
+            assert found and found[1] != "0" * 32 and found[2] != "0" * 16, fields
+            assert (found[1] == TRACE_ID) is continued, fields
+            assert sent.get("tracestate") == state, fields

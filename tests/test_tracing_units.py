@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
+from multidict import CIMultiDict
 from otlp_receiver import decode
 
 from kilnproxy.config_types import TracingConfig
@@ -157,15 +158,59 @@ def test_the_ratio_is_on_the_low_64_bits_of_the_trace_id():
 
 @pytest.mark.parametrize("header", [
     "00-not-a-trace-01", f"00-{TRACE_ID}-{CLIENT_SPAN}-01-extra", f"ff-{TRACE_ID}-{CLIENT_SPAN}-01",
-    f"00-{'0' * 32}-{CLIENT_SPAN}-01", f"00-{TRACE_ID}-{'0' * 16}-01", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-01", ""])
+    f"00-{'0' * 32}-{CLIENT_SPAN}-01", f"00-{TRACE_ID}-{'0' * 16}-01", f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-01", "",
+    f"00-{TRACE_ID}-{CLIENT_SPAN.upper()}-01", f"0A-{TRACE_ID}-{CLIENT_SPAN}-01", f"00-{TRACE_ID}-{CLIENT_SPAN}-0A",
+    f"cc-{TRACE_ID}-{CLIENT_SPAN}-01.more", f"00-{TRACE_ID}-{CLIENT_SPAN}-01\n", f"01-{TRACE_ID}-{CLIENT_SPAN}"])
 def test_a_malformed_traceparent_is_no_parent(header):
     assert parent({"traceparent": header}) is None
+    assert parent({"traceparent": header, "tracestate": "vendor=1"}) is None  # its tracestate is not read
+
+
+def test_two_traceparent_fields_are_no_parent():
+    headers = CIMultiDict([("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01"),
+                           ("Traceparent", f"00-{TRACE_ID[::-1]}-{CLIENT_SPAN}-01")])
+    assert parent(headers) is None
+
+
+def test_tracestate_fields_are_one_list_in_their_order():
+    headers = CIMultiDict([("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01"), ("tracestate", "foo=1,bar=2"),
+                           ("TraceState", ""), ("tracestate", " rojo=1 , congo=2"), ("tracestate", "baz=3")])
+    assert parent(headers).trace_state == "foo=1,bar=2,rojo=1,congo=2,baz=3"
+    assert parent(CIMultiDict([("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01"), ("tracestate", ""),
+                               ("tracestate", "foo=1")])).trace_state == "foo=1"
+    members = [f"bar{n:02d}={n:02d}" for n in range(1, 34)]
+    fields = [("tracestate", ",".join(members[i:i + 10])) for i in range(0, 30, 10)]
+    tp = ("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01")
+    assert parent(CIMultiDict([tp, *fields, ("tracestate", "bar31=31,bar32=32")])).trace_state == ",".join(members[:32])
+    assert parent(CIMultiDict([tp, *fields, ("tracestate", "bar31=31,bar32=32,bar33=33")])).trace_state == ""
+
+
+def test_a_tracestate_over_512_characters_loses_whole_members_the_long_ones_first():
+    long_a, long_b = "a=" + "x" * 200, "b=" + "y" * 200  # 202 characters each: over 128
+    shorts = [f"k{n:02d}=" + "v" * 20 for n in range(20)]  # 24 characters each
+    state = ",".join([shorts[0], long_a, *shorts[1:10], long_b, *shorts[10:]])
+    assert len(state) > 512
+    # without the two long members: 20 x 24 + 19 = 499 characters
+    assert trace_state(state) == ",".join(shorts)
+    many = ",".join(f"k{n:02d}=" + "v" * 40 for n in range(16))  # 44 characters each: 16 x 45 - 1 = 719
+    assert trace_state(many) == ",".join(f"k{n:02d}=" + "v" * 40 for n in range(11))  # 11 x 45 - 1 = 494
+    exactly = ",".join(f"k{n:02d}=" + "v" * 26 for n in range(17))  # 30 each: 17 x 31 - 1 = 526
+    assert len(trace_state(exactly)) == 16 * 31 - 1
+    assert trace_state(",".join(f"k{n:02d}=" + "v" * 27 for n in range(16))) == ",".join(
+        f"k{n:02d}=" + "v" * 27 for n in range(16))  # 16 x 32 - 1 = 511: kept whole
+
+
+def test_a_repeated_tracestate_key_keeps_its_first_member():
+    assert trace_state("foo=1,foo=2,bar=3") == "foo=1,bar=3"
+    assert trace_state("foo=1,foo=1") == "foo=1"
 
 
 def test_a_later_version_may_carry_more_fields_and_a_bad_tracestate_is_dropped():
-    found = parent({"traceparent": f"01-{TRACE_ID}-{CLIENT_SPAN}-03-more", "tracestate": "a=1,a=2"})
+    found = parent({"traceparent": f"01-{TRACE_ID}-{CLIENT_SPAN}-03-more", "tracestate": "a=1,A=2"})
     assert (found.trace_id.hex(), found.span_id.hex(), found.sampled, found.trace_state) == (
         TRACE_ID, CLIENT_SPAN, True, "")
+    found = parent({"traceparent": f"cc-{TRACE_ID}-{CLIENT_SPAN}-00-what-the-future-will-be-like"})
+    assert (found.trace_id.hex(), found.span_id.hex(), found.sampled) == (TRACE_ID, CLIENT_SPAN, False)
     assert trace_state("a=1,,b@v=x y") == "a=1,b@v=x y" and trace_state("A=1") == ""
     assert trace_state(",".join(f"k{n}=v" for n in range(33))) == ""
 
@@ -356,3 +401,20 @@ def test_the_resource_is_the_services_with_otel_resource_attributes(monkeypatch)
     found = tracing_module.resource("gw")
     assert found["service.name"] == "gw" and found["deployment.environment"] == "prod" and found["team"] == "ml ops"
     assert found["telemetry.sdk.language"] == "python"
+
+
+def test_an_upstreams_error_code_is_held_as_the_usage_row_holds_text(memory):
+    """An upstream's error code is the row's ``error_code``, and an upstream may make it of what the client
+    sent: the span's ``error.type`` and status hold its first 255 characters and "…", a NUL as U+FFFD."""
+    from kilnproxy.ops import request_trace
+    from kilnproxy.proxy.request_record import MAX_ROW_TEXT
+    t = tracing_with(memory)
+    for n, code in enumerate(("c" * 100_000, "a\x00b")):
+        trace = t.begin({}, "completions", call(n))
+        trace.end(row(n, status=502, error_code=code), None)
+    spans = [s for s in finished(t, memory) if s["name"] == "text_completion"]
+    shown = ["c" * (MAX_ROW_TEXT - 1) + "…", "a\ufffdb"]
+    assert [s["attributes"]["error.type"] for s in spans] == shown
+    assert [s["status_message"] for s in spans] == shown
+    assert max(len(v) for v in request_trace._ERROR_TYPE.seen) <= MAX_ROW_TEXT
+    t.close()

@@ -10,7 +10,8 @@
 * ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored.
 
 ``setup_inspector(app, gateway)`` adds all of it to the gateway's app, or
-nothing when ``[inspector] enabled = false``.
+nothing when ``[inspector] enabled = false``. ``fallback_headers(path)``: the
+page's security headers, for the app's own error answers under ``/ui``.
 
 May import: ``proxy`` and everything below it; not ops, the web app or the CLI.
 """
@@ -20,13 +21,13 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..proxy.gateway import Gateway
-from .api import InspectorAPI
+from .api import InspectorAPI, fallback_headers
 from .capture import CaptureRing
 from .hub import LiveHub
 from .queries import InspectorStore, SharedReader, SQLiteReader
 from .replica_feed import ReplicaFeed
 
-__all__ = ["setup_inspector"]
+__all__ = ["fallback_headers", "setup_inspector"]
 
 
 def setup_inspector(app: web.Application, gateway: Gateway) -> None:

@@ -53,6 +53,16 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",  # the page's address may hold ?token=
 }
 NO_STORE = {"Cache-Control": "no-store"}  # the API's answers hold prompts, completions, a new key's secret
+UI = "/ui"
+
+
+def fallback_headers(path: str) -> dict[str, str] | None:
+    """The headers of an error answer the app gives outside the routes here (``secured``): a path
+    under ``/ui`` that none serves (404), a method none takes (405), a body over the limit (413), a
+    bug (500). None for a path not under ``/ui``."""
+    if path == UI or path.startswith(UI + "/"):
+        return {**SECURITY_HEADERS, **NO_STORE}
+    return None
 
 
 class InspectorAPI:

@@ -15,6 +15,7 @@ gateways can run in one process.
 
 from __future__ import annotations
 
+import re
 import time
 from bisect import bisect_left
 from typing import Iterable
@@ -28,6 +29,9 @@ from ..proxy.request_record import RequestRecord
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+MAX_ERROR_CODES = 100  # distinct ``code`` label values; later new codes are counted as OTHER_CODE
+OTHER_CODE = "other"
+_CODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # what an error code looks like; anything else is OTHER_CODE
 
 
 class Histogram:
@@ -57,6 +61,10 @@ class RequestStats:
 
     The ``model`` label is the catalog id, or ``""`` when the request never
     got that far: a client-sent name must not become a label (cardinality).
+    The ``code`` label is the error code, the gateway's own or the upstream's
+    (which may be made of what the client sent): one that does not look like
+    a code (``_CODE``), or a new one once ``MAX_ERROR_CODES`` are labels, is
+    counted as ``OTHER_CODE``.
     """
 
     def __init__(self) -> None:
@@ -67,13 +75,14 @@ class RequestStats:
         self.duration: dict[tuple, Histogram] = {}  # (model, endpoint)
         self.ttft: dict[tuple, Histogram] = {}
         self.commits = Histogram(COMMIT_BUCKETS)
+        self.codes: set[str] = set()  # the error codes that are labels
 
     def observe(self, row: dict, record: RequestRecord) -> None:
         org, model, endpoint = row["org"], record.call.model or "", row["endpoint"]
         key = (org, model, endpoint, row["status"])
         self.requests[key] = self.requests.get(key, 0) + 1
         if row["error_code"] is not None:
-            key = (org, model, endpoint, row["error_code"])
+            key = (org, model, endpoint, self._code(row["error_code"]))
             self.errors[key] = self.errors.get(key, 0) + 1
         if row["disconnected"]:
             key = (org, model, endpoint)
@@ -96,6 +105,17 @@ class RequestStats:
             if hist is None:
                 hist = self.ttft[key] = Histogram(TTFT_BUCKETS)
             hist.observe(row["ttft_ms"] / 1000)
+
+
+    def _code(self, code: str) -> str:
+        """``code`` as a label value: itself, or ``OTHER_CODE``."""
+        codes = self.codes
+        if code in codes:
+            return code
+        if len(codes) >= MAX_ERROR_CODES or not _CODE.fullmatch(code):
+            return OTHER_CODE
+        codes.add(code)
+        return code
 
 
 class ReloadStats:

@@ -19,6 +19,7 @@ from asyncio import get_running_loop
 from random import getrandbits
 from time import time_ns
 
+from ..proxy.request_record import stored_text
 from . import otlp_wire as wire
 
 _ATTRIBUTE, _NO_STATUS = wire.attribute, wire.status(None)
@@ -245,10 +246,11 @@ class RequestTrace:
         if status is not None:
             attrs.append(_STATUS_CODE.encode(status))
         outcome = _NO_STATUS
-        if row["error_code"] is not None:
-            attrs.append(_ERROR_TYPE.encode(row["error_code"]))
+        if (code := row["error_code"]) is not None:
+            code = stored_text(code)  # an upstream's, perhaps made of the client's text
+            attrs.append(_ERROR_TYPE.encode(code))
             if status >= 500 or status == 200:  # a server fault, or a stream that ended in one
-                outcome = wire.status(row["error_code"])
+                outcome = wire.status(code)
         spans.append(wire.span(self.trace, ids[16:24], self.parent_id, self._state_field(), self.name, wire.SERVER,
                                self.start, now, b"".join(attrs), self.events, outcome,
                                wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
@@ -261,11 +263,18 @@ _MODELS: dict[tuple[str, str], tuple[str, bytes]] = {}  # (operation, requested 
 
 
 def _model(operation: str, requested: str) -> tuple[str, bytes]:
-    """The request span's name and its ``gen_ai.request.model``, kept for the (operation, model) pairs seen."""
+    """The request span's name and its ``gen_ai.request.model``, kept for the (operation, model) pairs seen.
+
+    The model a client names is any JSON string up to the body's limit: a span holds it as the usage row
+    does (``stored_text``: its first 255 characters and "…", a NUL as U+FFFD), as ``gen_ai.response.model``
+    (the row's) does too; JSON cannot hold a lone surrogate, so it is valid UTF-8."""
     key = (operation, requested)
     found = _MODELS.get(key)
     if found is None:
+        shown = stored_text(requested)
+        if shown is not requested:  # cut or changed: not kept, nor the long text as a key
+            return f"{operation} {shown}", wire.unique(b"J", "gen_ai.request.model", shown)
         if len(_MODELS) >= wire.SEEN_AT_MOST:
             _MODELS.clear()
-        found = _MODELS[key] = (f"{operation} {requested}", _ATTRIBUTE(b"J", "gen_ai.request.model", requested))
+        found = _MODELS[key] = (f"{operation} {shown}", _ATTRIBUTE(b"J", "gen_ai.request.model", shown))
     return found

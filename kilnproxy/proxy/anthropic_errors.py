@@ -18,7 +18,9 @@ from ..errors import GatewayError, UpstreamFailure
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
          403: "permission_error", 404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-         429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+         429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+# The type of the error event that ends a stream the gateway cannot finish, by its code (else api_error).
+STREAM_TYPES = {"upstream_timeout": "timeout_error", "shutting_down": "overloaded_error"}
 
 
 def error_type(status: int) -> str:

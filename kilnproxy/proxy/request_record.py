@@ -82,9 +82,9 @@ class RequestRecord:
         usage = self.final_usage()
         call = self.call
         model = call.model or stored_text(self.model)
-        error_code = self.error_code
-        if error_code is not None:  # an upstream's own code is any string it sent
-            error_code = stored_text(error_code)
+        code = self.error_code
+        if code is not None:  # an upstream's may be any text
+            code = stored_text(code)
         return {
             "id": call.generation_id,
             "created_at": self.created_at,
@@ -94,7 +94,7 @@ class RequestRecord:
             "endpoint": call.endpoint,
             "stream": int(call.stream),
             "status": self.status,
-            "error_code": error_code,
+            "error_code": code,
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens,

@@ -27,7 +27,9 @@ class Hold:
     """The most one request can cost: a bound on its prompt's tokens (``prompt_token_bound``: its UTF-8
     bytes plus a chat template's tokens, at most the context window) at the prompt price, plus
     ``max_tokens`` (or the model's ``context_window`` when absent) for each choice it asks for (``n``,
-    ``best_of``, and each prompt of a list) at the completion price. ``amount`` is held against the
+    ``best_of``, and each prompt of a list) at the completion price; ``completion``, ``prompts`` (the
+    prompts the window bounds one by one) or the ``prompt`` bound itself given, for the APIs that count
+    them otherwise. ``amount`` is held against the
     org's credits and the key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
 
     It also carries what a ``replica_lost`` row needs, should its replica die: ``prompt_tokens`` and
@@ -38,7 +40,7 @@ class Hold:
                  "amount", "key_limit", "key_since", "tokens", "per_minute", "prompt_tokens")
 
     def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None,
-                 completion: int | None = None):
+                 completion: int | None = None, prompts: int | None = None, prompt: int | None = None):
         self.id = call.generation_id
         self.org = call.org
         self.key_id = call.key_id
@@ -52,7 +54,9 @@ class Hold:
             if completion is None:
                 completion = context_window or 0
             completion *= choice_count(body) * prompt_count(body)
-        prompt = self.prompt_tokens = prompt_token_bound(body, context_window)
+        if prompt is None:
+            prompt = prompt_token_bound(body, context_window, prompts)
+        self.prompt_tokens = prompt
         self.amount = pricing.cost(prompt, completion, 0) if pricing else 0.0
         self.tokens = prompt + completion  # reserved against tokens_per_minute bounds
         # (window name, requests_per_minute, tokens_per_minute) of the org and key, when they have any

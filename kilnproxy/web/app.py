@@ -15,7 +15,7 @@ from aiohttp import web
 
 from ..config import Config
 from ..errors import GatewayError
-from ..inspector import setup_inspector
+from ..inspector import fallback_headers, setup_inspector
 from ..ops import admin, tenancy_api
 from ..plugins.manager import build_plugin_manager
 from ..proxy import apis, read_endpoints
@@ -69,15 +69,18 @@ async def _gateway_ctx(app: web.Application):
 
 @web.middleware
 async def json_errors(request: web.Request, handler):
+    """Errors as JSON; under ``/ui`` with the inspector page's security headers, as its own answers
+    have (looked up on errors only: an answer that succeeds costs nothing more)."""
     try:
         return await handler(request)
     except GatewayError as err:
-        return err.response()
+        return err.response(fallback_headers(request.path))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = "not_found" if exc.status == 404 else "method_not_allowed" if exc.status == 405 else "invalid_request"
-        return GatewayError(exc.status, code, exc.reason, headers=_allow(exc)).response()
+        headers = {**_allow(exc), **(fallback_headers(request.path) or {})}
+        return GatewayError(exc.status, code, exc.reason, headers=headers).response()
     except (ConnectionResetError, web.RequestPayloadError) as exc:
         raise exc
     except Exception:
@@ -85,7 +88,7 @@ async def json_errors(request: web.Request, handler):
             raise
         log.exception("unexpected error on %s %s", request.method, request.path)
         return GatewayError(500, "internal_error", "The gateway failed unexpectedly; see its log.",
-                            type="server_error").response()
+                            type="server_error").response(fallback_headers(request.path))
 
 
 def _allow(exc: web.HTTPException) -> dict:
