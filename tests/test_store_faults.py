@@ -780,3 +780,42 @@ async def test_rows_postgresql_refuses_do_not_hold_up_the_spool(tmp_path, mock_u
 
 async def beat_since(ledger: Ledger, seen) -> bool:
     return await ledger.conn.fetchval("SELECT max(seen_at) FROM kiln_replicas") > seen
+
+
+REFUSALS = {  # a fault for the gateway's sessions (all ended), and its end
+    "password changed": ("ALTER ROLE kiln PASSWORD 'another';",
+                         f"ALTER ROLE kiln PASSWORD '{PostgresServer.PASSWORD}';", "InvalidPasswordError"),
+    "connection limit": ("ALTER DATABASE kiln CONNECTION LIMIT 0;", "ALTER DATABASE kiln CONNECTION LIMIT -1;",
+                         "TooManyConnectionsError"),
+}
+
+
+@pytest.mark.parametrize("fault", list(REFUSALS))
+async def test_a_database_refusing_new_sessions_is_a_store_down_that_ends_by_itself(
+        tmp_path, mock_url, own_postgres, eventually, fault):
+    """The role's password changed, or the database's connection limit reached, and the gateway's
+    sessions ended: it was taken for up (each request a 503 and a line, the heartbeat a traceback a
+    second). Now it is down, says why once, and is up again once the database lets it in."""
+    pg = own_postgres
+    url = pg.url()
+    start, end, why = REFUSALS[fault]
+    a = await replica(tmp_path, "a", mock_url, url)
+    sent: dict[str, int] = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            pg.psql(start)
+            pg.terminate_connections("kiln")
+            status, gen, _ = await asyncio.wait_for(post(session, a.url, completion_body()), GUARD_SECONDS)
+            assert status == 503
+            sent[gen] = status
+            await a.wait_for("stderr", DOWN_LINE)
+            assert why in [line for line in a.lines["stderr"] if DOWN_LINE in line][0]
+            assert (await health(session, a.url))[0]["store"] == "down"
+            pg.psql(end)
+            await a.wait_for("stderr", UP_LINE)
+            await served_again(session, a, sent)
+    finally:
+        await stop_all(a)
+    await settled_once(url, sent, eventually)
+    assert len(store_lines(a)) <= 4, store_lines(a)
+    assert "Traceback" not in "\n".join(a.lines["stderr"])
