@@ -14,9 +14,14 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
 * Liveness (``kilnproxy.store.replicas``): a heartbeat every few seconds; the
   holds of a replica silent for ``replica_timeout_seconds`` stop counting and
   are turned into ``replica_lost`` rows by a surviving replica.
-* Outage: with PostgreSQL out of reach, ``admit`` answers 503
-  ``store_unavailable`` at once, and rows that cannot be settled go to the
-  spool (``kilnproxy.store.spool``), flushed once the database answers again.
+* Outage: with PostgreSQL out of reach the store is down (``available`` and
+  ``refuses_requests`` false): new requests get 503 ``store_unavailable`` at
+  once, without waiting for their rows (``kilnproxy.proxy.request_path``, up
+  to ``MAX_WAITING_ROWS`` rows waiting), and rows that cannot be settled go to
+  the spool (``kilnproxy.store.spool``), flushed once the database answers
+  again (``kilnproxy.store.spool_flush``). A spool that cannot be written is
+  tried again, and PostgreSQL with it; at a stop, rows neither takes are
+  written to the log (``not_committed``).
   A database that answers but refuses the gateway's statements (read-only, a
   full disk, a lock held past ``LOCK_TIMEOUT``, a dropped table) is down the
   same way (``down_error``); only an error of the batch itself (its data, a
@@ -51,12 +56,12 @@ import orjson
 from ..config import Config
 from ..errors import GatewayError, StorageError
 from ..usage import COLUMNS
+from . import spool_flush
 from .batches import Batches, GroupCommitted
 from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, per_minute_exceeded, rate_limited
 from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
-from . import spool_flush
 from .spool import Damaged, Spool
 from .sqlstates import database_state
 
@@ -92,6 +97,7 @@ CONNECT_TIMEOUT = 5.0
 # terminated mid-statement (MagicStack/asyncpg#1069); the pool's connections are then replaced.
 UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
                asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
+
 
 def down_error(exc: BaseException) -> bool:
     """Whether ``exc`` means the store cannot take statements now (rather than this batch failed):
@@ -188,7 +194,6 @@ class PostgresStore(GroupCommitted):
         self.commit_failures = 0
         self._down_since: float | None = None  # loop time the store went down (None: up)
         self._said_at = 0.0  # loop time the log last said the store is down
-        self._down_reason = ""
 
     # -- life cycle -------------------------------------------------------------
 
@@ -442,11 +447,11 @@ class PostgresStore(GroupCommitted):
             self.available = False
             self.refuses_requests = True
             self.refused = 0
-            self._down_since, self._said_at, self._down_reason = now, now, reason
+            self._down_since = self._said_at = now
             log.error("%s; new requests get 503 store_unavailable, rows are spooled", reason)
             self.heartbeat.poke()
         elif now - self._said_at >= REMIND_SECONDS:
-            self._said_at, self._down_reason = now, reason
+            self._said_at = now
             log.error("still down after %.0f s: %s; usage rows spooled: %d", now - (self._down_since or now),
                       reason, self.spooled)
         return True
