@@ -819,3 +819,17 @@ async def test_a_database_refusing_new_sessions_is_a_store_down_that_ends_by_its
     await settled_once(url, sent, eventually)
     assert len(store_lines(a)) <= 4, store_lines(a)
     assert "Traceback" not in "\n".join(a.lines["stderr"])
+
+
+async def test_a_spool_that_cannot_be_opened_stops_the_start_with_one_line(tmp_path, mock_url, pg_url):
+    """A ``spool_path`` whose folder cannot be made (a file stands where it should be): one line naming
+    the file and what to check, exit status 2, no traceback."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "taken").write_text("a file, not a folder")
+    gateway = GatewayProcess(tmp_path / "a", replica_config(mock_url, pg_url, storage={"spool_path": "taken/spool.db"}))
+    await gateway.start_without_banner()
+    assert await gateway.wait() == 2
+    err = [line for line in gateway.lines["stderr"] if line.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"kilnproxy: error: cannot open the spool {str(tmp_path / 'a' / 'taken' / 'spool.db')!r}: ")
+    assert err[0].endswith("(check [storage] spool_path and its permissions)")
