@@ -833,3 +833,22 @@ async def test_a_spool_that_cannot_be_opened_stops_the_start_with_one_line(tmp_p
     assert len(err) == 1, err
     assert err[0].startswith(f"kilnproxy: error: cannot open the spool {str(tmp_path / 'a' / 'taken' / 'spool.db')!r}: ")
     assert err[0].endswith("(check [storage] spool_path and its permissions)")
+
+
+async def test_a_read_that_runs_too_long_is_its_own_503_and_leaves_the_store_up(harness, tmp_path, pg_url):
+    """A read of the inspector (its usage chart over a long span of a large table, say) that runs past
+    the statement timeout took the whole store down: every client 503 ``store_unavailable`` until the
+    next heartbeat, the log saying PostgreSQL was out of reach. Now that read alone is a 503 saying it
+    took too long; the store stays up."""
+    from kilnproxy.errors import GatewayError
+
+    storage = {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}
+    async with harness(overrides={"storage": storage}) as h:
+        store = h.gw.ledger
+        with pytest.raises(GatewayError) as refused:
+            await store.fetch("SELECT pg_sleep(5)")
+        assert refused.value.status == 503 and refused.value.code == "store_unavailable"
+        assert "did not answer this query within" in refused.value.message
+        assert store.available and not store.refuses_requests
+        status, _, _ = await post(h.session, h.url, completion_body())
+        assert status == 200

@@ -528,6 +528,10 @@ class PostgresStore(GroupCommitted):
             raise store_unavailable()
         try:
             return await self.run(method, sql, *args)
+        except asyncpg.QueryCanceledError:  # ran past the statement timeout: this read, not the store
+            raise GatewayError(503, "store_unavailable", "The gateway's database did not answer this query "
+                               f"within {SERVER_STATEMENT_TIMEOUT:g} s; ask for less (a shorter span) or retry.",
+                               type="service_unavailable") from None
         except (*UNREACHABLE, asyncpg.PostgresError) as exc:
             if not self.lost(exc):
                 raise
