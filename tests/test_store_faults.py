@@ -232,7 +232,7 @@ async def test_a_lock_held_by_another_session_bounds_the_wait_and_leaves_no_hold
                 if status == 503:
                     assert json.loads(raw)["error"]["code"] == "store_unavailable"
                 sent[gen] = status
-            assert loop.time() - started < 4.0  # the wait was bounded
+            assert loop.time() - started < 5.0  # the wait was bounded (by the lock timeout: 2 s)
             await a.wait_for("stderr", DOWN_LINE)
             assert "lock" in [line for line in a.lines["stderr"] if DOWN_LINE in line][0]
             # while the lock is held the store stays down (it flapped: up at each heartbeat, down at the next
