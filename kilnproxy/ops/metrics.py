@@ -258,9 +258,10 @@ class GatewayCollector:
             yield GaugeMetricFamily("kilnproxy_store_up", "1 while the store takes usage rows: PostgreSQL answers, "
                                     "or the SQLite file has been written within the last seconds.",
                                     value=int(available))
-        if "refused_unrecorded" in stats:  # SQLite
+        if "refused_unrecorded" in stats:
             yield CounterMetricFamily("kilnproxy_ledger_refused_unrecorded", "Requests refused with 503 "
-                                      "store_unavailable without a usage row: too many rows waited in memory.",
+                                      "store_unavailable without a usage row: too many rows waited (in memory, "
+                                      "or in the spool).",
                                       value=stats["refused_unrecorded"])
         if hasattr(ledger, "spooled"):  # a shared store (PostgreSQL)
             yield GaugeMetricFamily("kilnproxy_store_spooled_rows",

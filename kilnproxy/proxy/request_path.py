@@ -80,10 +80,11 @@ class Api:
 
 
 def refused_while_down(gw: Gateway, org: str, key_id: str, endpoint: str, api: Api) -> web.Response:
-    """The SQLite ledger has not committed for a while (``kilnproxy.store.sqlite``): 503
-    ``store_unavailable`` at once, before anything else, so that nothing is served that could not be
-    accounted for. Its row waits in memory with the others and the answer does not wait for it;
-    once ``max_waiting_rows`` rows wait, the refusal has no row and no generation id (as a 401)."""
+    """The store is down (the SQLite ledger has not committed for a while, ``kilnproxy.store.sqlite``;
+    PostgreSQL cannot take statements, ``kilnproxy.store.postgres``): 503 ``store_unavailable`` at
+    once, before anything else, so that nothing is served that could not be accounted for. Its row
+    waits with the others (in memory; on PostgreSQL, then in the spool) and the answer does not wait
+    for it; once ``max_waiting_rows`` rows wait, the refusal has no row and no generation id (as a 401)."""
     ledger = gw.ledger
     err = store_unavailable()
     if not ledger.keeps_refused_rows():
@@ -103,7 +104,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         key = gw.keys.authenticate(api.authorization(request))  # 401: no org, no row
     except GatewayError as err:
         return api.error(err)
-    if getattr(gw.ledger, "refuses_requests", False):  # the SQLite file cannot be written
+    if getattr(gw.ledger, "refuses_requests", False):  # the store is down
         return refused_while_down(gw, key.org, key.id, endpoint, api)
     call = open_call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)  # sealed before plugins
     record = RequestRecord(call)

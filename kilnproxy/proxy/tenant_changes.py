@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 from ..errors import GatewayError
 from ..store import tenancy_validation as bodies
+from ..store.sqlstates import database_state
 from .tenant_views import TenancyView, grant_object
 
 if TYPE_CHECKING:
@@ -62,13 +63,16 @@ def conflict(org_id: str) -> GatewayError:
 
 
 def store_unavailable(exc: BaseException) -> bool:
-    """True when ``exc`` says the database is out of reach, not that the gateway has a bug."""
+    """True when ``exc`` says the database is out of reach or refuses statements now (read-only, a
+    lock held, a full disk: ``kilnproxy.store.sqlstates``), not that the gateway has a bug."""
     if isinstance(exc, (OSError, asyncio.TimeoutError, sqlite3.OperationalError)):
         return True
     asyncpg = sys.modules.get("asyncpg")  # loaded only when a PostgreSQL store is configured
-    return asyncpg is not None and isinstance(exc, (asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
-                                                    asyncpg.OperatorInterventionError,
-                                                    asyncpg.InternalClientError))
+    if asyncpg is None:
+        return False
+    if isinstance(exc, asyncpg.PostgresError):
+        return database_state(exc.sqlstate)
+    return isinstance(exc, (asyncpg.InterfaceError, asyncpg.InternalClientError))
 
 
 @contextmanager

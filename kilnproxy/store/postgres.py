@@ -14,9 +14,25 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
 * Liveness (``kilnproxy.store.replicas``): a heartbeat every few seconds; the
   holds of a replica silent for ``replica_timeout_seconds`` stop counting and
   are turned into ``replica_lost`` rows by a surviving replica.
-* Outage: with PostgreSQL out of reach, ``admit`` answers 503
-  ``store_unavailable`` at once, and rows that cannot be settled go to the
-  spool (``kilnproxy.store.spool``), flushed once the database answers again.
+* Outage: with PostgreSQL out of reach the store is down (``available`` and
+  ``refuses_requests`` false): new requests get 503 ``store_unavailable`` at
+  once, without waiting for their rows (``kilnproxy.proxy.request_path``, up
+  to ``MAX_WAITING_ROWS`` rows waiting), and rows that cannot be settled go to
+  the spool (``kilnproxy.store.spool``), flushed once the database answers
+  again (``kilnproxy.store.spool_flush``). A spool that cannot be written is
+  tried again, and PostgreSQL with it; at a stop, rows neither takes are
+  written to the log (``not_committed``).
+  A database that answers but refuses the gateway's statements (read-only, a
+  full disk, a lock held past ``LOCK_TIMEOUT``, a dropped table) is down the
+  same way (``down_error``); only an error of the batch itself (its data, a
+  deadlock) leaves the store up. The store is up again once a heartbeat and a
+  settlement of spooled rows have both passed (``Heartbeat.beat``): a database
+  that answers reads but still refuses rows does not make it flap.
+* Every statement is bounded on both sides: PostgreSQL ends one that waits for
+  a lock past ``LOCK_TIMEOUT`` or runs past ``SERVER_STATEMENT_TIMEOUT`` (the
+  session's settings), before the client gives up at ``STATEMENT_TIMEOUT``. A
+  statement the client gave up on would otherwise go on in the server, its
+  locks held, and might commit a hold for a request already answered 503.
 
 Nothing holds a connection across a stream. The admitter and the writer each
 keep a connection of their own for their statements (``kilnproxy.store.pinned``:
@@ -40,12 +56,14 @@ import orjson
 from ..config import Config
 from ..errors import GatewayError, StorageError
 from ..usage import COLUMNS
+from . import spool_flush
 from .batches import Batches, GroupCommitted
 from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, per_minute_exceeded, rate_limited
 from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
-from .spool import Spool
+from .spool import Damaged, Spool
+from .sqlstates import database_state
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -66,12 +84,29 @@ logging.getLogger("asyncpg.pool").addFilter(OneLine())
 
 POOL_SIZE = 5  # besides the admitter's and the writer's own connections (``Pinned``)
 STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
+LOCK_TIMEOUT = 2.0  # seconds a statement may wait for a lock, in the server (another session's lock)
+SERVER_STATEMENT_TIMEOUT = 2.5  # seconds a statement may run, in the server: ended there before the client's
+REMIND_SECONDS = 60.0  # while down, how often the log says so again
+SPOOL_RETRY_SECONDS = 0.2  # while the spool cannot be written, how often it (and PostgreSQL) is tried again
+LAST_TRY_SECONDS = 5.0  # at a stop, how long rows that neither PostgreSQL nor the spool takes are still tried
+# Rows waiting (in memory and in the spool) past which a request refused while the store is down gets
+# no row: a long outage under traffic does not fill the spool's disk with refusals (about 60 MB).
+MAX_WAITING_ROWS = 200_000
 CONNECT_TIMEOUT = 5.0
-FLUSH_ROWS = 500  # rows per settlement when the spool is flushed
 # What a lost connection raises. InternalClientError: asyncpg's protocol state after a session was
 # terminated mid-statement (MagicStack/asyncpg#1069); the pool's connections are then replaced.
 UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
                asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
+
+
+def down_error(exc: BaseException) -> bool:
+    """Whether ``exc`` means the store cannot take statements now (rather than this batch failed):
+    out of reach, or PostgreSQL refusing them (read-only, a full disk, a lock or statement timeout,
+    too many connections, a password or a table gone)."""
+    if isinstance(exc, UNREACHABLE):
+        return True
+    return isinstance(exc, asyncpg.PostgresError) and database_state(exc.sqlstate)
+
 
 ADMIT = "SELECT * FROM kiln_admit($1::jsonb, $2, $3)"
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
@@ -137,6 +172,15 @@ class PostgresStore(GroupCommitted):
         self.spool = Spool(config.spool_path)
         self.pool: asyncpg.Pool | None = None
         self.available = False  # the last statement reached the database
+        # the same, read by the request path: while down, new requests are refused at once
+        # (``kilnproxy.proxy.request_path.refused_while_down``), their rows not awaited
+        self.refuses_requests = False
+        self.max_waiting_rows = MAX_WAITING_ROWS
+        self.refused = 0  # requests refused while down (this outage), with a row
+        self.refused_unrecorded = 0  # requests refused without a row: max_waiting_rows were waiting (ever)
+        self.not_committed: list[dict[str, Any]] = []  # rows given up at a stop (and written to the log)
+        self._give_up_at: float | None = None  # loop time, once stopping, past which rows are given up
+        self._spooling = 0  # rows the writer is putting in the spool
         self.heartbeat = Heartbeat(self)
         self.counts = Counts()  # this replica's requests in flight, for metrics
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
@@ -144,8 +188,12 @@ class PostgresStore(GroupCommitted):
         self.writer = Pinned(self)  # the connection of ``rows``' task
         self.admitter = Pinned(self)  # the connection of ``admissions``' task
         self._flushing = asyncio.Lock()
-        self.spooled = 0
+        self.spooled = 0  # rows in the spool
+        self.stuck: set[str] = set()  # ids of spooled rows PostgreSQL refused, set aside (spool_flush)
+        self.settle_error: BaseException | None = None  # why the last failed settlement failed, the store up
         self.commit_failures = 0
+        self._down_since: float | None = None  # loop time the store went down (None: up)
+        self._said_at = 0.0  # loop time the log last said the store is down
 
     # -- life cycle -------------------------------------------------------------
 
@@ -169,6 +217,11 @@ class PostgresStore(GroupCommitted):
         await self.heartbeat.beat()
         try:
             self.spooled = await asyncio.to_thread(self.spool.open)
+        except Damaged as exc:
+            await self.pool.close()
+            raise StorageError(f"the spool {str(self.spool.path)!r} is damaged ({exc}): move it aside and start "
+                               "again; its rows can be saved with `sqlite3 FILE .recover` into a new file, then "
+                               "`kilnproxy import-ledger NEWFILE`") from None
         except Exception as exc:
             await self.pool.close()
             raise StorageError(f"cannot open the spool {str(self.spool.path)!r}: {exc}"
@@ -181,14 +234,19 @@ class PostgresStore(GroupCommitted):
             await self.flush_spool()
 
     def _session(self) -> dict[str, str]:
-        return {"application_name": f"kilnproxy {self.replica}"}
+        return {"application_name": f"kilnproxy {self.replica}",
+                "lock_timeout": str(int(LOCK_TIMEOUT * 1000)),
+                "statement_timeout": str(int(SERVER_STATEMENT_TIMEOUT * 1000))}
 
     async def connect(self) -> asyncpg.Connection:
         """A new connection of this replica, outside the pool (``Pinned``)."""
         return await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT, server_settings=self._session())
 
     async def close(self) -> None:
-        """Settle everything submitted (into the spool if the database is out of reach), then disconnect."""
+        """Settle everything submitted (into the spool if the database is out of reach), then disconnect.
+        Rows that neither takes for ``LAST_TRY_SECONDS`` are written to the log, one JSON line each
+        (``not_committed``)."""
+        self._give_up_at = asyncio.get_running_loop().time() + LAST_TRY_SECONDS
         await self.rows.close()
         await self.heartbeat.stop()
         await self.admissions.close()
@@ -205,6 +263,12 @@ class PostgresStore(GroupCommitted):
                 self.pool.terminate()
             self.pool = None
         self.spool.close()
+        if self.not_committed:
+            log.error("stopping with usage rows neither PostgreSQL nor the spool %s took: %d; each follows on a line "
+                      "of its own, 'usage row not committed: ' and the row as JSON", self.spool.path,
+                      len(self.not_committed))
+            for row in self.not_committed:
+                log.error("usage row not committed: %s", orjson.dumps(row, default=str).decode())
 
     def _reason(self, exc: BaseException) -> str:
         return _reason(exc, urlsplit(self.url).password)
@@ -234,14 +298,14 @@ class PostgresStore(GroupCommitted):
         self.counts.taken(hold.org)
 
     async def _admit(self, holds: list[dict[str, Any]]) -> list[tuple[str, float]]:
+        if not self.available:  # went down while these waited for the batch before: refused at once
+            raise store_unavailable()
         try:
             verdicts = await self.admitter.run("fetch", ADMIT, orjson.dumps(holds).decode(), self.replica,
                                                self.timeout)
-        except UNREACHABLE as exc:
-            self.lost(exc)
-            raise store_unavailable() from None
-        except asyncpg.PostgresError as exc:  # a deadlock: these requests get 503, the next batch is tried anew
-            log.error("admission of %d requests failed: %s", len(holds), exc)
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):  # a deadlock: these requests get 503, the next batch is tried anew
+                log.error("admission of %d requests failed: %s", len(holds), exc)
             raise store_unavailable() from None
         return [(v["r_verdict"], v["r_spent"]) for v in verdicts]
 
@@ -255,17 +319,19 @@ class PostgresStore(GroupCommitted):
                 "amount": new.amount, "prompt_cost": new.prompt_cost, "prompt_tokens": new.prompt_tokens,
                 "key_id": hold.key_id, "model": new.model, "requested_model": hold.model,
                 "key_limit": hold.key_limit, "key_since": hold.key_since}).decode(), self.timeout)
-        except UNREACHABLE as exc:
-            self.lost(exc)
-            raise store_unavailable() from None
-        except asyncpg.PostgresError as exc:
-            log.error("re-placing the hold of %s failed: %s", hold.id, exc)
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):
+                log.error("re-placing the hold of %s failed: %s", hold.id, exc)
             raise store_unavailable() from None
         self.credits.spent[hold.org] = row["r_spent"]
         if row["r_verdict"] == "insufficient_credits":
             raise insufficient_credits(hold.org, holding=True)
         if row["r_verdict"] == "key_limit_exceeded":
             raise key_limit_exceeded(hold.key_id, hold.key_limit)
+
+    def keeps_refused_rows(self) -> bool:
+        """While down: whether the row of a request refused now can still wait (``max_waiting_rows``)."""
+        return self.queue_depth() + self._spooling + self.spooled < self.max_waiting_rows
 
     def release(self, hold: Hold) -> None:
         """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
@@ -285,14 +351,13 @@ class PostgresStore(GroupCommitted):
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Rows are durable once settled in PostgreSQL, or else in the spool."""
-        if not await self._settle(rows, self.writer.run):
+        if not (self.available and await self._settle(rows, self.writer.run)):
             await self._spool(rows)
 
-    async def _settle(self, rows: list[dict[str, Any]], run=None) -> bool:
+    async def _settle(self, rows: list[dict[str, Any]], run=None, say: bool = True) -> bool:
         """One ``kiln_settle`` transaction (sent with ``run``, by default ``self.run``); False when it
-        did not commit (the rows must be kept)."""
-        if not self.available:
-            return False
+        did not commit (the rows must be kept): ``settle_error`` says why, unless the store is down. A
+        refusal is logged if ``say``."""
         run = run or self.run
         try:
             body = orjson.dumps(rows).decode()
@@ -301,59 +366,106 @@ class PostgresStore(GroupCommitted):
                                   row_notices(self.replica, [r["id"] for r in rows]))
             else:
                 spent = await run("fetch", SETTLE, body, self.replica)
-        except UNREACHABLE as exc:
-            self.lost(exc)
-            return False
-        except asyncpg.PostgresError as exc:  # a deadlock, a constraint: kept in the spool and retried
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
             self.commit_failures += 1
-            log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
+            self.settle_error = None
+            if not self.lost(exc):  # a deadlock, a value refused: kept in the spool and retried
+                self.settle_error = exc
+                if say:
+                    log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
             return False
-        except Exception:  # a bug must not stop the writer: the rows are spooled, the responses go on
+        except Exception as exc:  # a bug must not stop the writer: the rows are spooled, the responses go on
             self.commit_failures += 1
+            self.settle_error = exc
             log.exception("usage settlement of %d rows failed, spooled for a retry", len(rows))
             return False
         self._load_spent(spent)
         return True
 
     async def _spool(self, rows: list[dict[str, Any]]) -> None:
+        """Keep ``rows`` in the spool. While it cannot be written (a full disk), the responses waiting
+        for them wait: it is tried again every ``SPOOL_RETRY_SECONDS``, and so is PostgreSQL once
+        the store is up; the log says so once, when the error changes, then once a minute. Stopping,
+        rows are given up after ``LAST_TRY_SECONDS`` (``not_committed``)."""
+        self._spooling = len(rows)
+        try:
+            await self._keep(rows)
+        finally:
+            self._spooling = 0
+
+    async def _keep(self, rows: list[dict[str, Any]]) -> None:
+        loop = asyncio.get_running_loop()
+        failing_since = said_at = None
+        error = ""
         while True:
             try:
                 await asyncio.to_thread(self.spool.add, rows)
-                self.spooled += len(rows)
-                return
-            except Exception as exc:  # a full disk: the responses wait, no row is dropped
+            except Exception as exc:
                 self.commit_failures += 1
-                log.error("cannot spool %d usage rows, retrying: %s", len(rows), exc)
-                await asyncio.sleep(0.2)
+                now = loop.time()
+                if failing_since is None or str(exc) != error or now - said_at >= REMIND_SECONDS:
+                    log.error("cannot write %d usage rows to the spool %s: %s; tried again every %g s, and "
+                              "PostgreSQL once it is up; the responses waiting for them wait", len(rows),
+                              self.spool.path, exc, SPOOL_RETRY_SECONDS)
+                    said_at = now
+                failing_since, error = failing_since or now, str(exc)
+                if self._give_up_at is not None and now >= self._give_up_at:
+                    self.not_committed += rows
+                    return
+                await asyncio.sleep(SPOOL_RETRY_SECONDS)
+                if self.available and await self._settle(rows, self.writer.run):
+                    log.warning("%d usage rows the spool could not take are settled in PostgreSQL", len(rows))
+                    return
+                continue
+            self.spooled += len(rows)
+            if failing_since is not None:
+                log.warning("the spool takes rows again after %.1f s", loop.time() - failing_since)
+            return
 
     async def tell_reaped(self) -> None:
         """Rows were reaped (``replica_lost``): ``"<replica> *"`` tells every inspector to reload its list."""
         if self.tell_rows:
             await self.attempt("execute", "SELECT pg_notify($1, $2)", ROWS_CHANNEL, f"{self.replica} *")
 
-    async def flush_spool(self) -> None:
-        """Settle the spooled rows in PostgreSQL, oldest first; stops at the first failure."""
+    async def flush_spool(self, batches: int | None = None) -> bool:
+        """Settle the spooled rows in PostgreSQL (``kilnproxy.store.spool_flush``)."""
         async with self._flushing:
-            while self.spooled and self.available:
-                rows = await asyncio.to_thread(self.spool.take, FLUSH_ROWS)
-                if not rows:
-                    self.spooled = 0
-                    return
-                if not await self._settle(rows):
-                    return
-                await asyncio.to_thread(self.spool.remove, [r["id"] for r in rows])
-                self.spooled = max(0, self.spooled - len(rows))
-                log.info("settled %d spooled usage rows, %d left", len(rows), self.spooled)
+            return await spool_flush.flush(self, batches)
 
     # -- reachability ----------------------------------------------------------------
 
-    def lost(self, exc: BaseException) -> None:
+    def lost(self, exc: BaseException) -> bool:
+        """A statement failed with ``exc``: if it means the store cannot take statements now
+        (``down_error``), the store is down (the log says so when it goes down, then once every
+        ``REMIND_SECONDS``). Whether it does."""
+        if not down_error(exc):
+            return False
         self.heartbeat.in_touch_since = None
+        now = asyncio.get_running_loop().time()
+        reason = self._why(exc)
         if self.available:
-            log.error("PostgreSQL is out of reach (%s); new requests get 503 store_unavailable, rows are spooled",
-                      self._reason(exc))
             self.available = False
+            self.refuses_requests = True
+            self.refused = 0
+            self._down_since = self._said_at = now
+            log.error("%s; new requests get 503 store_unavailable, rows are spooled", reason)
             self.heartbeat.poke()
+        elif now - self._said_at >= REMIND_SECONDS:
+            self._said_at = now
+            log.error("still down after %.0f s: %s; usage rows spooled: %d", now - (self._down_since or now),
+                      reason, self.spooled)
+        return True
+
+    def _why(self, exc: BaseException) -> str:
+        """What the log says of a store down because of ``exc``."""
+        if isinstance(exc, asyncpg.LockNotAvailableError):
+            return (f"PostgreSQL refuses the gateway's statements: a lock held by another session for more "
+                    f"than {LOCK_TIMEOUT:g} s ({self._reason(exc)})")
+        if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
+            return f"PostgreSQL refuses the gateway's statements: the database is read-only ({self._reason(exc)})"
+        if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, UNREACHABLE):
+            return f"PostgreSQL refuses the gateway's statements ({type(exc).__name__}: {self._reason(exc)})"
+        return f"PostgreSQL is out of reach ({self._reason(exc)})"
 
     async def run(self, method: str, sql: str, *args):
         """``conn.<method>(sql, *args)`` on a pooled connection; borrowing it, the statement and giving
@@ -365,11 +477,12 @@ class PostgresStore(GroupCommitted):
         return await asyncio.wait_for(call(), 2 * STATEMENT_TIMEOUT)
 
     async def attempt(self, method: str, sql: str, *args):
-        """``run``, or ``None`` when the database is out of reach (marked so)."""
+        """``run``, or ``None`` when the store cannot take statements (marked down: ``lost``)."""
         try:
             return await self.run(method, sql, *args)
-        except UNREACHABLE as exc:
-            self.lost(exc)
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):
+                raise
             return None
 
     async def expire_connections(self) -> None:
@@ -380,9 +493,12 @@ class PostgresStore(GroupCommitted):
         self.admitter.expire()
 
     def reached(self) -> None:
-        if not self.available:
-            log.warning("PostgreSQL answers again")
-        self.available = True
+        """A heartbeat and a settlement passed: the store is up."""
+        if self._down_since is not None:  # (not at start-up)
+            log.warning("PostgreSQL takes rows again after %.1f s; new requests are served again (%d refused "
+                        "meanwhile)", asyncio.get_running_loop().time() - self._down_since, self.refused)
+            self._down_since = None
+        self.available, self.refuses_requests = True, False
 
     def _load_spent(self, records: Iterable[asyncpg.Record]) -> None:
         for org, spent in records:
@@ -412,12 +528,18 @@ class PostgresStore(GroupCommitted):
             raise store_unavailable()
         try:
             return await self.run(method, sql, *args)
-        except UNREACHABLE as exc:
-            self.lost(exc)
+        except asyncpg.QueryCanceledError:  # ran past the statement timeout: this read, not the store
+            raise GatewayError(503, "store_unavailable", "The gateway's database did not answer this query "
+                               f"within {SERVER_STATEMENT_TIMEOUT:g} s; ask for less (a shorter span) or retry.",
+                               type="service_unavailable") from None
+        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not self.lost(exc):
+                raise
             raise store_unavailable() from None
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), "spooled": self.spooled, "store_up": int(self.available)}
+        return {**super().stats(), "spooled": self.spooled, "store_up": int(self.available),
+                "refused_unrecorded": self.refused_unrecorded}
 
 
 async def _nothing_to_reset(conn: asyncpg.Connection) -> None:

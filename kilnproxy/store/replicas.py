@@ -10,9 +10,14 @@ A replica reaps only once it has itself been in touch with the database for
 a whole timeout: right after an outage every replica's heartbeat is stale,
 and the first one back must not take the others, still reconnecting, for dead.
 
-While the database is out of reach the beat is tried every ``RETRY_SECONDS``,
-so that the store is marked reachable again soon after it answers; then the
-spool is flushed.
+While the store is down the beat is tried every ``RETRY_SECONDS``, on new
+connections (the old ones may keep a session's state, such as read-only); the
+store is up again once the beat passes and, if rows are spooled, the first
+batch of them is settled: a database that answers but still refuses rows (a
+lock, read-only) keeps it down rather than make it flap. Then the rest of the
+spool is flushed, by a task of its own: thousands of rows spooled through an
+outage take seconds to settle, and a heartbeat that waited for them would make
+its replica look dead to the others (its requests in flight reaped).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Heartbeat:
         self.in_touch_since: float | None = None  # loop time of the first beat since the last failure
         self.reaped = 0
         self._task: asyncio.Task | None = None
+        self._flush: asyncio.Task | None = None
         self._poke = asyncio.Event()
 
     def start(self) -> None:
@@ -48,13 +54,14 @@ class Heartbeat:
 
     async def stop(self) -> None:
         self._task = await cancelled(self._task)
+        self._flush = await cancelled(self._flush)  # what it settled is settled; the rest stays spooled
 
     def poke(self) -> None:
         """The store just became unreachable: try again soon rather than at the next interval."""
         self._poke.set()
 
     async def beat(self) -> None:
-        """One heartbeat; marks the store reachable or not. Never raises for an unreachable database."""
+        """One heartbeat; marks the store up or down. Never raises for a store that is down."""
         store = self.store
         if not store.available:
             await store.expire_connections()  # after a failure, none of them is to be trusted
@@ -64,6 +71,8 @@ class Heartbeat:
         if self.in_touch_since is None:
             self.in_touch_since = asyncio.get_running_loop().time()
         store._load_spent(rows)
+        if not store.available and store.spooled and not await store.flush_spool(batches=1):
+            return  # the database answers, but does not take rows yet
         store.reached()
 
     async def reap(self) -> None:
@@ -77,6 +86,12 @@ class Heartbeat:
         if lost_before != self.reaped:
             await store.tell_reaped()
 
+    async def _flush_spool(self) -> None:
+        try:
+            await self.store.flush_spool()
+        except Exception:  # a bug: the next beat tries again
+            log.exception("flushing the spool failed")
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -86,9 +101,9 @@ class Heartbeat:
                 await self.beat()
                 if not self.store.available:
                     continue
-                if self.store.spooled:
-                    await self.store.flush_spool()
-                if loop.time() - self.in_touch_since >= self.store.timeout:
+                if self.store.spooled and (self._flush is None or self._flush.done()):
+                    self._flush = asyncio.create_task(self._flush_spool(), name="kilnproxy-spool-flush")
+                if self.in_touch_since is not None and loop.time() - self.in_touch_since >= self.store.timeout:
                     await self.reap()
             except asyncio.CancelledError:
                 raise

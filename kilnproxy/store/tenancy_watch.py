@@ -12,6 +12,10 @@ did (``kilnproxy.proxy.tenants.Tenants.refresh``).
   commit), plus a check every ``POSTGRES_POLL`` seconds for a notification
   missed while that connection was down; it reconnects after a failure, and
   checks once at each reconnection.
+
+While the store cannot be read (an outage), the log says so once, then once
+every ``REMIND_SECONDS``, and once more when it can be read again: not at
+every check.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ log = logging.getLogger("kilnproxy.tenancy")
 SQLITE_POLL = 0.5
 POSTGRES_POLL = 5.0
 CONNECT_TIMEOUT = 5.0
+REMIND_SECONDS = 60.0
 
 
 class ChangeWatch:
@@ -38,6 +43,7 @@ class ChangeWatch:
         self._nudged = asyncio.Event()
         self._conn = None
         self._task: asyncio.Task | None = None
+        self._trouble: dict[str, tuple[float, float]] = {}  # what fails -> (since, said at), loop times
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kilnproxy-tenancy-watch")
@@ -60,7 +66,24 @@ class ChangeWatch:
             try:
                 await self.on_change()
             except Exception as exc:  # the store out of reach: the next check tries again
-                log.warning("cannot read runtime orgs and keys from the store: %s", exc)
+                self._failed("read runtime orgs and keys from the store", exc)
+            else:
+                self._recovered("read runtime orgs and keys from the store")
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        now = asyncio.get_running_loop().time()
+        since, said = self._trouble.get(what, (None, 0.0))
+        if since is None:
+            self._trouble[what] = (now, now)
+            log.warning("cannot %s: %s (tried again every %g s)", what, exc, self.poll)
+        elif now - said >= REMIND_SECONDS:
+            self._trouble[what] = (since, now)
+            log.warning("still cannot %s after %.0f s: %s", what, now - since, exc)
+
+    def _recovered(self, what: str) -> None:
+        if what in self._trouble:
+            since, _ = self._trouble.pop(what)
+            log.warning("can %s again after %.1f s", what, asyncio.get_running_loop().time() - since)
 
     async def _listen(self) -> None:
         import asyncpg  # only with PostgreSQL configured
@@ -70,9 +93,10 @@ class ChangeWatch:
             await self._conn.add_listener(NOTIFY_CHANNEL, self.nudge)
             self._conn.add_termination_listener(self._lost)
         except Exception as exc:
-            log.warning("cannot listen for changes of orgs and keys (checking every %g s): %s", self.poll, exc)
+            self._failed("listen for changes of orgs and keys", exc)
             await self._disconnect()
             return
+        self._recovered("listen for changes of orgs and keys")
         self._nudged.set()  # whatever changed while no one listened
 
     def _lost(self, _conn) -> None:
