@@ -6,6 +6,7 @@ import asyncio
 import signal
 
 import aiohttp
+import asyncpg
 import pytest
 from aiohttp import web
 from processes import GatewayProcess, gateway_config
@@ -111,6 +112,58 @@ async def test_the_client_leaving_while_queued(harness, eventually):
             assert resp.status == 200  # nothing leaked: the slot is free
         assert h.mock.app[STATS]["requests"] == 2  # the request that left never reached the upstream
         assert len(await eventually(lambda: h.rows())) == 3
+
+
+async def minute_tokens(h) -> int:
+    """The tokens the org's per-minute window holds: this process' window, or PostgreSQL's entries."""
+    url = h.gw.config.storage.url
+    if not url:
+        return h.gw.admission.minutes.usage("org:acme")[1]
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval("SELECT coalesce(sum(tokens), 0) FROM kiln_minute WHERE org = 'acme'")
+    finally:
+        await conn.close()
+
+
+async def test_a_client_leaving_while_queued_pays_nothing_and_its_place_goes_to_the_next(harness, store, eventually):
+    """The request never reached a model server: its row charges no token (its per-minute tokens
+    settle to 0), and the request queued behind it gets the slot."""
+    def configure(config):
+        slotted(1, queue_timeout=60)(config)
+        config["orgs"][0]["tokens_per_minute"] = 10_000_000
+    async with harness(overrides=store, configure=configure) as h:
+        async with aiohttp.ClientSession() as s:
+            holder = await s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 4, "mock": {"silence": 3600}})
+            leaver = asyncio.create_task(s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "a long prompt " * 200, "max_tokens": 2}))
+            await eventually(lambda: pool(h).queued() == 1)
+            behind = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+            await eventually(lambda: pool(h).queued() == 2)
+            leaver.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaver
+            await eventually(lambda: pool(h).queued() == 1 and h.gw.admission.count("acme") == 2)
+            [row] = await eventually(lambda: h.rows(status=499))
+            assert (row["disconnected"], row["error_code"], row["prompt_tokens"], row["completion_tokens"],
+                    row["total_tokens"], row["cost"]) == (1, None, 0, 0, 0, 0)
+            holder.close()
+            async with await behind as resp:
+                assert resp.status == 200
+                await resp.read()
+        await eventually(lambda: (pool(h).busy, pool(h).queued(), h.gw.admission.count("acme")) == (0, 0, 0))
+        rows = await eventually(_all_rows(h, 3))
+        assert h.mock.app[STATS]["requests"] == 2  # the request that left never reached the upstream
+        assert await minute_tokens(h) == sum(r["total_tokens"] for r in rows)
+
+
+def _all_rows(h, n):
+    async def rows():
+        found = await h.rows()
+        return found if len(found) == n else None
+    return rows
 
 
 async def test_queue_timeout_then_503_upstream_busy(harness):

@@ -92,12 +92,12 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
         queue_deadline = min(queue_deadline, deadline)
     if deadline is None:
         upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream, queue_deadline,
-                                                 headers, record.trace)
+                                                 headers, record.trace, record)
         return Opened(route, upstream, resp, first, None)
     try:
         async with asyncio.timeout_at(deadline):
             upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream,
-                                                     queue_deadline, headers, record.trace)
+                                                     queue_deadline, headers, record.trace, record)
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None
     return Opened(route, upstream, resp, first, deadline)

@@ -132,12 +132,13 @@ class Route:
 
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
-                   trace=None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
+                   trace=None, record=None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
         and the answer is a stream, its first bytes (else None). The caller must release the response
         and call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the
-        headers that carry the trace."""
+        headers that carry the trace. ``record`` (a ``RequestRecord``): its ``sent`` is set once the body
+        goes to an upstream."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
@@ -152,6 +153,8 @@ class Route:
             tried.append(upstream)
             upstream.in_flight += 1
             extra = headers if trace is None else trace.attempt(upstream.base_url, headers or {})
+            if record is not None:
+                record.sent = True
             try:
                 resp, first = await self._attempt(client, self._target(upstream, endpoint), body, stream, extra)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
