@@ -14,7 +14,10 @@ from processes import GatewayProcess, gateway_config
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.mock_upstream import LOG, STATS, create_mock_app
 from kilnproxy.testing import KEY, MODEL
-from kilnproxy.web.server import start_mock
+
+SMALL = "small-model"
+from kilnproxy.ops.admin import HEALTH
+from kilnproxy.web.server import start_app, start_mock
 
 GEN = "X-Neocloud-Generation-Id"
 
@@ -178,6 +181,116 @@ async def test_queue_timeout_then_503_upstream_busy(harness):
                 row = await h.row(resp.headers[GEN])
             assert (row["status"], row["error_code"], row["model"]) == (503, "upstream_busy", MODEL)
             holder.close()
+
+
+class HeldServer:
+    """A model server whose answers wait until ``answer(status)``; ``GET /probe`` answers ``probe``."""
+
+    def __init__(self):
+        self.received = 0
+        self.probe = 200
+        self.status: asyncio.Future[int] | None = None
+        self.running = None
+
+    async def start(self) -> "HeldServer":
+        self.status = asyncio.get_running_loop().create_future()
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/probe", self._probe)
+        self.running = await start_app(app, "127.0.0.1", 0)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"{self.running.url}/v1"
+
+    async def _completions(self, request):
+        await request.read()
+        self.received += 1
+        status = await asyncio.shield(self.status)
+        return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=status)
+
+    async def _probe(self, request):
+        return web.Response(status=self.probe)
+
+    def answer(self, status: int) -> None:
+        self.status.set_result(status)
+
+
+@pytest.fixture
+async def held():
+    server = await HeldServer().start()
+    yield server
+    if not server.status.done():
+        server.answer(503)
+    await server.running.stop()
+
+
+def held_first(url: str, fallback: bool = False, **server):
+    """The test model on ``url`` (one slot, a long queue), falling back (or not) to SMALL on the mock."""
+    def configure(config):
+        m = config["models"][0]
+        config["models"].append({**m, "id": SMALL, "upstream_model": "org/Small-1B"})
+        m.update(upstreams=[{"url": url, "max_in_flight": 1}], queue_timeout=3600,
+                 fallbacks=[SMALL] if fallback else [])
+        config["server"].update(server)
+        config["health"] = {"interval": 0, "path": "/probe"}
+    return configure
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+async def test_a_request_queued_for_an_upstream_a_health_check_marks_down_stops_waiting(harness, held, eventually,
+                                                                                       fallback):
+    """It gets what a request arriving now gets (503 no_backend_available, or the fallback) at once, not
+    503 upstream_busy once its queue_timeout has passed, nor the slot of a server marked down."""
+    async with harness(configure=held_first(held.url, fallback)) as h:
+        holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: held.received == 1)
+        queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: pool(h).queued() == 1)
+        held.probe = 503
+        await h.app[HEALTH].check_all()
+        async with asyncio.timeout(20):  # a guard only: the queue_timeout is an hour
+            async with await queued as resp:
+                answer = await resp.json()
+                row = await h.row(resp.headers[GEN])
+        if fallback:
+            assert (resp.status, answer["model"]) == (200, SMALL)
+            assert (row["status"], row["model"], row["requested_model"]) == (200, SMALL, MODEL)
+        else:
+            assert (resp.status, answer["error"]["code"]) == (503, "no_backend_available")
+            assert (row["status"], row["error_code"], row["model"]) == (503, "no_backend_available", MODEL)
+        assert (pool(h).busy, pool(h).queued(), len(pool(h).waiters)) == (1, 0, 0)  # the holder's slot only
+        held.answer(503)
+        async with await holder as resp:
+            assert resp.status == (200 if fallback else 502)  # an upstream's 503 falls back too
+        await eventually(lambda: (pool(h).busy, h.gw.admission.count("acme")) == (0, 0))
+        assert held.received == 1
+
+
+async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_sent_there(harness, held, eventually):
+    """The request holding the only slot fails (HTTP 503) and so marks the upstream down: the slot it
+    frees does not send the request queued behind it to a server marked down."""
+    async with harness(configure=held_first(held.url, upstream_max_failures=1, upstream_down_seconds=3600)) as h:
+        holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: held.received == 1)
+        queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: pool(h).queued() == 1)
+        held.answer(503)
+        async with await holder as resp:
+            assert resp.status == 502
+        async with await queued as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "no_backend_available"
+        assert held.received == 1
+        await eventually(lambda: (pool(h).busy, pool(h).queued(), h.gw.admission.count("acme")) == (0, 0, 0))
+        rows = await eventually(_all_rows(h, 2))
+        assert sorted((r["status"], r["error_code"]) for r in rows) == [
+            (502, "upstream_error"), (503, "no_backend_available")]
 
 
 async def test_slots_are_shared_by_the_models_that_list_a_url(harness):

@@ -33,7 +33,7 @@ from .deadlines import first_byte_missed
 from .upstream_client import RequestTarget, UpstreamClient
 from .upstream_connections import UpstreamBadResponse
 from .upstream_response import UpstreamResponse
-from .upstream_slots import SlotPool, UpstreamBusy, take_slot, upstream_busy
+from .upstream_slots import NoUpstreamUp, SlotPool, UpstreamBusy, take_slot, upstream_busy
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
 # toward marking it down. A plain 500 is often caused by the request itself (llama.cpp answers 500
@@ -77,6 +77,8 @@ class Upstream:
         self.failures_total += 1
         if self.failures >= self.max_failures:
             self.down_until = time.monotonic() + self.down_seconds
+            if self.slots.waiters:
+                self.slots.marked_down()
 
     def succeeded(self) -> None:
         self.failures = 0
@@ -90,6 +92,8 @@ class Upstream:
     def mark_down(self, until: float) -> None:
         """An active health check failed: down until ``until`` (monotonic) or the next success."""
         self.down_until = max(self.down_until, until)
+        if self.slots.waiters:
+            self.slots.marked_down()
 
 
 class Route:
@@ -111,6 +115,7 @@ class Route:
             if token:
                 self.headers["Authorization"] = f"Bearer {token}"
         self._turn = 0
+        self._usable = self.usable  # bound once: passed to every wait for a slot
         self._targets: dict[tuple[str, str], RequestTarget] = {}  # (base URL, endpoint) -> its request head
         # Byte patterns for rewriting `model` in streamed chunks without parsing them.
         self.model_bytes = b'"model":' + orjson.dumps(model.id)
@@ -130,6 +135,11 @@ class Route:
         rotated = ups[self._turn:] + ups[:self._turn]
         return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.slots.load())
 
+    def usable(self, pool: SlotPool) -> bool:
+        """Whether a request of this model waiting for a slot of ``pool`` may still be sent there."""
+        now = time.monotonic()
+        return any(u.slots is pool and u.is_up(now) for u in self.upstreams)
+
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
                    trace=None, record=None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
@@ -146,9 +156,11 @@ class Route:
             if not candidates:
                 raise problem or no_backend_available(self.id)
             try:
-                pool = await take_slot([u.slots for u in candidates], queue_deadline)
+                pool = await take_slot([u.slots for u in candidates], queue_deadline, self._usable)
             except UpstreamBusy:
                 raise problem or upstream_busy(self.id, self.model.queue_timeout) from None
+            except NoUpstreamUp:  # each marked down while it waited: no_backend_available, unless one is back
+                continue
             upstream = next(u for u in candidates if u.slots is pool)
             tried.append(upstream)
             upstream.in_flight += 1
