@@ -4,6 +4,7 @@ two gateways on one PostgreSQL; tokens reserved at admission and settled to the 
 import asyncio
 
 import aiohttp
+import asyncpg
 import pytest
 from replicas import stop_all, two_replicas
 
@@ -70,6 +71,27 @@ async def test_two_gateways_on_one_database_share_an_orgs_requests_per_minute(ha
     async with harness(overrides={**config, **a_store}) as a, harness(overrides={**config, **b_store}) as b:
         results = await asyncio.gather(*(status_and_code(h) for h in (a, b) * 10))
         assert sorted(results) == [(200, None)] * 6 + [(429, "rate_limit_exceeded")] * 14
+
+
+async def test_postgresql_lets_a_keys_entries_go_once_out_of_the_window_though_its_org_has_no_bound(harness, pg_url,
+                                                                                                    tmp_path):
+    """Each admission under a per-minute bound leaves an entry in PostgreSQL; those of a key whose org
+    has no bound of its own were never deleted (one row per request, for ever)."""
+    store = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}}
+    async with harness(overrides=store) as h:
+        secret, _ = await h.gw.tenancy.create_key("acme", "batch", requests_per_minute=3)
+        await h.gw.tenants.refresh()
+        assert [await status_and_code(h, key=secret) for _ in range(4)] == [(200, None)] * 3 + [
+            (429, "rate_limit_exceeded")]
+        conn = await asyncpg.connect(pg_url)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM kiln_minute") == 3
+            # the minute passes (the entries are made older rather than waited for)
+            await conn.execute("UPDATE kiln_minute SET at = at - interval '61 seconds'")
+            assert await status_and_code(h, key=secret) == (200, None)
+            assert await conn.fetchval("SELECT count(*) FROM kiln_minute") == 1
+        finally:
+            await conn.close()
 
 
 def test_the_window_slides_over_any_60_seconds():
