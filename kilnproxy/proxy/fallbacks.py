@@ -69,6 +69,7 @@ async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, r
         if cannot_take(opened.resp.status) and not last and _any_left(gw, call, key, chain[i + 1:]):
             opened.upstream.release()
             opened.resp.close()
+            record.sent = False
             problem = UpstreamFailure(f"{opened.upstream.base_url} answered HTTP {opened.resp.status}")
             continue
         return opened

@@ -63,7 +63,7 @@ class RequestRecord:
         self.requested_model: str | None = None  # the catalog id asked for (the model that served may differ)
         self.admitted = 0.0  # loop time of admission (step 5), where request_timeout starts
         self.trace = None  # this request's spans when tracing is on (Gateway.tracer)
-        self.sent = False  # the body went to an upstream (``Route.open``): a prompt to pay for
+        self.sent = False  # the body is with an upstream (``Route.open``; not one that failed): a prompt to pay for
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status

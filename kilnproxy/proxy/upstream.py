@@ -147,8 +147,8 @@ class Route:
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
         and the answer is a stream, its first bytes (else None). The caller must release the response
         and call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the
-        headers that carry the trace. ``record`` (a ``RequestRecord``): its ``sent`` is set once the body
-        goes to an upstream."""
+        headers that carry the trace. ``record`` (a ``RequestRecord``): its ``sent`` is true while the body
+        is with an upstream whose answer is awaited or returned (not one given up on)."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
@@ -172,6 +172,8 @@ class Route:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
                 upstream.release()
                 upstream.failed()
+                if record is not None:
+                    record.sent = False  # given up on: the next upstream, if any, is sent it again
                 if trace is not None:
                     trace.attempt_done(None, type(exc).__name__)
                 problem = exc if isinstance(exc, GatewayError) else UpstreamFailure(
@@ -191,6 +193,8 @@ class Route:
                 return upstream, resp, first
             upstream.release()
             resp.close()
+            if record is not None:
+                record.sent = False
             problem = UpstreamFailure(f"{upstream.base_url} answered HTTP {status}")
 
     def _target(self, upstream: Upstream, endpoint: str) -> RequestTarget:
