@@ -95,6 +95,8 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
         upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream, queue_deadline,
                                                  headers, record.trace, record)
         return Opened(route, upstream, resp, first, None)
+    if deadline <= loop.time():  # passed already (a fallback's, by the time it is tried): no slot, no send
+        raise request_deadline_passed(route.id, model.request_timeout)
     try:
         async with asyncio.timeout_at(deadline):
             upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream,
