@@ -208,12 +208,16 @@ class HeldServer:
         await request.read()
         self.received += 1
         status = await asyncio.shield(self.status)
+        if status == 0:  # hang up without answering
+            request.transport.abort()
+            raise ConnectionResetError
         return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=status)
 
     async def _probe(self, request):
         return web.Response(status=self.probe)
 
     def answer(self, status: int) -> None:
+        """Answer every request (those to come too) with HTTP ``status``; 0: hang up instead."""
         self.status.set_result(status)
 
 
@@ -270,9 +274,11 @@ async def test_a_request_queued_for_an_upstream_a_health_check_marks_down_stops_
         assert held.received == 1
 
 
-async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_sent_there(harness, held, eventually):
-    """The request holding the only slot fails (HTTP 503) and so marks the upstream down: the slot it
-    frees does not send the request queued behind it to a server marked down."""
+@pytest.mark.parametrize("failure", [503, 0])
+async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_sent_there(harness, held, eventually,
+                                                                                         failure):
+    """The request holding the only slot fails (HTTP 503, or a reset) and so marks the upstream down: the
+    slot it frees does not send the request queued behind it to a server marked down."""
     async with harness(configure=held_first(held.url, upstream_max_failures=1, upstream_down_seconds=3600)) as h:
         holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
             "model": MODEL, "prompt": "hi", "max_tokens": 2}))
@@ -280,7 +286,7 @@ async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_se
         queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
             "model": MODEL, "prompt": "hi", "max_tokens": 2}))
         await eventually(lambda: pool(h).queued() == 1)
-        held.answer(503)
+        held.answer(failure)
         async with await holder as resp:
             assert resp.status == 502
         async with await queued as resp:
@@ -290,7 +296,7 @@ async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_se
         await eventually(lambda: (pool(h).busy, pool(h).queued(), h.gw.admission.count("acme")) == (0, 0, 0))
         rows = await eventually(_all_rows(h, 2))
         assert sorted((r["status"], r["error_code"]) for r in rows) == [
-            (502, "upstream_error"), (503, "no_backend_available")]
+            (502, "upstream_error" if failure else "upstream_unreachable"), (503, "no_backend_available")]
 
 
 async def test_slots_are_shared_by_the_models_that_list_a_url(harness):

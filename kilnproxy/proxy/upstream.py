@@ -170,8 +170,8 @@ class Route:
             try:
                 resp, first = await self._attempt(client, self._target(upstream, endpoint), body, stream, extra)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
+                upstream.failed()  # before the slot is given back: a waiter is not handed a server now down
                 upstream.release()
-                upstream.failed()
                 if record is not None:
                     record.sent = False  # given up on: the next upstream, if any, is sent it again
                 if trace is not None:
