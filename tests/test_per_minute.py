@@ -64,6 +64,15 @@ async def test_tokens_are_reserved_at_admission_and_settled_to_the_real_count(ha
         assert await status_and_code(h, completion_body(max_tokens=1)) == (200, None)
 
 
+async def test_a_request_refused_after_admission_counts_as_a_request_with_no_tokens(harness, store, committed):
+    async with harness(overrides={**store, "orgs": orgs(requests_per_minute=2, tokens_per_minute=10_000)}) as h:
+        assert await status_and_code(h, {**completion_body(), "stream": "maybe"}) == (400, "invalid_request")
+        assert await status_and_code(h) == (200, None)
+        assert await status_and_code(h) == (429, "rate_limit_exceeded")
+        rows = await committed(h, 3, org="acme")
+        assert [r["total_tokens"] for r in rows if r["status"] == 400] == [0]
+
+
 async def test_two_gateways_on_one_database_share_an_orgs_requests_per_minute(harness, pg_url, tmp_path):
     config = {"orgs": orgs(requests_per_minute=6), "limits": {"max_in_flight_per_org": 64}}
     a_store = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "a.db")}}
