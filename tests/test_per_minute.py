@@ -121,6 +121,25 @@ def test_the_window_slides_over_any_60_seconds():
     assert windows.usage("org:acme") == (0, 0)
 
 
+def test_the_windows_of_keys_gone_quiet_are_let_go():
+    """A window was trimmed only when its own org or key made a request: a key that made a burst and
+    went quiet kept its minute of admissions in memory for ever (thousands of runtime keys: each its own)."""
+    now = [0.0]
+    windows = MinuteWindows(clock=lambda: now[0])
+    for k in range(1000):
+        for i in range(50):
+            windows.take(f"g{k}-{i}", 10, [f"key:k{k}"])
+    windows.settle("g0-0", 3)
+    now[0] = 61.0
+    windows.take("busy-1", 5, ["key:busy"])
+    assert windows.full([("key:busy", 100, None)]) is None
+    assert list(windows._windows) == ["key:busy"] and windows.usage("key:busy") == (1, 5)
+    windows.settle("g0-1", 4)  # settled after its window was let go: nothing to change, nothing raised
+    assert windows.usage("key:k0") == (0, 0)
+    windows.take("k0-again", 7, ["key:k0"])
+    assert windows.usage("key:k0") == (1, 7)
+
+
 def test_tokens_per_minute_admit_while_the_others_are_below_the_bound():
     windows = MinuteWindows(clock=lambda: 0.0)
     bounds = [("key:k", None, 100)]
