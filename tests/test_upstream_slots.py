@@ -4,6 +4,7 @@ connections closed before the model server closes them."""
 
 import asyncio
 import signal
+import time
 
 import aiohttp
 import asyncpg
@@ -297,6 +298,49 @@ async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_se
         rows = await eventually(_all_rows(h, 2))
         assert sorted((r["status"], r["error_code"]) for r in rows) == [
             (502, "upstream_error" if failure else "upstream_unreachable"), (503, "no_backend_available")]
+
+
+async def test_requests_queued_while_an_upstream_was_down_are_served_by_it_once_it_is_back(harness, eventually):
+    """The model's other upstream is down; requests queue for the one left, whose only slot is taken.
+    A health check finds the first back: the queued requests are sent there at once, oldest first,
+    not kept waiting behind the busy one (nor overtaken by requests arriving then)."""
+    probe = {"status": 503}
+
+    async def answer_probe(request):
+        return web.Response(status=probe["status"])
+    app = create_mock_app()
+    app.router.add_get("/probe", answer_probe)
+    back = await start_app(app, "127.0.0.1", 0)
+
+    def configure(config):
+        m = config["models"][0]
+        m.update(upstreams=[{"url": m["upstreams"][0], "max_in_flight": 1}, {"url": f"{back.url}/v1",
+                                                                            "max_in_flight": 2}],
+                 queue_timeout=3600)
+        config["health"] = {"interval": 0, "path": "/probe"}
+    try:
+        async with harness(configure=configure) as h:
+            busy, returning = (u.slots for u in h.gw.routes[MODEL].upstreams)
+            await h.app[HEALTH].check_all()  # the mock answers 404 to /probe (up); `back` 503 (down)
+            assert [u.is_up(time.monotonic()) for u in h.gw.routes[MODEL].upstreams] == [True, False]
+            holder = await h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                      "stream": True, "mock": {"silence": 3600}}).__aenter__()
+            queued = [asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": f"request {i}", "max_tokens": 2})) for i in range(3)]
+            await eventually(lambda: busy.queued() == 3)
+            probe["status"] = 200
+            await h.app[HEALTH].check_all()
+            # its two slots went to the two oldest; the third waits for a slot of either upstream
+            assert (returning.busy, returning.queued(), busy.queued()) == (2, 1, 1)
+            async with asyncio.timeout(20):  # a guard only: the queue_timeout is an hour
+                served = [await task for task in queued]
+            assert [r.status for r in served] == [200, 200, 200]
+            assert [r["body"]["prompt"] for r in back.app[LOG]] == ["request 0", "request 1", "request 2"]
+            assert busy.busy == 1 and holder.status == 200  # the holder kept its slot throughout
+            holder.close()
+            await eventually(lambda: (busy.busy, returning.busy, h.gw.admission.count("acme")) == (0, 0, 0))
+    finally:
+        await back.stop()
 
 
 async def test_slots_are_shared_by_the_models_that_list_a_url(harness):

@@ -33,7 +33,7 @@ from .deadlines import first_byte_missed
 from .upstream_client import RequestTarget, UpstreamClient
 from .upstream_connections import UpstreamBadResponse
 from .upstream_response import UpstreamResponse
-from .upstream_slots import NoUpstreamUp, SlotPool, UpstreamBusy, take_slot, upstream_busy
+from .upstream_slots import NoUpstreamUp, SlotPool, UpstreamBusy, anyone_waiting, take_slot, upstream_busy
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
 # toward marking it down. A plain 500 is often caused by the request itself (llama.cpp answers 500
@@ -82,7 +82,10 @@ class Upstream:
 
     def succeeded(self) -> None:
         self.failures = 0
-        self.down_until = 0.0
+        if self.down_until:  # it was marked down: the requests waiting for its model's other upstreams may come
+            self.down_until = 0.0
+            if anyone_waiting():
+                self.slots.came_up()
 
     def release(self) -> None:
         """The request sent here has ended: its slot is free again."""
@@ -161,7 +164,8 @@ class Route:
                 raise problem or upstream_busy(self.id, self.model.queue_timeout) from None
             except NoUpstreamUp:  # each marked down while it waited: no_backend_available, unless one is back
                 continue
-            upstream = next(u for u in candidates if u.slots is pool)
+            # (one of the candidates, or an upstream found up again while the request waited)
+            upstream = next(u for u in self.upstreams if u.slots is pool)
             tried.append(upstream)
             upstream.in_flight += 1
             extra = headers if trace is None else trace.attempt(upstream.base_url, headers or {})

@@ -17,7 +17,9 @@ at once; a slot granted to it in that moment is given back. When an upstream
 is marked down, the waiters queued on its pool look again (``usable``): they
 stop waiting on the pools of upstreams now down for their model, keeping
 their place in the others; left with none, they get ``NoUpstreamUp`` at once
-rather than a slot on a server marked down, or their ``queue_timeout``.
+rather than a slot on a server marked down, or their ``queue_timeout``. When
+an upstream is found up again (``SlotPool.came_up``), the requests waiting
+for the other upstreams of a model it serves queue for it too, oldest first.
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ class SlotPool:
         self.limit = limit
         self._grant()
 
+    def came_up(self) -> None:
+        """An upstream at this URL is up again: the requests waiting for a slot of a model it serves
+        (their ``usable`` says so) queue here too, oldest first, and a free slot serves them at once."""
+        for waiter in list(_waiting):
+            if (not waiter.future.done() and waiter.usable is not None and self not in waiter.pools
+                    and waiter.usable(self)):
+                waiter.pools.append(self)
+                self.waiters.append(waiter)
+        self._grant()
+
     def marked_down(self) -> None:
         """An upstream at this URL was marked down (for one model, or for all): its waiters look again."""
         for waiter in list(self.waiters):
@@ -87,6 +99,10 @@ class SlotPool:
                 continue  # left already, or served by another of its pools
             self.busy += 1
             waiter.future.set_result(self)
+
+
+def anyone_waiting() -> bool:
+    return bool(_waiting)
 
 
 class _Waiter:
@@ -108,6 +124,9 @@ class _Waiter:
         self.pools = keep
         if not keep:
             self.future.set_exception(NoUpstreamUp())
+
+
+_waiting: dict[_Waiter, None] = {}  # every request waiting for a slot, oldest first (came_up)
 
 
 class UpstreamBusy(Exception):
@@ -153,6 +172,7 @@ async def take_slot(pools: Sequence[SlotPool], deadline: float | None,
     waiter = _Waiter(pools, usable)
     for p in pools:
         p.waiters.append(waiter)
+    _waiting[waiter] = None
     try:
         async with asyncio.timeout_at(deadline):
             return await asyncio.shield(waiter.future)
@@ -162,6 +182,8 @@ async def take_slot(pools: Sequence[SlotPool], deadline: float | None,
     except BaseException:
         _leave(waiter)
         raise
+    finally:
+        del _waiting[waiter]
 
 
 def _leave(waiter: _Waiter) -> None:
