@@ -8,7 +8,8 @@ HTTP request: it knows its status, ``code`` and how to render itself as the
 
 from __future__ import annotations
 
-from typing import Mapping
+import json
+from typing import Any, Mapping
 
 import orjson
 
@@ -68,7 +69,7 @@ class GatewayError(Exception):
 
     def response(self, extra_headers: Mapping[str, str] | None = None) -> Answer:
         headers = {**self.headers, **extra_headers} if extra_headers else self.headers
-        return Answer(orjson.dumps(self.payload()), self.status, headers=headers)
+        return Answer(error_json(self.payload()), self.status, headers=headers)
 
 
 class UpstreamFailure(Exception):
@@ -81,15 +82,25 @@ class UpstreamFailure(Exception):
         self.code = code
 
     def response(self, extra_headers: Mapping[str, str] | None = None) -> Answer:
-        return Answer(f"Bad gateway: {self}\n".encode(), 502, "text/plain; charset=utf-8", extra_headers)
+        return Answer(f"Bad gateway: {self}\n".encode("utf-8", "backslashreplace"), 502, "text/plain; charset=utf-8",
+                      extra_headers)
+
+
+def error_json(payload: Any) -> bytes:
+    """An error's JSON. Its message may quote the client's text, which may hold a lone surrogate (a JSON
+    body may escape one): orjson refuses it, the json module writes it as the escape it came as."""
+    try:
+        return orjson.dumps(payload)
+    except TypeError:
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def invalid_api_key() -> GatewayError:
     return GatewayError(
         401,
         "invalid_api_key",
-        "Invalid API key. Send 'Authorization: Bearer <key>' (on /v1/messages, or 'x-api-key: <key>') with a key "
-        "the gateway knows.",
+        "Invalid API key. Send 'Authorization: Bearer <key>' (on /v1/messages and the GET endpoints, or "
+        "'x-api-key: <key>') with a key the gateway knows.",
         type="authentication_error",
     )
 

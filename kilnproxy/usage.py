@@ -119,7 +119,10 @@ def estimate_prompt_tokens(body: Mapping[str, Any] | None) -> int:
         elif isinstance(item, int) and not isinstance(item, bool):
             ids += 1
         elif isinstance(item, list):
-            stack.extend(item)
+            if all(type(x) is int for x in item):  # token ids: one token each
+                ids += len(item)
+            else:
+                stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(v for k, v in item.items() if k in ("content", "text", "input"))
     return max(1, ids + -(-chars // CHARS_PER_TOKEN))
@@ -139,13 +142,15 @@ _PROMPT_FIELDS = ("prompt", "messages", "input", "system", "instructions")
 _RENDERED_AS_JSON = ("tools", "functions", "tool_choice", "documents")
 
 
-def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | None = None) -> int:
+def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | None = None,
+                       prompts: int | None = None) -> int:
     """The most tokens the request's prompt can be, for any real tokenizer and chat template: the UTF-8
     bytes of every string in the fields that make the prompt (``prompt``, ``messages``, ``input``,
     ``system``, ``instructions``; tool definitions twice the bytes of their text), one token per token id,
     ``TEMPLATE_TOKENS_PER_MESSAGE`` per message (or per prompt of a list, or per input), plus
     ``TEMPLATE_TOKENS``; never more than ``context_window`` per prompt when the model has one (the
-    upstream refuses a longer prompt).
+    upstream refuses a longer prompt). ``prompts``: how many prompts the body holds, each bounded by the
+    window on its own (default ``prompt_count``; embeddings: ``input_count``).
     """
     if not body:
         return 0
@@ -162,7 +167,10 @@ def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | Non
             elif isinstance(item, int) and not isinstance(item, bool):
                 tokens += 1
             elif isinstance(item, list):
-                stack.extend(item)
+                if all(type(x) is int for x in item):  # token ids (a batch's may be millions): one token each
+                    tokens += len(item)
+                else:
+                    stack.extend(item)
             elif isinstance(item, dict):
                 stack.extend(item.values())
     for field in _RENDERED_AS_JSON:
@@ -170,7 +178,7 @@ def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | Non
         if value is not None:
             tokens += 2 * len(repr(value).encode("utf-8", "surrogatepass")) + TEMPLATE_TOKENS
     if context_window:
-        tokens = min(tokens, context_window * prompt_count(body))
+        tokens = min(tokens, context_window * (prompt_count(body) if prompts is None else prompts))
     return tokens
 
 
@@ -183,12 +191,27 @@ def prompt_count(body: Mapping[str, Any]) -> int:
     return 1
 
 
+def input_count(body: Mapping[str, Any]) -> int:
+    """How many inputs an embeddings request sends: a list of strings or of token-id lists is one input
+    each (each embedded, and bounded by the context window, on its own); 1 otherwise."""
+    value = body.get("input")
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        return len(value)
+    return 1
+
+
+MAX_CHOICES = 1024  # n and best_of at most (OpenAI allows 128): a hold of more is beyond 64 bits of tokens
+
+
 def choice_count(body: Mapping[str, Any]) -> int:
     """The choices a request asks the upstream to generate for each prompt: the larger of ``n`` and
-    ``best_of`` (an int >= 1; anything else counts as 1)."""
+    ``best_of`` (a whole number >= 1, ``2.0`` as 2; anything else counts as 1), at most ``MAX_CHOICES``.
+    The completion endpoints refuse any other value, after the hold (``rules.check_choices``)."""
     count = 1
     for name in ("n", "best_of"):
         value = body.get(name)
         if type(value) is int and value > count:
             count = value
-    return count
+        elif type(value) is float and value.is_integer() and value > count:
+            count = int(min(value, MAX_CHOICES))
+    return min(count, MAX_CHOICES)

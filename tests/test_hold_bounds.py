@@ -23,6 +23,14 @@ def chat_of_short_messages() -> dict:
             "messages": [{"role": "user", "content": "ok"}] * 60, "mock": {"delay": 0.02}}
 
 
+def both_limits() -> dict:
+    """OpenAI's two output limits: vLLM's chat generates ``max_completion_tokens`` (the newer one), whatever
+    ``max_tokens`` says."""
+    return {"model": MODEL, "max_tokens": 1, "max_completion_tokens": 300, "stream": True,
+            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "ok"}],
+            "mock": {"delay": 0.001}}
+
+
 def many_choices() -> dict:
     return completion_body(stream=True, prompt="hi", max_tokens=5, n=8, mock={"flavor": "llamacpp", "delay": 0.02})
 
@@ -47,7 +55,9 @@ async def one_cost(harness, path: str, body: dict) -> float:
 
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", chat_of_short_messages()),
-                                        ("/v1/completions", many_choices())], ids=["short-messages", "n=8"])
+                                        ("/v1/completions", many_choices()),
+                                        ("/v1/chat/completions", both_limits())],
+                         ids=["short-messages", "n=8", "max_tokens-and-max_completion_tokens"])
 async def test_concurrent_requests_overdraw_an_org_by_one_request_at_most(harness, store, path, body):
     cost = await one_cost(harness, path, body)
     granted = cost * 3.5
@@ -104,7 +114,8 @@ def test_the_prompt_bound_covers_every_field_that_makes_a_prompt():
     assert prompt_token_bound({"messages": [], "tools": tools}) > base + 60
     assert prompt_token_bound({"prompt": "x" * 10_000}, context_window=4096) == 4096
     assert prompt_token_bound({"prompt": ["x" * 10_000] * 2}, context_window=4096) == 2 * 4096
-    assert [choice_count({"n": n}) for n in (8, 0, -1, True, "8", 2.0, None)] == [8, 1, 1, 1, 1, 1, 1]
+    assert [choice_count({"n": n}) for n in (8, 0, -1, True, "8", 2.0, None)] == [8, 1, 1, 1, 1, 2, 1]  # 2.0: 2, as vLLM reads it
+    assert choice_count({"n": 10**30}) == choice_count({"best_of": 1e300}) == 1024  # refused later: a hold in 64 bits
     assert choice_count({"n": 2, "best_of": 5}) == 5
     assert prompt_count({"prompt": ["a", "b", "c"]}) == 3 and prompt_count({"prompt": [1, 2]}) == 1
 

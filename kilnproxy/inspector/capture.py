@@ -28,6 +28,7 @@ from aiohttp import web
 
 from ..fixtures.format import Chunk, Fixture
 from ..fixtures.scrub import Scrubber
+from ..proxy.event_json import read, write
 from ..proxy.relay import EventRelay
 from ..proxy.request_record import RequestRecord
 from ..proxy.upstream import Route
@@ -45,7 +46,7 @@ class CaptureRing:
 
     def tap(self, record: RequestRecord, body: dict) -> "Tap":
         tap = Tap(record, self.max_bytes)
-        tap.client_body = tap.keep(orjson.dumps(body))
+        tap.client_body = tap.keep(write(body))  # a lone surrogate escape as the client sent it
         self.taps[record.call.generation_id] = tap
         while len(self.taps) > self.size:
             self.taps.popitem(last=False)
@@ -248,7 +249,7 @@ def fixture_of(tap: Tap, row: dict, secrets: tuple[str, ...] = ()) -> Fixture | 
     else:
         return None
     scrub = Scrubber(secrets)
-    body = orjson.loads(tap.upstream_body)
+    body = read(tap.upstream_body)
     scrub.learn_body(body)
     status = row["status"] if row["status"] in (400, 422) else 200
     datas = scrub.chunks([c.data for c in chunks])

@@ -32,7 +32,7 @@ import logging
 from typing import Any
 
 from ..store.postgres import ROWS_CHANNEL
-from ..tasks import cancelled
+from ..tasks import cancelled, woken
 from .hub import LiveHub
 from .queries import SELECT_COLUMNS
 
@@ -82,9 +82,7 @@ class ReplicaFeed:
             if self._conn is None and not await self._listen():
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
-            try:
-                await asyncio.wait_for(self._wake.wait(), PING_SECONDS)
-            except asyncio.TimeoutError:
+            if not await woken(self._wake, PING_SECONDS):
                 await self._ping()
                 continue
             self._wake.clear()

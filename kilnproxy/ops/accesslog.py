@@ -27,6 +27,7 @@ import sys
 
 import orjson
 
+from ..proxy.event_json import write
 from ..proxy.request_record import RequestRecord
 
 log = logging.getLogger("kilnproxy")
@@ -67,7 +68,10 @@ class AccessLog:
             line["body"] = record.body
         if not self._lines:
             asyncio.get_running_loop().call_later(FLUSH_SECONDS, self.flush)
-        self._lines.append(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))
+        try:
+            self._lines.append(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))
+        except TypeError:  # the body escapes a lone surrogate, which only the json module writes
+            self._lines.append(write(line) + b"\n")
 
     def flush(self) -> None:
         lines, self._lines = self._lines, []

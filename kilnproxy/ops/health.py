@@ -25,7 +25,7 @@ import aiohttp
 
 from ..proxy.gateway import Gateway
 from ..proxy.upstream import Upstream
-from ..tasks import cancelled
+from ..tasks import cancelled, woken
 
 log = logging.getLogger("kilnproxy")
 
@@ -58,10 +58,7 @@ class HealthChecker:
                 except Exception:  # a bug here must not end the checks for good
                     log.exception("health checks failed")
             self._wake.clear()
-            try:  # a reload that turns checks on wakes us (see ``wake``)
-                await asyncio.wait_for(self._wake.wait(), interval or None)
-            except asyncio.TimeoutError:
-                pass
+            await woken(self._wake, interval or None)  # a reload that turns checks on wakes us (``wake``)
 
     def wake(self) -> None:
         self._wake.set()

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from ..errors import GatewayError
 from ..proxy.stream import ShuttingDown
+from ..tasks import woken
 
 log = logging.getLogger("kilnproxy")
 
@@ -73,10 +74,7 @@ class Shutdown:
             return
         log.info("draining: /healthz?ready answers 503; serving for %g s more, closing each connection "
                  "after its response", seconds)
-        try:
-            await asyncio.wait_for(self.hurry.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
+        await woken(self.hurry, seconds)
 
     async def drain(self, app: web.Application) -> None:
         """``on_shutdown``: wait for requests in flight, then end the streams still open."""

@@ -267,7 +267,7 @@ def _model(operation: str, requested: str) -> tuple[str, bytes]:
 
     The model a client names is any JSON string up to the body's limit: a span holds it as the usage row
     does (``stored_text``: its first 255 characters and "…", a NUL as U+FFFD), as ``gen_ai.response.model``
-    (the row's) does too; JSON cannot hold a lone surrogate, so it is valid UTF-8."""
+    (the row's) does too; a lone surrogate a JSON body escaped as U+FFFD, so it is valid UTF-8."""
     key = (operation, requested)
     found = _MODELS.get(key)
     if found is None:

@@ -261,13 +261,15 @@ async def plugin_headers(hooks: Hooks, call: Any) -> dict[str, str]:
     return out
 
 
-async def transformed_response(hooks: Hooks, call: Any, body: dict) -> bytes:
-    """Run ``transform_response`` on ``body``; return it serialised."""
+async def transformed_response(hooks: Hooks, call: Any, body: dict,
+                               dump: Callable[[Any], bytes] = orjson.dumps) -> bytes:
+    """Run ``transform_response`` on ``body``; return it serialised by ``dump`` (which raises TypeError for
+    what it cannot write)."""
     kwargs = {"call": call, "body": body}
     for impl in hooks.transform_response:
         await call_pinned(impl, kwargs)
     try:
-        return orjson.dumps(body)
+        return dump(body)
     except TypeError as exc:
         names = ", ".join(i.plugin for i in hooks.transform_response)
         raise plugin_failed(names, "transform_response", TypeError(f"the body is no longer JSON: {exc}")) from exc

@@ -4,7 +4,7 @@
 * ``request_path``: the request's whole path, the same for every API, in order; ``forward``:
   its part past admission (upstream, then the answer or the stream);
 * ``completions``, ``apis``: what differs per API (completions; embeddings, the Responses API,
-  Anthropic Messages, with ``anthropic_errors``);
+  Anthropic Messages, with ``anthropic_errors`` and ``embedding_input``);
 * ``auth``, ``rules``, ``request_body``: the request rules, one function each;
 * ``upstream``, ``upstream_slots``, ``deadlines``, ``fallbacks``: balancing, failover and marking
   down, each upstream's slots and queue, first-byte and request deadlines, fallback models;

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import orjson
-
 from ..answers import Answer
-from ..errors import GatewayError, UpstreamFailure
+from ..errors import GatewayError, UpstreamFailure, error_json
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
          403: "permission_error", 404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-         429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+         429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+# The type of the error event that ends a stream the gateway cannot finish, by its code (else api_error).
+STREAM_TYPES = {"upstream_timeout": "timeout_error", "shutting_down": "overloaded_error"}
 
 
 def error_type(status: int) -> str:
@@ -33,4 +33,4 @@ def anthropic_error_response(err: GatewayError | UpstreamFailure,
                              headers: Mapping[str, str] | None = None) -> Answer:
     message = err.message if isinstance(err, GatewayError) else f"Bad gateway: {err}"
     extra = dict(err.headers) if isinstance(err, GatewayError) else {}
-    return Answer(orjson.dumps(anthropic_error(err.status, message)), err.status, headers={**extra, **(headers or {})})
+    return Answer(error_json(anthropic_error(err.status, message)), err.status, headers={**extra, **(headers or {})})

@@ -4,6 +4,9 @@ The same path as a completion (``request_path.handle``): key, account, body,
 model (and the endpoints it serves), slot and hold, plugins, upstream, one
 usage row whatever way the request ends. What differs:
 
+* the checks: embeddings' ``input`` (``embedding_input``); a Responses request
+  may not ask for ``background`` (its answer is read from an endpoint the
+  gateway does not serve);
 * the hold: embeddings hold their input only; the Responses API's
   completion part is ``max_output_tokens``, Anthropic's ``max_tokens``;
 * usage is read from each format's own usage object (``Usage.of_endpoint``);
@@ -11,7 +14,8 @@ usage row whatever way the request ends. What differs:
 * ``/v1/messages`` takes its key from ``x-api-key`` too, forwards the
   ``anthropic-version`` and ``anthropic-beta`` headers, and answers every
   error in Anthropic's form (``anthropic_errors``);
-* ``/v1/messages/count_tokens`` is forwarded unmetered: no hold, no row.
+* ``/v1/messages/count_tokens`` is forwarded unmetered: no hold, no row, and no
+  upstream slot (``max_in_flight`` counts generations; a count waits for none).
 """
 
 from __future__ import annotations
@@ -19,16 +23,18 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-import orjson
 from aiohttp import web
 
 from ..config import KeyConfig
-from ..errors import GatewayError, UpstreamFailure
+from ..errors import GatewayError, UpstreamFailure, bad_request
 from ..plugins.call import Call
-from ..store.limits import Hold
-from ..usage import Usage
+from ..store.limits import Hold, output_bound
+from ..usage import Usage, input_count
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
+from .auth import either_header
+from .embedding_input import check_embeddings
+from .event_json import write
 from .forward import read_upstream
 from .framed_stream import relay_framed
 from .gateway import GATEWAY, Gateway
@@ -53,11 +59,9 @@ async def _route(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 def _authorization(request: web.BaseRequest, endpoint: str) -> str | None:
     """A bearer, or on Anthropic's endpoints the ``x-api-key`` its SDK sends (as a bearer)."""
-    header = request.headers.get("Authorization")
-    if header is None and endpoint.startswith("messages"):
-        api_key = request.headers.get("x-api-key")
-        return None if api_key is None else f"Bearer {api_key}"
-    return header
+    if endpoint.startswith("messages"):
+        return either_header(request.headers)
+    return request.headers.get("Authorization")
 
 
 def _error(err: GatewayError | UpstreamFailure, headers: dict | None = None, endpoint: str = "") -> web.Response:
@@ -67,8 +71,15 @@ def _error(err: GatewayError | UpstreamFailure, headers: dict | None = None, end
 
 
 def _checks(body: dict, call: Call, route: Route) -> None:
-    if call.endpoint != "embeddings":
-        rules.check_stream(body, call)
+    if call.endpoint == "embeddings":
+        check_embeddings(body)
+        return
+    rules.check_stream(body, call)
+    if call.endpoint == "responses" and body.get("background") not in (None, False):
+        # answered at once, its answer read later from GET /v1/responses/{id}: neither served nor metered here
+        raise bad_request("`background` responses are not supported: the gateway does not serve GET "
+                          "/v1/responses/{id}, where their answer is read.", param="background",
+                          code="unsupported_parameter")
 
 
 async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.StreamResponse:
@@ -83,12 +94,18 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str) -> web.St
 
 
 def api_hold(call: Call, created_at: str, body: dict, context_window: int | None) -> Hold:
-    """The most the request can cost: embeddings produce no tokens; the Responses API caps its
-    output with ``max_output_tokens``; Anthropic's ``max_tokens`` is read as a completion's is."""
-    if call.endpoint in ("embeddings", "responses"):
-        limit = body.get("max_output_tokens") if call.endpoint == "responses" else 0
-        completion = limit if type(limit) is int and limit >= 0 else context_window or 0
-        return Hold(call, created_at, body, context_window, completion)
+    """The most the request can cost: embeddings produce no tokens, and each input of a batch may fill
+    the context window; the Responses API caps its output with ``max_output_tokens``, and a follow-up of
+    a stored response or conversation may fill the window with its prompt; Anthropic's ``max_tokens`` is
+    read as a completion's is."""
+    if call.endpoint == "embeddings":  # the window bounds each input of a batch
+        return Hold(call, created_at, body, context_window, 0, input_count(body))
+    if call.endpoint == "responses":
+        limit = body.get("max_output_tokens")
+        completion = output_bound(limit if type(limit) is int and limit >= 0 else None, context_window)
+        # a follow-up's prompt is the stored conversation the server prepends: up to the whole window
+        stored = context_window if body.get("previous_response_id") or body.get("conversation") else None
+        return Hold(call, created_at, body, context_window, completion, prompt=stored or None)
     return Hold(call, created_at, body, context_window)
 
 
@@ -103,13 +120,18 @@ async def _relay(request: web.BaseRequest, gw: Gateway, call: Call, route: Route
 
 def read_answer(call: Call, record: RequestRecord, answer: dict) -> None:
     """Usage from the endpoint's own usage object; the Responses API's ``status`` or Anthropic's
-    ``stop_reason`` as the finish reason."""
+    ``stop_reason`` as the finish reason; a ``failed`` response's ``error.code`` (else ``upstream_error``)
+    as the error code, as its stream's ``response.failed`` gives it."""
     usage = answer.get("usage")
     if isinstance(usage, dict):
         record.usage = Usage.of_endpoint(call.endpoint, usage)
     reason = answer.get("stop_reason") if call.endpoint == "messages" else answer.get("status")
     if call.endpoint != "embeddings" and isinstance(reason, str):
         record.finish_reason = reason
+    if call.endpoint == "responses" and reason == "failed":
+        error = answer.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        record.error_code = code if isinstance(code, str) else "upstream_error"
 
 
 async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) -> web.Response:
@@ -121,12 +143,12 @@ async def count_tokens(request: web.BaseRequest, gw: Gateway, key: KeyConfig) ->
         route = rules.check_model(body, key, gw.routes)
         rules.check_endpoint(route, "messages")
         body["model"] = route.model.upstream_model
-        upstream, resp, _ = await route.open(gw.upstream_client, endpoint, orjson.dumps(body),
-                                             headers=_upstream_headers(request))  # a free slot, or 503 at once
+        # no generation slot: counting tokens takes none of the server's, and must not wait for them
+        upstream, resp = await route.send(gw.upstream_client, endpoint, write(body),
+                                          headers=_upstream_headers(request))
         try:
             raw = await read_upstream(resp)
         finally:
-            upstream.release()
             resp.release()
         if resp.status >= 300 and resp.status not in (400, 422):
             raise UpstreamFailure(f"{upstream.base_url} answered HTTP {resp.status} on /{endpoint}")

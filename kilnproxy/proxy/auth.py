@@ -1,8 +1,10 @@
-"""API keys: ``Authorization: Bearer <key>`` -> the key's config entry."""
+"""API keys: ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's clients send it, where
+``either_header`` reads it) -> the key's config entry."""
 
 from __future__ import annotations
 
 import time
+from typing import Mapping
 
 from ..access import bearer_token, token_digest
 from ..config import KeyConfig
@@ -33,6 +35,17 @@ class KeyRing:
         if key.expires_at is not None and key.expires_at <= time.time():
             raise invalid_api_key()  # like an unknown key: no org charged, no row
         return key
+
+
+def either_header(headers: Mapping[str, str]) -> str | None:
+    """The ``Authorization`` header to check: the client's, or without one its ``x-api-key`` as a bearer. Read
+    by Anthropic's endpoints and the read endpoints (``/v1/models`` ...), which Anthropic's clients call with
+    ``x-api-key`` and ``anthropic-version``; a bearer, when sent, is the key whatever ``x-api-key`` says."""
+    header = headers.get("Authorization")
+    if header is None:
+        api_key = headers.get("x-api-key")
+        return None if api_key is None else f"Bearer {api_key}"
+    return header
 
 
 def key_disabled() -> GatewayError:

@@ -24,6 +24,7 @@ from .upstream import Route
 
 def _checks(body: dict, call: Call, route: Route) -> None:
     rules.check_stream(body, call)  # step 6
+    rules.check_choices(body)
     rules.check_chat_params(body, call, route)  # step 7
 
 

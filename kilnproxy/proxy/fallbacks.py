@@ -8,7 +8,10 @@ timed out, missed its ``first_byte_timeout``, answered bytes that are not HTTP,
 answered 429 or 5xx, or kept every slot busy past its ``queue_timeout``. A fallback is skipped when the
 key may not use it, it does not serve the endpoint, or the request's hold,
 re-placed at its prices, does not fit the org's credits or the key's limit.
-A fallback's own fallbacks are not followed. When no model of the chain can
+A fallback's own fallbacks are not followed. A Responses follow-up
+(``previous_response_id``) that an upstream answers 404 goes on to the model's
+next upstream, since each server keeps its own responses; a 404 is no reason
+to fall back to another model. When no model of the chain can
 take the request, the client gets what the last one tried answered.
 
 From a fallback on, ``call.model``, ``call.upstream_model`` and
@@ -23,18 +26,22 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple
 
-import orjson
-
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, plugin_failed
 from ..plugins.call import Call, set_model
 from ..plugins.manager import BUILT_IN
 from ..store.limits import Hold
 from .deadlines import RequestTimedOut, deadline_of, request_deadline_passed
+from .event_json import write
 from .gateway import Gateway
 from .request_record import RequestRecord
 from .upstream import Route, Upstream, cannot_take
 from .upstream_response import UpstreamResponse
+
+
+# A Responses follow-up (``previous_response_id``) answered 404 by an upstream that does not hold the
+# response it follows (each server keeps its own): another upstream of the model may hold it.
+NOT_HELD = 404
 
 
 class Opened(NamedTuple):
@@ -81,7 +88,7 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
                       headers: dict[str, str] | None) -> Opened:
     model = route.model
     try:
-        payload = orjson.dumps(body)
+        payload = write(body)  # orjson's bytes; the json module's for a lone surrogate escape the client sent
     except TypeError as exc:  # only a plugin shown the body can have put something there
         raise _body_spoilt(gw, exc) from exc
     if record.tap is not None:
@@ -91,16 +98,17 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
     queue_deadline = loop.time() + model.queue_timeout
     if deadline is not None:
         queue_deadline = min(queue_deadline, deadline)
+    elsewhere = NOT_HELD if call.endpoint == "responses" and body.get("previous_response_id") else None
     if deadline is None:
         upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream, queue_deadline,
-                                                 headers, record.trace, record)
+                                                 headers, record.trace, elsewhere, record)
         return Opened(route, upstream, resp, first, None)
     if deadline <= loop.time():  # passed already (a fallback's, by the time it is tried): no slot, no send
         raise request_deadline_passed(route.id, model.request_timeout)
     try:
         async with asyncio.timeout_at(deadline):
             upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream,
-                                                     queue_deadline, headers, record.trace, record)
+                                                     queue_deadline, headers, record.trace, elsewhere, record)
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None
     return Opened(route, upstream, resp, first, deadline)

@@ -17,6 +17,7 @@ from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call, set_upstream
 from ..plugins.manager import plugin_headers, transformed_response
 from .deadlines import DeadlinePassed, watch
+from .event_json import read_stdlib, write
 from .fallbacks import open_upstream
 from .gateway import Gateway
 from .request_body import ENCODINGS, inflate
@@ -83,18 +84,24 @@ async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: Reques
 
 async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aiohttp.ClientResponse,
                       headers: dict, api) -> Answer:
-    """A non-streamed answer: what the API reads of it (usage, finish reason), then the plugins'."""
+    """A non-streamed answer: what the API reads of it (usage, finish reason), then the plugins'. JSON that
+    orjson refuses but the json module reads (a string escaping a lone surrogate) is read and written back
+    by the json module, each lone surrogate as the escape it came as (``event_json``)."""
     raw = await read_upstream(resp)
     record.first_byte()
+    dump = orjson.dumps
     try:
         answer = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise UpstreamFailure("the upstream's answer is not JSON", code="upstream_bad_response") from None
+        try:  # JSON orjson refuses: a lone surrogate escape (an answer cut in the middle of an emoji)
+            answer, dump = read_stdlib(raw), write
+        except ValueError:
+            raise UpstreamFailure("the upstream's answer is not JSON", code="upstream_bad_response") from None
     if not isinstance(answer, dict):
         raise UpstreamFailure("the upstream's answer is not a JSON object", code="upstream_bad_response")
     api.read_answer(call, record, answer)
     try:
-        out = await transformed_response(gw.hooks, call, answer)
+        out = await transformed_response(gw.hooks, call, answer, dump)
     except GatewayError as err:
         if _too_deep(err):  # the upstream's answer, not a plugin: nothing was served, nothing is charged
             record.usage = None

@@ -10,13 +10,16 @@ unchanged), end without ``[DONE]``, and report usage in events of their own
   ``error`` event or ``response.failed``;
 * Messages: ``message_start`` (``message.usage``: the prompt counts), then
   ``message_delta`` (``usage``: the output count, and sometimes the prompt's
-  again; each count's last report wins, and the last ``message_delta``'s
-  usage gets ``cost``), ``message_stop``; a failure is ``event: error``.
+  again; each count's last report wins, a zero never replacing a count, and
+  the last ``message_delta``'s usage gets ``cost``), ``message_stop``; a failure is ``event: error``.
 
 A frame is parsed only when it may carry what the gateway reads or changes
 (the model's name, usage, an error), or when ``transform_event`` plugins are
-loaded; the others (the text deltas) go out as the upstream's own bytes and
+loaded; the others (the output deltas) go out as the upstream's own bytes and
 are counted, so that a client that leaves early is billed for what it got.
+An event orjson refuses but the json module reads (a lone surrogate escape)
+is read and written back by the json module (``event_json``), as the
+completions relay does.
 """
 
 from __future__ import annotations
@@ -29,16 +32,24 @@ import orjson
 from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl
 from ..usage import Usage
+from .anthropic_errors import STREAM_TYPES, error_type
+from .event_json import read, read_stdlib, writable, write
 from .relay import _event_only
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
 
 log = logging.getLogger("kilnproxy.plugins")
 
-DELTAS = {"responses": b'"response.output_text.delta"', "messages": b'"content_block_delta"'}
+# The events that carry output, each counted as a token until the final count: on the Responses API every
+# ``response.*.delta`` (text, reasoning, a function call's arguments, ...); on Messages every
+# ``content_block_delta`` (text, thinking, a tool's input). Inside a JSON string a quote is escaped, so these
+# bytes are found only in an event's own ``type``.
+DELTAS = {"responses": b'.delta"', "messages": b'"content_block_delta"'}
 FINAL = {"responses": ("response.completed", "response.incomplete", "response.failed"), "messages": ("message_stop",)}
 
 
+UNWRITABLE_CODE = "upstream_bad_response"
+UNWRITABLE_MESSAGE = "The upstream sent an event nested deeper than the gateway can write JSON back (254 levels)."
 MARKERS = (b'"model"', b'"usage"', b'"error"', b'"message_stop"', b'"response.failed"', b'"response.incomplete"')
 
 
@@ -58,6 +69,23 @@ def _marked(data: bytes) -> bool:
     """``data`` may hold what the gateway reads or changes (the model, usage, an error, the end)."""
     return (b'"model"' in data or b'"usage"' in data or b'"error"' in data or b'"message_stop"' in data
             or b'"response.failed"' in data or b'"response.incomplete"' in data)
+
+
+def _whole(frame: bytes) -> bool:
+    """``frame`` (one the upstream's body ended without its blank line) has data, and that data is JSON or
+    ``[DONE]``; a comment alone counts too."""
+    lines = frame.split(b"\n")
+    datas = [line[6:] if line[5:6] == b" " else line[5:] for line in lines if line[:5] == b"data:"]
+    if not datas:
+        return all(line[:1] == b":" for line in lines)
+    payload = b"\n".join(datas)
+    if payload.strip() == b"[DONE]":
+        return True
+    try:
+        read(payload)
+    except ValueError:
+        return False
+    return True
 
 
 class FramedRelay:
@@ -115,16 +143,20 @@ class FramedRelay:
 
     def _frames(self, block: bytes) -> bytes:
         out = []
-        for frame in block.split(b"\n\n"):
-            if self.ended:
-                break
-            sent = self._frame(frame.lstrip(b"\n"))
-            if sent:
-                out.append(sent)
+        try:
+            for frame in block.split(b"\n\n"):
+                if self.ended:
+                    break
+                sent = self._frame(frame.lstrip(b"\n"))
+                if sent:
+                    out.append(sent)
+        except StreamPluginError as exc:  # the events the plugins let through before it go out first
+            exc.before = b"".join(out) + exc.before
+            raise
         return b"".join(out)
 
     def _plain(self, block: bytes) -> None:
-        """Count what a run of frames that need no change holds: events, and text deltas."""
+        """Count what a run of frames that need no change holds: events, and output deltas."""
         self.sequence += block.count(b"\ndata:") + (block[:5] == b"data:")
         deltas = block.count(self.delta)
         if deltas:
@@ -134,9 +166,12 @@ class FramedRelay:
                                           self.partial.cached_tokens)
 
     def close(self) -> bytes:
-        """The upstream's body ended: a last frame without its blank line still counts."""
+        """The upstream's body ended: a last frame without its blank line still counts when it is whole (its
+        data JSON, or ``[DONE]``); one cut off mid-way is not sent, as a client would fail to parse it."""
         rest, self.rest = self.rest.strip(b"\n"), b""
-        return self._frame(rest) if rest and not self.ended else b""
+        if not rest or self.ended or not _whole(rest):
+            return b""
+        return self._frame(rest)
 
     def _frame(self, frame: bytes) -> bytes:
         if not frame:
@@ -147,19 +182,20 @@ class FramedRelay:
             return frame + b"\n\n"  # comments pass through
         payload = datas[0] if len(datas) == 1 else b"\n".join(datas)
         self.sequence += 1
-        if self.delta in payload:
-            self.record.streamed_chunks += 1
-            if self.partial is not None:  # until the final count: the output streamed so far
-                self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
-                                          self.partial.cached_tokens)
+        delta = self.delta in payload  # counted once it is sent (not when a plugin drops it or fails on it)
         if not self.impls and not _marked(payload):
-            return frame + b"\n\n"
+            return self._sent(frame + b"\n\n", delta)
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return frame + b"\n\n"  # not ours to judge
+            try:
+                event = read_stdlib(payload)  # what only the json module reads (a lone surrogate)
+            except ValueError:
+                return self._sent(frame + b"\n\n", delta)  # not JSON: not ours to judge
         if not isinstance(event, dict):
-            return frame + b"\n\n"
+            return self._sent(frame + b"\n\n", delta)
+        if (event.get("error") is not None or event.get("object") == "error") and event.get("type") != "error":
+            return self._openai_error(event)
         self._read(event)
         if self.impls:
             verdict = self._transform(event)
@@ -169,11 +205,67 @@ class FramedRelay:
                 self.ended = True
         try:
             data = orjson.dumps(event)
-        except TypeError as exc:  # a plugin put something in the event that is not JSON
+        except TypeError:  # what only the json module writes (a lone surrogate), else not JSON
+            data = self._written(event, payload)
+            if data is None:
+                return self._unwritable()
+        kept = [line for line in lines if line[:5] != b"data:"]
+        if self.ended and event.get("type") == "error" and not any(line[:6] == b"event:" for line in kept):
+            kept.insert(0, b"event: error")  # the Anthropic SDK reads an error only from a frame named so
+        out = b"\n".join(kept + [b"data: " + data]) + b"\n\n"
+        return self._sent(out, True) if delta else out
+
+    def _written(self, event: dict, payload: bytes) -> bytes | None:
+        """``event`` written by the json module (``event_json``); None when the upstream's event itself
+        cannot be written back (nested too deep: its fault, whatever plugins saw it); a plugin's
+        ``StreamPluginError`` when its change made the event no longer JSON."""
+        try:
+            return write(event)
+        except TypeError as exc:
+            if not self.impls or not writable(payload):
+                return None
             names = ", ".join(impl.plugin for impl in self.impls)
             raise StreamPluginError(names, TypeError(f"the event is no longer JSON: {exc}")) from exc
-        kept = [line for line in lines if line[:5] != b"data:"]
-        return b"\n".join(kept + [b"data: " + data]) + b"\n\n"
+
+    def _sent(self, out: bytes, delta: bool) -> bytes:
+        """``out``, an event going to the client; a delta counted as a token of output."""
+        if delta:
+            self.record.streamed_chunks += 1
+            if self.partial is not None:  # until the final count: the output streamed so far
+                self.record.usage = Usage(self.partial.prompt_tokens, self.record.streamed_chunks,
+                                          self.partial.cached_tokens)
+        return out
+
+    def _openai_error(self, event: dict) -> bytes:
+        """An upstream error in OpenAI's form (``{"error": {...}}``, or vLLM's older flat object), which
+        neither format's clients read as an error (the Anthropic SDK skips a frame with no ``event:``): told
+        as the format's own error event, which ends the stream. Its code as the completion endpoints take
+        it (a string ``code``, else ``upstream_error``); on Messages, its type by a numeric code as a
+        status would give it."""
+        error = event.get("error", event) if event.get("object") != "error" else event
+        if not isinstance(error, dict):
+            error = {"message": error}
+        code, message = error.get("code"), error.get("message")
+        if not isinstance(message, str):
+            message = "The upstream failed." if message is None else write(message).decode("utf-8", "replace")
+        self.record.error_code = code if isinstance(code, str) else "upstream_error"
+        self.ended = self.finished = True
+        if self.endpoint == "responses":
+            param = error.get("param")
+            data = {"type": "error", "code": self.record.error_code, "message": message,
+                    "param": param if isinstance(param, str) else None, "sequence_number": self.sequence - 1}
+        else:
+            kind = error_type(code) if type(code) is int and 400 <= code <= 599 else "api_error"
+            data = {"type": "error", "error": {"type": kind, "message": message}}
+        return b"event: error\ndata: " + write(data) + b"\n\n"  # write: the message may hold a lone surrogate
+
+    def _unwritable(self) -> bytes:
+        """The error event that ends the stream when the upstream sent an event the gateway cannot write
+        back (nested deeper than 254 levels, as a JSON answer may not be): the upstream's fault, whatever
+        plugins saw the event. The rest of its answer is not read."""
+        self.record.error_code = UNWRITABLE_CODE
+        self.ended = True
+        return self.error_frame(UNWRITABLE_MESSAGE, UNWRITABLE_CODE)
 
     def _read(self, event: dict) -> None:
         """What the gateway takes from an event, and changes in it (model, usage's cost)."""
@@ -210,8 +302,9 @@ class FramedRelay:
             message["model"] = self.call.model
         usage = event.get("usage", message.get("usage") if isinstance(message, dict) else None)
         if isinstance(usage, dict):
-            self.counts.update((k, v) for k, v in usage.items() if type(v) is int)
-            counts = Usage.of_endpoint("messages", self.counts)
+            reported = self.counts  # each count's last report wins, but a zero never replaces a count
+            reported.update((k, v) for k, v in usage.items() if type(v) is int and (v or not reported.get(k)))
+            counts = Usage.of_endpoint("messages", reported)
             if kind == "message_delta":
                 record.usage, self.partial = counts, None
                 usage["cost"] = counts.cost(self.call.pricing)
@@ -242,5 +335,5 @@ class FramedRelay:
             data = {"type": "error", "code": code, "message": message, "param": None,
                     "sequence_number": self.sequence}
         else:
-            data = {"type": "error", "error": {"type": "api_error", "message": message}}
+            data = {"type": "error", "error": {"type": STREAM_TYPES.get(code, "api_error"), "message": message}}
         return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"

@@ -2,7 +2,8 @@
 
 As ``stream.py`` does for completions: the status and headers go once the
 upstream has answered 200 with an event stream; from then on a failure is the
-format's own ``event: error``; the row is committed before the body ends; a
+format's own ``event: error`` (none once the format's last event has passed:
+the answer was whole); the row is committed before the body ends; a
 client that leaves raises out of a write (or cancels the handler) and the
 caller closes the upstream request and records the row as disconnected.
 No ``[DONE]``: these formats end with their last event.
@@ -58,11 +59,13 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                 chunk = await content.readany()
             else:
                 chunk, first = first, None
-        except asyncio.TimeoutError:
-            return _failed(relay, record, "upstream_timeout", "The upstream sent nothing for too long.")
-        except (ShuttingDown, DeadlinePassed) as exc:
-            return _failed(relay, record, exc.code, str(exc))
-        except aiohttp.ClientError as exc:
+        except (asyncio.TimeoutError, ShuttingDown, DeadlinePassed, aiohttp.ClientError) as exc:
+            if relay.finished:  # the answer's last event has passed: what fails after it changes nothing
+                return b""
+            if isinstance(exc, asyncio.TimeoutError):
+                return _failed(relay, record, "upstream_timeout", "The upstream sent nothing for too long.")
+            if isinstance(exc, (ShuttingDown, DeadlinePassed)):
+                return _failed(relay, record, exc.code, str(exc))
             return _failed(relay, record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
         last = not chunk
         try:
@@ -79,7 +82,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                     last = True
         except StreamPluginError as exc:
             record.error_code = exc.error.code
-            return relay.error_frame(exc.error.message, exc.error.code)
+            return exc.before + relay.error_frame(exc.error.message, exc.error.code)
         except Exception:  # a fault of the relay's own: logged, told as the format's error event
             log.exception("unexpected error relaying the stream of %s", record.call.generation_id)
             return _failed(relay, record, "internal_error", "The gateway failed unexpectedly; see its log.")

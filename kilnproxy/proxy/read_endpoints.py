@@ -9,7 +9,7 @@ from ..answers import Answer
 from ..config import KeyConfig, ModelConfig
 from ..errors import GatewayError, invalid_api_key, model_not_found
 from ..usage import round_usd
-from .auth import check_enabled
+from .auth import check_enabled, either_header
 from .gateway import GATEWAY
 from .tenant_changes import answer_store_trouble
 from .tenant_views import gateway_view
@@ -21,7 +21,7 @@ def json_response(data: object, status: int = 200) -> Answer:
 
 def authorized_key(request: web.Request) -> KeyConfig:
     gw = request.app[GATEWAY]
-    key = gw.keys.authenticate(request.headers.get("Authorization"))
+    key = gw.keys.authenticate(either_header(request.headers))  # a bearer, or Anthropic's x-api-key
     check_enabled(key, gw.disabled_orgs)
     return key
 

@@ -14,7 +14,11 @@
   client's own.
 * Not JSON, not an object, no string ``model`` -> 400 ``invalid_request``, and
   so is JSON nested deeper than ``MAX_DEPTH``, which could not be serialized
-  again for the upstream.
+  again for the upstream. JSON is read as Python's json module reads it: by
+  orjson, and by the json module only where orjson refuses (``event_json``), so
+  that a string escaping a lone surrogate (half an emoji an answer ended with,
+  sent back in a chat's next turn) is read; it is written upstream with the
+  escape as sent. A body orjson reads never reaches the json module.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from aiohttp import web
 
 from ..config import ServerConfig
 from ..errors import GatewayError, bad_request
+from .event_json import read_stdlib
 
 # orjson reads up to 1024 levels of arrays and objects but writes at most 254. Real bodies (JSON
 # schemas included) stay far below 128, which leaves room for what wraps a body (plugins, the
@@ -43,7 +48,12 @@ async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+        if b"\\u" not in raw:  # orjson refuses only the escape of a lone surrogate that the json module reads
+            raise bad_request(f"The request body is not valid JSON: {exc}") from None
+        try:
+            body = read_stdlib(raw)
+        except ValueError:
+            raise bad_request(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # enough brackets to be too deep: look closer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -114,17 +115,27 @@ class RequestRecord:
 
 def stored_text(text: str | None) -> str | None:
     """``text`` as both stores can keep it: a NUL (which PostgreSQL's text cannot hold: the row
-    would never settle) becomes U+FFFD, and past ``MAX_ROW_TEXT`` characters it is cut, with "…"."""
-    if text is None or (len(text) <= MAX_ROW_TEXT and "\x00" not in text):
+    would never settle) and a lone surrogate (a JSON string may escape one; neither store's text
+    holds one, nor does UTF-8) become U+FFFD, and past ``MAX_ROW_TEXT`` characters it is cut, with "…"."""
+    if text is None or (len(text) <= MAX_ROW_TEXT and "\x00" not in text and (text.isascii() or _whole(text))):
         return text
     if len(text) > MAX_ROW_TEXT:
         text = text[:MAX_ROW_TEXT - 1] + "…"
-    return text.replace("\x00", "\ufffd")
+    return _SURROGATE.sub("\ufffd", text.replace("\x00", "\ufffd"))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _whole(text: str) -> bool:
+    """No lone surrogate: ``text`` is Unicode that UTF-8 can write."""
+    return _SURROGATE.search(text) is None
 
 
 def _text(reason: Any) -> str | None:
     """A finish reason as the client saw it: a string, or the JSON of an odd one (``stored_text``)."""
-    if reason is None or (type(reason) is str and len(reason) <= MAX_ROW_TEXT and "\x00" not in reason):
+    if reason is None or (type(reason) is str and len(reason) <= MAX_ROW_TEXT and "\x00" not in reason
+                          and (reason.isascii() or _whole(reason))):
         return reason  # nearly always: "stop", "length"
     if type(reason) is not str:
         try:

@@ -12,6 +12,7 @@ from ..errors import GatewayError, bad_request, forbidden, model_not_found
 from ..plugins.call import Call, set_stream
 from ..store.key_usage import period_start
 from ..store.limits import Admission, Credits, Hold, insufficient_credits
+from ..usage import MAX_CHOICES
 from .auth import check_enabled
 from .request_body import read_json_body  # step 3  # noqa: F401 (called as admission.read_json_body)
 from .upstream import Route
@@ -86,6 +87,25 @@ def check_stream(body: dict, call: Call) -> None:
         if not isinstance(options, dict):
             raise bad_request("`stream_options` must be an object.", param="stream_options")
     set_stream(call, stream, stream and isinstance(options, dict) and options.get("include_usage") is True)
+
+
+def check_choices(body: dict) -> None:
+    """Step 6 too, on the completion endpoints: ``n`` and ``best_of``, which the hold counts (``choice_count``),
+    are null or a whole number from 1 to ``MAX_CHOICES`` (``2.0`` is 2), else 400 naming the field. vLLM reads
+    ``"2"`` as 2 choices: the hold cannot count what a server will make of a value that is not a number; and
+    a hold of more choices than any server makes at once is beyond what the stores count (64 bits)."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is None or (type(value) is int and 1 <= value <= MAX_CHOICES):
+            continue
+        if type(value) is float and value.is_integer() and 1 <= value <= MAX_CHOICES:
+            continue
+        raise bad_request(f"`{name}` must be an integer from 1 to {MAX_CHOICES}, not {_shown(value)}.", param=name)
+
+
+def _shown(value: object) -> str:
+    text = repr(value) if isinstance(value, (int, float, str)) else type(value).__name__
+    return text if len(text) <= 40 else text[:40] + "…"
 
 
 def check_chat_params(body: dict, call: Call, route: Route) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import orjson
-
-from ..errors import plugin_failed
+from ..errors import error_json, plugin_failed
 from ..sse import data_frame
 
 
@@ -19,9 +17,9 @@ class StreamPluginError(Exception):
         self.error = plugin_failed(plugin, "transform_event", exc)
 
     def frame(self) -> bytes:
-        return data_frame(orjson.dumps(self.error.payload()))
+        return data_frame(error_json(self.error.payload()))
 
 
 def error_frame(message: str, code: str, kind: str = "upstream_error") -> bytes:
     """The ``error`` event the gateway sends when a stream cannot go on (``kind``: the error's ``type``)."""
-    return data_frame(orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}))
+    return data_frame(error_json({"error": {"message": message, "type": kind, "param": None, "code": code}}))

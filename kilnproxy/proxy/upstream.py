@@ -145,13 +145,16 @@ class Route:
 
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
-                   trace=None, record=None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
+                   trace=None, elsewhere: int | None = None, record=None,
+                   ) -> tuple[Upstream, UpstreamResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
         and the answer is a stream, its first bytes (else None). The caller must release the response
         and call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the
-        headers that carry the trace. ``record`` (a ``RequestRecord``): its ``sent`` is true while the body
-        is with an upstream whose answer is awaited or returned (not one given up on)."""
+        headers that carry the trace. ``elsewhere``: a status that, like a 429 or 5xx, sends the request on
+        to another upstream of the model (a Responses follow-up's 404: this one does not hold the response).
+        ``record`` (a ``RequestRecord``): its ``sent`` is true while the body is with an upstream whose
+        answer is awaited or returned (not one given up on)."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
@@ -193,13 +196,28 @@ class Route:
                 upstream.failed()
             elif status < 500:
                 upstream.succeeded()
-            if not cannot_take(status) or not any(u not in tried for u in self.candidates()):
+            if not (cannot_take(status) or status == elsewhere) or not any(u not in tried for u in self.candidates()):
                 return upstream, resp, first
             upstream.release()
             resp.close()
             if record is not None:
                 record.sent = False
             problem = UpstreamFailure(f"{upstream.base_url} answered HTTP {status}")
+
+    async def send(self, client: UpstreamClient, endpoint: str, body: bytes,
+                   headers: Mapping[str, str] | None = None) -> tuple[Upstream, UpstreamResponse]:
+        """``body`` to the least busy upstream not marked down, taking none of its slots: a request that
+        uses none of a server's generation slots (``max_in_flight``), such as a token count, is not held
+        up by them, nor counted in them. The next upstream is tried when one cannot be reached; the caller
+        releases the response (there is no slot to give back). Raises 503 ``no_backend_available`` or the
+        last ``UpstreamFailure``."""
+        problem: UpstreamFailure | None = None
+        for upstream in self.candidates():
+            try:
+                return upstream, await client.post(self._target(upstream, endpoint), headers, body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                problem = UpstreamFailure(f"{upstream.base_url}: {_describe(exc)}", code=_failure_code(exc))
+        raise problem or no_backend_available(self.id)
 
     def _target(self, upstream: Upstream, endpoint: str) -> RequestTarget:
         """The request head for ``endpoint`` on ``upstream``, built at its first use."""

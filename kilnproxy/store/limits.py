@@ -26,9 +26,11 @@ from .minute_windows import MinuteWindows
 class Hold:
     """The most one request can cost: a bound on its prompt's tokens (``prompt_token_bound``: its UTF-8
     bytes plus a chat template's tokens, at most the context window) at the prompt price, plus
-    ``max_tokens`` (or the model's ``context_window`` when absent) for each choice it asks for (``n``,
-    ``best_of``, and each prompt of a list) at the completion price. ``amount`` is held against the
-    org's credits and the key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
+    ``max_tokens`` (at most the model's ``context_window``, the window when absent: ``output_bound``) for
+    each choice it asks for (``n``, ``best_of``, and each prompt of a list) at the completion price;
+    ``completion``, ``prompts`` (the prompts the window bounds one by one) or the ``prompt`` bound itself
+    given, for the APIs that count them otherwise. ``amount`` is held against the org's credits and the
+    key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
 
     It also carries what a ``replica_lost`` row needs, should its replica die: ``prompt_tokens`` and
     ``prompt_cost``, the prompt part of the hold (its bound), what such a row is charged.
@@ -38,7 +40,7 @@ class Hold:
                  "amount", "key_limit", "key_since", "tokens", "per_minute", "prompt_tokens")
 
     def __init__(self, call: Any, created_at: str, body: Mapping[str, Any], context_window: int | None,
-                 completion: int | None = None):
+                 completion: int | None = None, prompts: int | None = None, prompt: int | None = None):
         self.id = call.generation_id
         self.org = call.org
         self.key_id = call.key_id
@@ -48,11 +50,11 @@ class Hold:
         self.created_at = created_at
         self.pricing = pricing = call.pricing
         if completion is None:
-            completion = _max_tokens(body)
-            if completion is None:
-                completion = context_window or 0
+            completion = output_bound(_max_tokens(body), context_window)
             completion *= choice_count(body) * prompt_count(body)
-        prompt = self.prompt_tokens = prompt_token_bound(body, context_window)
+        if prompt is None:
+            prompt = prompt_token_bound(body, context_window, prompts)
+        self.prompt_tokens = prompt
         self.amount = pricing.cost(prompt, completion, 0) if pricing else 0.0
         self.tokens = prompt + completion  # reserved against tokens_per_minute bounds
         # (window name, requests_per_minute, tokens_per_minute) of the org and key, when they have any
@@ -65,12 +67,29 @@ class Hold:
         return self.pricing.cost(self.prompt_tokens, 0, 0) if self.pricing else 0.0
 
 
+def output_bound(limit: int | None, context_window: int | None) -> int:
+    """The most tokens one answer can have: the ``limit`` it asks for (``max_tokens`` and the like), at most
+    the model's ``context_window`` (vLLM and llama.cpp fit prompt and output in the window: they refuse or cut
+    an answer beyond it), the window itself without a limit; 0 knowing neither. The window is not lessened
+    by the prompt's bound: the prompt may be shorter than its bound, which would leave room for more output."""
+    if context_window and (limit is None or limit > context_window):
+        return context_window
+    return limit or 0
+
+
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    """The larger of ``max_tokens`` and ``max_completion_tokens``: vLLM's chat generates the second when both
+    are given, other servers the first. None (no limit known) when neither is given, or when one is given but
+    is not an integer >= 0, which a server may still read as a number ("100", 100.0) or as no limit (-1)."""
+    limit = None
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
-        if type(value) is int and value >= 0:
-            return value
-    return None
+        if value is None:
+            continue
+        if type(value) is not int or value < 0:
+            return None
+        limit = value if limit is None else max(limit, value)
+    return limit
 
 
 def rate_limited(org: str, limit: int) -> GatewayError:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..tasks import cancelled
+from ..tasks import cancelled, woken
 
 log = logging.getLogger("kilnproxy.replicas")
 
@@ -80,10 +80,7 @@ class Heartbeat:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            try:
-                await asyncio.wait_for(self._poke.wait(), self.interval if self.store.available else RETRY_SECONDS)
-            except asyncio.TimeoutError:
-                pass
+            await woken(self._poke, self.interval if self.store.available else RETRY_SECONDS)
             self._poke.clear()
             try:
                 await self.beat()

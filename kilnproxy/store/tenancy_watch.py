@@ -20,7 +20,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from ..tasks import cancelled
+from ..tasks import cancelled, woken
 from .tenancy_sql import NOTIFY_CHANNEL
 
 log = logging.getLogger("kilnproxy.tenancy")
@@ -55,10 +55,7 @@ class ChangeWatch:
         while True:
             if self.url is not None and self._conn is None:
                 await self._listen()
-            try:
-                await asyncio.wait_for(self._nudged.wait(), self.poll)
-            except asyncio.TimeoutError:
-                pass
+            await woken(self._nudged, self.poll)
             self._nudged.clear()
             try:
                 await self.on_change()
