@@ -300,6 +300,33 @@ async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_se
             (502, "upstream_error" if failure else "upstream_unreachable"), (503, "no_backend_available")]
 
 
+async def test_a_request_answered_after_a_health_check_marked_its_upstream_down_does_not_bring_it_back(
+        harness, held, eventually):
+    """Marked down by a failing health check, an upstream stays down until a check succeeds (docs): the
+    answer of a request sent to it before (a JSON answer comes whole, at the end) did not count as one."""
+    def configure(config):
+        held_first(held.url)(config)
+        config["models"][0]["queue_timeout"] = 0
+    async with harness(configure=configure) as h:
+        before = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: held.received == 1)
+        held.probe = 503
+        await h.app[HEALTH].check_all()
+        held.answer(200)  # the request sent before the check is answered now
+        async with await before as resp:
+            assert resp.status == 200
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "no_backend_available"
+        assert held.received == 1
+        held.probe = 200
+        await h.app[HEALTH].check_all()
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
+            assert resp.status == 200
+        assert held.received == 2
+
+
 async def test_requests_queued_while_an_upstream_was_down_are_served_by_it_once_it_is_back(harness, eventually):
     """The model's other upstream is down; requests queue for the one left, whose only slot is taken.
     A health check finds the first back: the queued requests are sent there at once, oldest first,

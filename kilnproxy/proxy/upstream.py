@@ -55,8 +55,8 @@ ENDPOINT_PATHS = {"completions": "/completions", "chat/completions": "/chat/comp
 class Upstream:
     """One replica: a base URL and its health."""
 
-    __slots__ = ("base_url", "urls", "in_flight", "failures", "failures_total", "down_until", "max_failures",
-                 "down_seconds", "slots")
+    __slots__ = ("base_url", "urls", "in_flight", "failures", "failures_total", "down_until", "checked_down_until",
+                 "max_failures", "down_seconds", "slots")
 
     def __init__(self, base_url: str, max_failures: int, down_seconds: float, slots: SlotPool | None = None):
         self.base_url = base_url
@@ -65,7 +65,8 @@ class Upstream:
         self.in_flight = 0
         self.failures = 0
         self.failures_total = 0  # every failure ever, for /metrics
-        self.down_until = 0.0
+        self.down_until = 0.0  # the later of the requests' marking-down and the health checks'
+        self.checked_down_until = 0.0  # a failed health check's: only a check that succeeds lifts it
         self.max_failures = max_failures
         self.down_seconds = down_seconds
 
@@ -76,16 +77,23 @@ class Upstream:
         self.failures += 1
         self.failures_total += 1
         if self.failures >= self.max_failures:
-            self.down_until = time.monotonic() + self.down_seconds
+            self.down_until = max(time.monotonic() + self.down_seconds, self.checked_down_until)
             if self.slots.waiters:
                 self.slots.marked_down()
 
     def succeeded(self) -> None:
+        """A request's answer: the requests' failures are forgotten (not a failed health check's mark)."""
         self.failures = 0
         if self.down_until:  # it was marked down: the requests waiting for its model's other upstreams may come
-            self.down_until = 0.0
-            if anyone_waiting():
+            checked = self.checked_down_until
+            self.down_until = checked if checked > time.monotonic() else 0.0
+            if not self.down_until and anyone_waiting():
                 self.slots.came_up()
+
+    def check_passed(self) -> None:
+        """A health check succeeded: up, whatever marked it down."""
+        self.checked_down_until = 0.0
+        self.succeeded()
 
     def release(self) -> None:
         """The request sent here has ended: its slot is free again."""
@@ -93,7 +101,8 @@ class Upstream:
         self.slots.give_back()
 
     def mark_down(self, until: float) -> None:
-        """An active health check failed: down until ``until`` (monotonic) or the next success."""
+        """An active health check failed: down until ``until`` (monotonic) or the next check that succeeds."""
+        self.checked_down_until = max(self.checked_down_until, until)
         self.down_until = max(self.down_until, until)
         if self.slots.waiters:
             self.slots.marked_down()
@@ -301,6 +310,7 @@ def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]
                 route.upstreams[i] = known
             elif (other := by_url.get(fresh.base_url)) is not None:
                 fresh.failures, fresh.down_until = other.failures, other.down_until
+                fresh.checked_down_until = other.checked_down_until
     return dict(new)
 
 
