@@ -1,5 +1,6 @@
 """Fallbacks across catalog models, `first_byte_timeout` and `request_timeout`, and the row's `requested_model`."""
 
+import asyncio
 import sqlite3
 import time
 
@@ -131,6 +132,31 @@ async def test_a_missed_first_byte_with_no_fallback_is_504(harness, hung):
         assert (row["status"], row["error_code"]) == (504, "upstream_timeout")
 
 
+@pytest.mark.parametrize("small", ["down", "busy", "free"])
+async def test_a_fallback_whose_request_timeout_has_passed_is_504_however_its_upstreams_are(harness, hung, small):
+    """The requested model misses its first byte; by then the fallback's request_timeout (counted from
+    admission) has passed: 504 upstream_timeout and no further fallback, whether the fallback's
+    upstream is marked down, has no free slot, or has one."""
+    def configure(config):
+        chain(f"{hung.url}/v1", fallbacks=(SMALL, OTHER), first_byte_timeout=0.2)(config)
+        m = next(m for m in config["models"] if m["id"] == SMALL)
+        m.update(request_timeout=0.1, upstreams=[{"url": m["upstreams"][0], "max_in_flight": 1}], queue_timeout=60)
+        next(m for m in config["models"] if m["id"] == OTHER)["upstreams"] = [DEAD]
+    async with harness(configure=configure) as h:
+        upstream = h.gw.routes[SMALL].upstreams[0]
+        if small == "down":
+            upstream.mark_down(time.monotonic() + 600)
+        elif small == "busy":
+            upstream.slots.take()
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
+            assert resp.status == 504
+            assert (await resp.json())["error"]["code"] == "upstream_timeout"
+            row = await h.row(resp.headers[GEN])
+        assert (row["status"], row["error_code"], row["requested_model"]) == (504, "upstream_timeout", MODEL)
+        assert h.gw.fallback_counts == {(MODEL, SMALL): 1}  # OTHER was not tried
+        assert h.mock.app[STATS]["requests"] == 0 and upstream.slots.queued() == 0
+
+
 async def test_a_stream_past_request_timeout_ends_with_an_error_event(harness):
     async with harness(configure=lambda c: c["models"][0].update(request_timeout=1.0)) as h:  # room for 2 words
         async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 6,
@@ -159,6 +185,40 @@ async def test_an_upstream_answering_500_falls_back(harness):
         async with harness(configure=chain(f"{bad.url}/v1")) as h:
             async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
                 assert resp.status == 200 and (await resp.json())["model"] == SMALL
+    finally:
+        await bad.stop()
+
+
+@pytest.mark.parametrize("first", ["refused", "503"])
+async def test_a_client_leaving_between_a_failed_attempt_and_its_fallback_pays_nothing(harness, store, eventually,
+                                                                                       first):
+    """The requested model's upstream refused the connection (or answered 503); the client leaves while
+    its request waits for the fallback's only slot: no model server worked on it, so its row charges
+    nothing, and everything it held is given back."""
+    bad = await start_mock()
+    bad.app[OPTIONS]["fail"] = "503"
+
+    def configure(config):
+        chain(DEAD if first == "refused" else f"{bad.url}/v1")(config)
+        small = next(m for m in config["models"] if m["id"] == SMALL)
+        small.update(upstreams=[{"url": small["upstreams"][0], "max_in_flight": 1}], queue_timeout=3600)
+    try:
+        async with harness(overrides=store, configure=configure) as h:
+            slots = h.gw.routes[SMALL].upstreams[0].slots
+            holder = await h.post("/v1/completions", {"model": SMALL, "prompt": "hi", "max_tokens": 2,
+                                                      "stream": True, "mock": {"silence": 3600}}).__aenter__()
+            leaver = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "a long prompt " * 200, "max_tokens": 2}))
+            await eventually(lambda: slots.queued() == 1)
+            leaver.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaver
+            [row] = await eventually(lambda: h.rows(status=499))
+            assert (row["disconnected"], row["prompt_tokens"], row["total_tokens"], row["cost"]) == (1, 0, 0, 0)
+            assert (row["model"], row["requested_model"]) == (SMALL, MODEL)
+            await eventually(lambda: (slots.queued(), h.gw.admission.count("acme")) == (0, 1))
+            holder.close()
+            await eventually(lambda: (slots.busy, h.gw.admission.count("acme")) == (0, 0))
     finally:
         await bad.stop()
 

@@ -4,6 +4,7 @@ two gateways on one PostgreSQL; tokens reserved at admission and settled to the 
 import asyncio
 
 import aiohttp
+import asyncpg
 import pytest
 from replicas import stop_all, two_replicas
 
@@ -63,6 +64,15 @@ async def test_tokens_are_reserved_at_admission_and_settled_to_the_real_count(ha
         assert await status_and_code(h, completion_body(max_tokens=1)) == (200, None)
 
 
+async def test_a_request_refused_after_admission_counts_as_a_request_with_no_tokens(harness, store, committed):
+    async with harness(overrides={**store, "orgs": orgs(requests_per_minute=2, tokens_per_minute=10_000)}) as h:
+        assert await status_and_code(h, {**completion_body(), "stream": "maybe"}) == (400, "invalid_request")
+        assert await status_and_code(h) == (200, None)
+        assert await status_and_code(h) == (429, "rate_limit_exceeded")
+        rows = await committed(h, 3, org="acme")
+        assert [r["total_tokens"] for r in rows if r["status"] == 400] == [0]
+
+
 async def test_two_gateways_on_one_database_share_an_orgs_requests_per_minute(harness, pg_url, tmp_path):
     config = {"orgs": orgs(requests_per_minute=6), "limits": {"max_in_flight_per_org": 64}}
     a_store = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "a.db")}}
@@ -70,6 +80,27 @@ async def test_two_gateways_on_one_database_share_an_orgs_requests_per_minute(ha
     async with harness(overrides={**config, **a_store}) as a, harness(overrides={**config, **b_store}) as b:
         results = await asyncio.gather(*(status_and_code(h) for h in (a, b) * 10))
         assert sorted(results) == [(200, None)] * 6 + [(429, "rate_limit_exceeded")] * 14
+
+
+async def test_postgresql_lets_a_keys_entries_go_once_out_of_the_window_though_its_org_has_no_bound(harness, pg_url,
+                                                                                                    tmp_path):
+    """Each admission under a per-minute bound leaves an entry in PostgreSQL; those of a key whose org
+    has no bound of its own were never deleted (one row per request, for ever)."""
+    store = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}}
+    async with harness(overrides=store) as h:
+        secret, _ = await h.gw.tenancy.create_key("acme", "batch", requests_per_minute=3)
+        await h.gw.tenants.refresh()
+        assert [await status_and_code(h, key=secret) for _ in range(4)] == [(200, None)] * 3 + [
+            (429, "rate_limit_exceeded")]
+        conn = await asyncpg.connect(pg_url)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM kiln_minute") == 3
+            # the minute passes (the entries are made older rather than waited for)
+            await conn.execute("UPDATE kiln_minute SET at = at - interval '61 seconds'")
+            assert await status_and_code(h, key=secret) == (200, None)
+            assert await conn.fetchval("SELECT count(*) FROM kiln_minute") == 1
+        finally:
+            await conn.close()
 
 
 def test_the_window_slides_over_any_60_seconds():
@@ -88,6 +119,25 @@ def test_the_window_slides_over_any_60_seconds():
     assert windows.usage("org:acme") == (0, 0)
     windows.settle("b", 50)  # settled after leaving the window: nothing to change
     assert windows.usage("org:acme") == (0, 0)
+
+
+def test_the_windows_of_keys_gone_quiet_are_let_go():
+    """A window was trimmed only when its own org or key made a request: a key that made a burst and
+    went quiet kept its minute of admissions in memory for ever (thousands of runtime keys: each its own)."""
+    now = [0.0]
+    windows = MinuteWindows(clock=lambda: now[0])
+    for k in range(1000):
+        for i in range(50):
+            windows.take(f"g{k}-{i}", 10, [f"key:k{k}"])
+    windows.settle("g0-0", 3)
+    now[0] = 61.0
+    windows.take("busy-1", 5, ["key:busy"])
+    assert windows.full([("key:busy", 100, None)]) is None
+    assert list(windows._windows) == ["key:busy"] and windows.usage("key:busy") == (1, 5)
+    windows.settle("g0-1", 4)  # settled after its window was let go: nothing to change, nothing raised
+    assert windows.usage("key:k0") == (0, 0)
+    windows.take("k0-again", 7, ["key:k0"])
+    assert windows.usage("key:k0") == (1, 7)
 
 
 def test_tokens_per_minute_admit_while_the_others_are_below_the_bound():

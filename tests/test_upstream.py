@@ -189,3 +189,40 @@ async def test_a_cookie_an_upstream_sets_is_never_sent_back(harness):
     finally:
         await upstream.stop()
     assert seen == [None, None, None]
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_an_upstream_asking_to_retry_after_is_skipped_or_502_never_passed_on(harness, status):
+    """An upstream's 429 or 503 with Retry-After: the next upstream is tried; when it was the last, the
+    client gets 502 text/plain without the upstream's Retry-After. A 503 counts toward marking it
+    down, a 429 does not (the server is up, only busy)."""
+    from aiohttp import web
+
+    from kilnproxy.web.server import start_app
+
+    async def busy(request):
+        await request.read()
+        return web.json_response({"error": {"message": "busy", "type": "server_error"}}, status=status,
+                                 headers={"Retry-After": "7"})
+    app = web.Application()
+    app.router.add_post("/v1/completions", busy)
+    busy_server = await start_app(app, "127.0.0.1", 0)
+    url = f"{busy_server.url}/v1"
+    try:
+        async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:
+            async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}) as resp:
+                assert resp.status == 502 and "Retry-After" not in resp.headers
+                assert resp.headers["Content-Type"] == "text/plain; charset=utf-8"
+                assert await resp.text() == f"Bad gateway: {url} answered HTTP {status} on /completions\n"
+                row = await h.row(resp.headers[GEN])
+            assert (row["status"], row["error_code"]) == (502, "upstream_error")
+            assert h.gw.routes[MODEL].upstreams[0].failures == (1 if status == 503 else 0)
+
+        def two(c):
+            c["models"][0]["upstreams"] = [url, c["models"][0]["upstreams"][0]]
+        async with harness(configure=two) as h:
+            for _ in range(4):  # whichever the balancing picks first, the answer comes from the mock
+                async with h.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}) as resp:
+                    assert resp.status == 200 and (await resp.json())["model"] == MODEL
+    finally:
+        await busy_server.stop()

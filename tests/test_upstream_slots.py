@@ -4,8 +4,10 @@ connections closed before the model server closes them."""
 
 import asyncio
 import signal
+import time
 
 import aiohttp
+import asyncpg
 import pytest
 from aiohttp import web
 from processes import GatewayProcess, gateway_config
@@ -13,7 +15,10 @@ from processes import GatewayProcess, gateway_config
 from kilnproxy.config import parse_config
 from kilnproxy.fixtures.mock_upstream import LOG, STATS, create_mock_app
 from kilnproxy.testing import KEY, MODEL
-from kilnproxy.web.server import start_mock
+
+SMALL = "small-model"
+from kilnproxy.ops.admin import HEALTH
+from kilnproxy.web.server import start_app, start_mock
 
 GEN = "X-Neocloud-Generation-Id"
 
@@ -113,6 +118,58 @@ async def test_the_client_leaving_while_queued(harness, eventually):
         assert len(await eventually(lambda: h.rows())) == 3
 
 
+async def minute_tokens(h) -> int:
+    """The tokens the org's per-minute window holds: this process' window, or PostgreSQL's entries."""
+    url = h.gw.config.storage.url
+    if not url:
+        return h.gw.admission.minutes.usage("org:acme")[1]
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval("SELECT coalesce(sum(tokens), 0) FROM kiln_minute WHERE org = 'acme'")
+    finally:
+        await conn.close()
+
+
+async def test_a_client_leaving_while_queued_pays_nothing_and_its_place_goes_to_the_next(harness, store, eventually):
+    """The request never reached a model server: its row charges no token (its per-minute tokens
+    settle to 0), and the request queued behind it gets the slot."""
+    def configure(config):
+        slotted(1, queue_timeout=60)(config)
+        config["orgs"][0]["tokens_per_minute"] = 10_000_000
+    async with harness(overrides=store, configure=configure) as h:
+        async with aiohttp.ClientSession() as s:
+            holder = await s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 4, "mock": {"silence": 3600}})
+            leaver = asyncio.create_task(s.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "a long prompt " * 200, "max_tokens": 2}))
+            await eventually(lambda: pool(h).queued() == 1)
+            behind = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+            await eventually(lambda: pool(h).queued() == 2)
+            leaver.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaver
+            await eventually(lambda: pool(h).queued() == 1 and h.gw.admission.count("acme") == 2)
+            [row] = await eventually(lambda: h.rows(status=499))
+            assert (row["disconnected"], row["error_code"], row["prompt_tokens"], row["completion_tokens"],
+                    row["total_tokens"], row["cost"]) == (1, None, 0, 0, 0, 0)
+            holder.close()
+            async with await behind as resp:
+                assert resp.status == 200
+                await resp.read()
+        await eventually(lambda: (pool(h).busy, pool(h).queued(), h.gw.admission.count("acme")) == (0, 0, 0))
+        rows = await eventually(_all_rows(h, 3))
+        assert h.mock.app[STATS]["requests"] == 2  # the request that left never reached the upstream
+        assert await minute_tokens(h) == sum(r["total_tokens"] for r in rows)
+
+
+def _all_rows(h, n):
+    async def rows():
+        found = await h.rows()
+        return found if len(found) == n else None
+    return rows
+
+
 async def test_queue_timeout_then_503_upstream_busy(harness):
     async with harness(configure=slotted(1, queue_timeout=0.05)) as h:
         async with aiohttp.ClientSession() as s:
@@ -125,6 +182,192 @@ async def test_queue_timeout_then_503_upstream_busy(harness):
                 row = await h.row(resp.headers[GEN])
             assert (row["status"], row["error_code"], row["model"]) == (503, "upstream_busy", MODEL)
             holder.close()
+
+
+class HeldServer:
+    """A model server whose answers wait until ``answer(status)``; ``GET /probe`` answers ``probe``."""
+
+    def __init__(self):
+        self.received = 0
+        self.probe = 200
+        self.status: asyncio.Future[int] | None = None
+        self.running = None
+
+    async def start(self) -> "HeldServer":
+        self.status = asyncio.get_running_loop().create_future()
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/probe", self._probe)
+        self.running = await start_app(app, "127.0.0.1", 0)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"{self.running.url}/v1"
+
+    async def _completions(self, request):
+        await request.read()
+        self.received += 1
+        status = await asyncio.shield(self.status)
+        if status == 0:  # hang up without answering
+            request.transport.abort()
+            raise ConnectionResetError
+        return web.json_response({"error": {"message": "overloaded", "type": "server_error"}}, status=status)
+
+    async def _probe(self, request):
+        return web.Response(status=self.probe)
+
+    def answer(self, status: int) -> None:
+        """Answer every request (those to come too) with HTTP ``status``; 0: hang up instead."""
+        self.status.set_result(status)
+
+
+@pytest.fixture
+async def held():
+    server = await HeldServer().start()
+    yield server
+    if not server.status.done():
+        server.answer(503)
+    await server.running.stop()
+
+
+def held_first(url: str, fallback: bool = False, **server):
+    """The test model on ``url`` (one slot, a long queue), falling back (or not) to SMALL on the mock."""
+    def configure(config):
+        m = config["models"][0]
+        config["models"].append({**m, "id": SMALL, "upstream_model": "org/Small-1B"})
+        m.update(upstreams=[{"url": url, "max_in_flight": 1}], queue_timeout=3600,
+                 fallbacks=[SMALL] if fallback else [])
+        config["server"].update(server)
+        config["health"] = {"interval": 0, "path": "/probe"}
+    return configure
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+async def test_a_request_queued_for_an_upstream_a_health_check_marks_down_stops_waiting(harness, held, eventually,
+                                                                                       fallback):
+    """It gets what a request arriving now gets (503 no_backend_available, or the fallback) at once, not
+    503 upstream_busy once its queue_timeout has passed, nor the slot of a server marked down."""
+    async with harness(configure=held_first(held.url, fallback)) as h:
+        holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: held.received == 1)
+        queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: pool(h).queued() == 1)
+        held.probe = 503
+        await h.app[HEALTH].check_all()
+        async with asyncio.timeout(20):  # a guard only: the queue_timeout is an hour
+            async with await queued as resp:
+                answer = await resp.json()
+                row = await h.row(resp.headers[GEN])
+        if fallback:
+            assert (resp.status, answer["model"]) == (200, SMALL)
+            assert (row["status"], row["model"], row["requested_model"]) == (200, SMALL, MODEL)
+        else:
+            assert (resp.status, answer["error"]["code"]) == (503, "no_backend_available")
+            assert (row["status"], row["error_code"], row["model"]) == (503, "no_backend_available", MODEL)
+        assert (pool(h).busy, pool(h).queued(), len(pool(h).waiters)) == (1, 0, 0)  # the holder's slot only
+        held.answer(503)
+        async with await holder as resp:
+            assert resp.status == (200 if fallback else 502)  # an upstream's 503 falls back too
+        await eventually(lambda: (pool(h).busy, h.gw.admission.count("acme")) == (0, 0))
+        assert held.received == 1
+
+
+@pytest.mark.parametrize("failure", [503, 0])
+async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_sent_there(harness, held, eventually,
+                                                                                         failure):
+    """The request holding the only slot fails (HTTP 503, or a reset) and so marks the upstream down: the
+    slot it frees does not send the request queued behind it to a server marked down."""
+    async with harness(configure=held_first(held.url, upstream_max_failures=1, upstream_down_seconds=3600)) as h:
+        holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: held.received == 1)
+        queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: pool(h).queued() == 1)
+        held.answer(failure)
+        async with await holder as resp:
+            assert resp.status == 502
+        async with await queued as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "no_backend_available"
+        assert held.received == 1
+        await eventually(lambda: (pool(h).busy, pool(h).queued(), h.gw.admission.count("acme")) == (0, 0, 0))
+        rows = await eventually(_all_rows(h, 2))
+        assert sorted((r["status"], r["error_code"]) for r in rows) == [
+            (502, "upstream_error" if failure else "upstream_unreachable"), (503, "no_backend_available")]
+
+
+async def test_a_request_answered_after_a_health_check_marked_its_upstream_down_does_not_bring_it_back(
+        harness, held, eventually):
+    """Marked down by a failing health check, an upstream stays down until a check succeeds (docs): the
+    answer of a request sent to it before (a JSON answer comes whole, at the end) did not count as one."""
+    def configure(config):
+        held_first(held.url)(config)
+        config["models"][0]["queue_timeout"] = 0
+    async with harness(configure=configure) as h:
+        before = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        await eventually(lambda: held.received == 1)
+        held.probe = 503
+        await h.app[HEALTH].check_all()
+        held.answer(200)  # the request sent before the check is answered now
+        async with await before as resp:
+            assert resp.status == 200
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "no_backend_available"
+        assert held.received == 1
+        held.probe = 200
+        await h.app[HEALTH].check_all()
+        async with h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) as resp:
+            assert resp.status == 200
+        assert held.received == 2
+
+
+async def test_requests_queued_while_an_upstream_was_down_are_served_by_it_once_it_is_back(harness, eventually):
+    """The model's other upstream is down; requests queue for the one left, whose only slot is taken.
+    A health check finds the first back: the queued requests are sent there at once, oldest first,
+    not kept waiting behind the busy one (nor overtaken by requests arriving then)."""
+    probe = {"status": 503}
+
+    async def answer_probe(request):
+        return web.Response(status=probe["status"])
+    app = create_mock_app()
+    app.router.add_get("/probe", answer_probe)
+    back = await start_app(app, "127.0.0.1", 0)
+
+    def configure(config):
+        m = config["models"][0]
+        m.update(upstreams=[{"url": m["upstreams"][0], "max_in_flight": 1}, {"url": f"{back.url}/v1",
+                                                                            "max_in_flight": 2}],
+                 queue_timeout=3600)
+        config["health"] = {"interval": 0, "path": "/probe"}
+    try:
+        async with harness(configure=configure) as h:
+            busy, returning = (u.slots for u in h.gw.routes[MODEL].upstreams)
+            await h.app[HEALTH].check_all()  # the mock answers 404 to /probe (up); `back` 503 (down)
+            assert [u.is_up(time.monotonic()) for u in h.gw.routes[MODEL].upstreams] == [True, False]
+            holder = await h.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                      "stream": True, "mock": {"silence": 3600}}).__aenter__()
+            queued = [asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
+                "model": MODEL, "prompt": f"request {i}", "max_tokens": 2})) for i in range(3)]
+            await eventually(lambda: busy.queued() == 3)
+            probe["status"] = 200
+            await h.app[HEALTH].check_all()
+            # its two slots went to the two oldest; the third waits for a slot of either upstream
+            assert (returning.busy, returning.queued(), busy.queued()) == (2, 1, 1)
+            async with asyncio.timeout(20):  # a guard only: the queue_timeout is an hour
+                served = [await task for task in queued]
+            assert [r.status for r in served] == [200, 200, 200]
+            assert [r["body"]["prompt"] for r in back.app[LOG]] == ["request 0", "request 1", "request 2"]
+            assert busy.busy == 1 and holder.status == 200  # the holder kept its slot throughout
+            holder.close()
+            await eventually(lambda: (busy.busy, returning.busy, h.gw.admission.count("acme")) == (0, 0, 0))
+    finally:
+        await back.stop()
 
 
 async def test_slots_are_shared_by_the_models_that_list_a_url(harness):

@@ -6,7 +6,7 @@ Every ``interval`` seconds each distinct upstream server is asked ``GET <path>``
 500 within ``timeout`` means the server is up (a 404 or 401 still proves it
 is serving); a refused connection, a timeout or a 5xx marks it down at once,
 for every model it serves, until a later check succeeds. A success marks it up
-and clears the failures the request path counted (``Upstream.succeeded``), so
+and clears the failures the request path counted (``Upstream.check_passed``), so
 a replica that comes back is used again without waiting for
 ``upstream_down_seconds``.
 
@@ -78,7 +78,7 @@ class HealthChecker:
         problem = await self._probe(check_url(base_url, cfg.path), headers, cfg.timeout)
         if problem is None:
             for u in upstreams:
-                u.succeeded()
+                u.check_passed()
             if base_url in self._down:
                 self._down.discard(base_url)
                 log.info("upstream %s is up again", base_url)

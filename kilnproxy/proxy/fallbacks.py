@@ -76,6 +76,7 @@ async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, r
         if cannot_take(opened.resp.status) and not last and _any_left(gw, call, key, chain[i + 1:]):
             opened.upstream.release()
             opened.resp.close()
+            record.sent = False
             problem = UpstreamFailure(f"{opened.upstream.base_url} answered HTTP {opened.resp.status}")
             continue
         return opened
@@ -100,12 +101,14 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
     elsewhere = NOT_HELD if call.endpoint == "responses" and body.get("previous_response_id") else None
     if deadline is None:
         upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream, queue_deadline,
-                                                 headers, record.trace, elsewhere)
+                                                 headers, record.trace, elsewhere, record)
         return Opened(route, upstream, resp, first, None)
+    if deadline <= loop.time():  # passed already (a fallback's, by the time it is tried): no slot, no send
+        raise request_deadline_passed(route.id, model.request_timeout)
     try:
         async with asyncio.timeout_at(deadline):
             upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream,
-                                                     queue_deadline, headers, record.trace, elsewhere)
+                                                     queue_deadline, headers, record.trace, elsewhere, record)
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None
     return Opened(route, upstream, resp, first, deadline)

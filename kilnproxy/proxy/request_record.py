@@ -33,12 +33,15 @@ class RequestRecord:
 
     ``usage`` is what the upstream reported (``None`` if it never did); then
     the completion tokens are the content chunks streamed so far and the prompt
-    tokens an estimate from ``body``.
+    tokens an estimate from ``body`` — once the request was sent to an upstream
+    (``sent``): a client that left before (while queued for a slot, say) cost
+    no model server anything.
     """
 
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
-                 "submitted", "committed", "tap", "responded", "hold", "requested_model", "admitted", "trace")
+                 "submitted", "committed", "tap", "responded", "hold", "requested_model", "admitted", "trace",
+                 "sent")
 
     def __init__(self, call: Call):
         self.call = call
@@ -61,6 +64,7 @@ class RequestRecord:
         self.requested_model: str | None = None  # the catalog id asked for (the model that served may differ)
         self.admitted = 0.0  # loop time of admission (step 5), where request_timeout starts
         self.trace = None  # this request's spans when tracing is on (Gateway.tracer)
+        self.sent = False  # the body is with an upstream (``Route.open``; not one that failed): a prompt to pay for
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status
@@ -75,7 +79,7 @@ class RequestRecord:
     def final_usage(self) -> Usage:
         if self.usage is not None:
             return self.usage
-        if self.streamed_chunks == 0 and not self.disconnected:
+        if self.streamed_chunks == 0 and not (self.disconnected and self.sent):
             return Usage()
         return Usage(estimate_prompt_tokens(self.body), self.streamed_chunks)
 

@@ -33,7 +33,7 @@ from .deadlines import first_byte_missed
 from .upstream_client import RequestTarget, UpstreamClient
 from .upstream_connections import UpstreamBadResponse
 from .upstream_response import UpstreamResponse
-from .upstream_slots import SlotPool, UpstreamBusy, take_slot, upstream_busy
+from .upstream_slots import NoUpstreamUp, SlotPool, UpstreamBusy, anyone_waiting, take_slot, upstream_busy
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
 # toward marking it down. A plain 500 is often caused by the request itself (llama.cpp answers 500
@@ -55,8 +55,8 @@ ENDPOINT_PATHS = {"completions": "/completions", "chat/completions": "/chat/comp
 class Upstream:
     """One replica: a base URL and its health."""
 
-    __slots__ = ("base_url", "urls", "in_flight", "failures", "failures_total", "down_until", "max_failures",
-                 "down_seconds", "slots")
+    __slots__ = ("base_url", "urls", "in_flight", "failures", "failures_total", "down_until", "checked_down_until",
+                 "max_failures", "down_seconds", "slots")
 
     def __init__(self, base_url: str, max_failures: int, down_seconds: float, slots: SlotPool | None = None):
         self.base_url = base_url
@@ -65,7 +65,8 @@ class Upstream:
         self.in_flight = 0
         self.failures = 0
         self.failures_total = 0  # every failure ever, for /metrics
-        self.down_until = 0.0
+        self.down_until = 0.0  # the later of the requests' marking-down and the health checks'
+        self.checked_down_until = 0.0  # a failed health check's: only a check that succeeds lifts it
         self.max_failures = max_failures
         self.down_seconds = down_seconds
 
@@ -76,11 +77,23 @@ class Upstream:
         self.failures += 1
         self.failures_total += 1
         if self.failures >= self.max_failures:
-            self.down_until = time.monotonic() + self.down_seconds
+            self.down_until = max(time.monotonic() + self.down_seconds, self.checked_down_until)
+            if self.slots.waiters:
+                self.slots.marked_down()
 
     def succeeded(self) -> None:
+        """A request's answer: the requests' failures are forgotten (not a failed health check's mark)."""
         self.failures = 0
-        self.down_until = 0.0
+        if self.down_until:  # it was marked down: the requests waiting for its model's other upstreams may come
+            checked = self.checked_down_until
+            self.down_until = checked if checked > time.monotonic() else 0.0
+            if not self.down_until and anyone_waiting():
+                self.slots.came_up()
+
+    def check_passed(self) -> None:
+        """A health check succeeded: up, whatever marked it down."""
+        self.checked_down_until = 0.0
+        self.succeeded()
 
     def release(self) -> None:
         """The request sent here has ended: its slot is free again."""
@@ -88,8 +101,11 @@ class Upstream:
         self.slots.give_back()
 
     def mark_down(self, until: float) -> None:
-        """An active health check failed: down until ``until`` (monotonic) or the next success."""
+        """An active health check failed: down until ``until`` (monotonic) or the next check that succeeds."""
+        self.checked_down_until = max(self.checked_down_until, until)
         self.down_until = max(self.down_until, until)
+        if self.slots.waiters:
+            self.slots.marked_down()
 
 
 class Route:
@@ -111,6 +127,7 @@ class Route:
             if token:
                 self.headers["Authorization"] = f"Bearer {token}"
         self._turn = 0
+        self._usable = self.usable  # bound once: passed to every wait for a slot
         self._targets: dict[tuple[str, str], RequestTarget] = {}  # (base URL, endpoint) -> its request head
         # Byte patterns for rewriting `model` in streamed chunks without parsing them.
         self.model_bytes = b'"model":' + orjson.dumps(model.id)
@@ -130,15 +147,23 @@ class Route:
         rotated = ups[self._turn:] + ups[:self._turn]
         return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.slots.load())
 
+    def usable(self, pool: SlotPool) -> bool:
+        """Whether a request of this model waiting for a slot of ``pool`` may still be sent there."""
+        now = time.monotonic()
+        return any(u.slots is pool and u.is_up(now) for u in self.upstreams)
+
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
-                   trace=None, elsewhere: int | None = None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
+                   trace=None, elsewhere: int | None = None, record=None,
+                   ) -> tuple[Upstream, UpstreamResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
         and the answer is a stream, its first bytes (else None). The caller must release the response
         and call ``upstream.release()``. ``trace`` (tracing on): told of each attempt, it gives the
         headers that carry the trace. ``elsewhere``: a status that, like a 429 or 5xx, sends the request on
-        to another upstream of the model (a Responses follow-up's 404: this one does not hold the response)."""
+        to another upstream of the model (a Responses follow-up's 404: this one does not hold the response).
+        ``record`` (a ``RequestRecord``): its ``sent`` is true while the body is with an upstream whose
+        answer is awaited or returned (not one given up on)."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
@@ -146,18 +171,25 @@ class Route:
             if not candidates:
                 raise problem or no_backend_available(self.id)
             try:
-                pool = await take_slot([u.slots for u in candidates], queue_deadline)
+                pool = await take_slot([u.slots for u in candidates], queue_deadline, self._usable)
             except UpstreamBusy:
                 raise problem or upstream_busy(self.id, self.model.queue_timeout) from None
-            upstream = next(u for u in candidates if u.slots is pool)
+            except NoUpstreamUp:  # each marked down while it waited: no_backend_available, unless one is back
+                continue
+            # (one of the candidates, or an upstream found up again while the request waited)
+            upstream = next(u for u in self.upstreams if u.slots is pool)
             tried.append(upstream)
             upstream.in_flight += 1
             extra = headers if trace is None else trace.attempt(upstream.base_url, headers or {})
+            if record is not None:
+                record.sent = True
             try:
                 resp, first = await self._attempt(client, self._target(upstream, endpoint), body, stream, extra)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
+                upstream.failed()  # before the slot is given back: a waiter is not handed a server now down
                 upstream.release()
-                upstream.failed()
+                if record is not None:
+                    record.sent = False  # given up on: the next upstream, if any, is sent it again
                 if trace is not None:
                     trace.attempt_done(None, type(exc).__name__)
                 problem = exc if isinstance(exc, GatewayError) else UpstreamFailure(
@@ -177,6 +209,8 @@ class Route:
                 return upstream, resp, first
             upstream.release()
             resp.close()
+            if record is not None:
+                record.sent = False
             problem = UpstreamFailure(f"{upstream.base_url} answered HTTP {status}")
 
     async def send(self, client: UpstreamClient, endpoint: str, body: bytes,
@@ -276,6 +310,7 @@ def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]
                 route.upstreams[i] = known
             elif (other := by_url.get(fresh.base_url)) is not None:
                 fresh.failures, fresh.down_until = other.failures, other.down_until
+                fresh.checked_down_until = other.checked_down_until
     return dict(new)
 
 

@@ -10,7 +10,9 @@ totals: a check costs no walk over its places.
 
 A busy org has a minute of admissions in its window (tens of thousands): they
 are kept as plain numbers in two lists, not as objects, so that they cost the
-garbage collector nothing to walk.
+garbage collector nothing to walk. A window is trimmed when its org or key
+asks for admission; once a minute every window is, and those left empty are
+let go, so that the keys and orgs gone quiet hold no memory.
 """
 
 from __future__ import annotations
@@ -71,10 +73,13 @@ class MinuteWindows:
         self.clock = clock
         self._windows: dict[str, Window] = {}
         self._open: dict[str, tuple] = {}  # generation id -> ((window, place), ...), until its row settles
+        self._sweep_at = clock() + WINDOW_SECONDS
 
     def full(self, bounds: list[tuple[str, int | None, int | None]]) -> str | None:
         """The first of ``(window name, requests_per_minute, tokens_per_minute)`` that is full, or None."""
         now = self.clock()
+        if now >= self._sweep_at:
+            self._sweep(now)
         for name, rpm, tpm in bounds:
             window = self._windows.get(name)
             if window is not None:
@@ -98,6 +103,15 @@ class MinuteWindows:
         is still in)."""
         for window, place in self._open.pop(generation_id, ()):
             window.settle(place, tokens)
+
+    def _sweep(self, now: float) -> None:
+        """Let go of the windows with nothing left in the last 60 s. A place of one still open (its
+        request outlived its minute) settles into the old window, where it changes nothing."""
+        self._sweep_at = now + WINDOW_SECONDS
+        for name, window in list(self._windows.items()):
+            window.trim(now)
+            if window.requests == 0:
+                del self._windows[name]
 
     def usage(self, name: str) -> tuple[int, int]:
         """``(requests, tokens)`` of the window ``name`` over the last 60 s (metrics, tests)."""

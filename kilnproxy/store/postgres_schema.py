@@ -26,7 +26,8 @@ Version 2 (``kilnproxy.store.postgres_v2``) adds runtime orgs, keys and grants,
 and makes ``kiln_admit`` hold keys' limits and check per-minute limits; version 3
 (``kilnproxy.store.postgres_v3``) the ``requested_model`` of fallbacks; version 4
 (``kilnproxy.store.postgres_v4``) takes admission's and settlement's batches as
-arrays instead of JSON.
+arrays instead of JSON; version 5 (``kilnproxy.store.postgres_v5``) lets a key's
+per-minute entries go once out of the window.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..errors import StorageError
 from .postgres_v2 import V2
 from .postgres_v3 import V3
 from .postgres_v4 import V4
+from .postgres_v5 import V5
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -219,7 +221,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5)
 
 
 async def migrate(conn) -> int:
