@@ -26,14 +26,12 @@ import asyncpg
 import pytest
 from processes import GatewayProcess
 from replicas import Ledger, replica, replica_config, stop_all
-from test_ledger_faults import fill, mounted
+from test_ledger_faults import AUTH, GEN, fill, health, metric, mounted, post
 
 from kilnproxy.testing import KEY, completion_body
 from kilnproxy.testing.postgres import PostgresServer
 from kilnproxy.usage import COLUMNS
 
-GEN = "X-Neocloud-Generation-Id"
-AUTH = {"Authorization": f"Bearer {KEY}"}
 DOWN_LINE = "new requests get 503 store_unavailable"
 UP_LINE = "PostgreSQL takes rows again"
 GUARD_SECONDS = 30  # a bound on events that come within seconds: a test that hangs fails instead
@@ -45,24 +43,18 @@ def own_postgres():
         yield server
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str | None, bytes]:
-    async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as resp:
-        return resp.status, resp.headers.get(GEN), await resp.read()
-
-
-async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with session.get(f"{url}/metrics") as resp:
-        for line in (await resp.text()).splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
-async def health(session: aiohttp.ClientSession, url: str) -> tuple[dict, int]:
-    async with session.get(f"{url}/healthz") as resp:
-        body = await resp.json()
-    async with session.get(f"{url}/healthz?ready") as resp:
-        return body, resp.status
+async def one_done_and_two_under_way(session: aiohttp.ClientSession, url: str,
+                                     sent: dict[str, int]) -> list[aiohttp.ClientResponse]:
+    """A request answered (its status put in ``sent``), then two slow streams that have begun: returned."""
+    status, gen, _ = await post(session, url, completion_body())
+    assert status == 200
+    sent[gen] = status
+    slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
+    streams = [await session.post(f"{url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
+    for s in streams:
+        assert s.status == 200
+        await s.content.readline()
+    return streams
 
 
 def store_lines(gateway) -> list[str]:
@@ -116,14 +108,7 @@ async def test_a_read_only_database_is_a_store_down_that_ends_by_itself(
     streams = []
     try:
         async with aiohttp.ClientSession() as session:
-            status, gen, _ = await post(session, a.url, completion_body())
-            assert status == 200
-            sent[gen] = status
-            slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
-            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
-            for s in streams:
-                assert s.status == 200
-                await s.content.readline()  # under way when the database turns read-only
+            streams = await one_done_and_two_under_way(session, a.url, sent)
             if how == "database":
                 pg.psql("ALTER DATABASE kiln SET default_transaction_read_only = on;")
                 assert pg.terminate_connections("kiln") >= 1
@@ -302,14 +287,7 @@ async def test_a_spool_that_cannot_be_written_during_an_outage_refuses_at_once_a
     streams, waiting = [], []
     try:
         async with aiohttp.ClientSession() as session:
-            status, gen, _ = await post(session, a.url, completion_body())
-            assert status == 200
-            sent[gen] = status
-            slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
-            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
-            for s in streams:
-                assert s.status == 200
-                await s.content.readline()
+            streams = await one_done_and_two_under_way(session, a.url, sent)
             pg.stop("immediate")
             fill_disk()
             waiting = [asyncio.create_task(s.read()) for s in streams]
