@@ -470,11 +470,9 @@ class PostgresStore(GroupCommitted):
     async def run(self, method: str, sql: str, *args):
         """``conn.<method>(sql, *args)`` on a pooled connection; borrowing it, the statement and giving
         it back all bounded by ``STATEMENT_TIMEOUT`` (raises one of ``UNREACHABLE`` past it)."""
-        async def call():
+        async with asyncio.timeout(2 * STATEMENT_TIMEOUT):  # not wait_for: it can lose a cancellation (tasks.py)
             async with self.pool.acquire(timeout=STATEMENT_TIMEOUT) as conn:
                 return await getattr(conn, method)(sql, *args, timeout=STATEMENT_TIMEOUT)
-
-        return await asyncio.wait_for(call(), 2 * STATEMENT_TIMEOUT)
 
     async def attempt(self, method: str, sql: str, *args):
         """``run``, or ``None`` when the store cannot take statements (marked down: ``lost``)."""
