@@ -43,17 +43,24 @@ def own_postgres():
         yield server
 
 
+async def streams_begun(session: aiohttp.ClientSession, url: str, count: int,
+                        max_tokens: int = 6) -> list[aiohttp.ClientResponse]:
+    """``count`` slow streams (a token each 50 ms) whose first line has come."""
+    slow = completion_body(stream=True, max_tokens=max_tokens, mock={"delay": 0.05})
+    streams = [await session.post(f"{url}/v1/completions", json=slow, headers=AUTH) for _ in range(count)]
+    for s in streams:
+        await s.content.readline()
+    return streams
+
+
 async def one_done_and_two_under_way(session: aiohttp.ClientSession, url: str,
                                      sent: dict[str, int]) -> list[aiohttp.ClientResponse]:
     """A request answered (its status put in ``sent``), then two slow streams that have begun: returned."""
     status, gen, _ = await post(session, url, completion_body())
     assert status == 200
     sent[gen] = status
-    slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
-    streams = [await session.post(f"{url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
-    for s in streams:
-        assert s.status == 200
-        await s.content.readline()
+    streams = await streams_begun(session, url, 2)
+    assert all(s.status == 200 for s in streams)
     return streams
 
 
@@ -335,10 +342,7 @@ async def test_a_stop_while_neither_postgresql_nor_the_spool_takes_rows_logs_the
     clients: list[asyncio.Task] = []
     try:
         async with aiohttp.ClientSession() as session:
-            slow = completion_body(stream=True, max_tokens=6, mock={"delay": 0.05})
-            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
-            for s in streams:
-                await s.content.readline()
+            streams = await streams_begun(session, a.url, 2, max_tokens=6)
             pg.stop("immediate")
             fill_disk()
             clients += [asyncio.create_task(s.read()) for s in streams]
@@ -372,10 +376,7 @@ async def test_a_replica_stopped_during_an_outage_keeps_the_rows_of_its_streams_
     sent: dict[str, int] = {}
     try:
         async with aiohttp.ClientSession() as session:
-            slow = completion_body(stream=True, max_tokens=20, mock={"delay": 0.05})
-            streams = [await session.post(f"{a.url}/v1/completions", json=slow, headers=AUTH) for _ in range(3)]
-            for s in streams:
-                await s.content.readline()
+            streams = await streams_begun(session, a.url, 3, max_tokens=20)
             pg.stop("fast")
             status, gen, _ = await asyncio.wait_for(post(session, a.url, completion_body()), GUARD_SECONDS)
             assert status == 503

@@ -37,6 +37,18 @@ def pool(h):
     return h.gw.routes[MODEL].upstreams[0].slots
 
 
+async def one_holding_one_queued(h, held, eventually) -> tuple[asyncio.Task, asyncio.Task]:
+    """A request holding the only slot (``held`` has it), then one queued behind it: their tasks
+    (``eventually``: the fixture)."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json=body))
+    await eventually(lambda: held.received == 1)
+    queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json=body))
+    await eventually(lambda: pool(h).queued() == 1)
+    return holder, queued
+
+
+
 async def test_config_takes_tables_and_strings_and_refuses_two_caps_for_one_url():
     base = {"id": "a", "upstreams": [{"url": "http://gpu1:8000/v1/", "max_in_flight": 4}, "http://gpu2:8000/v1"]}
     config = parse_config({"models": [base]})
@@ -249,12 +261,7 @@ async def test_a_request_queued_for_an_upstream_a_health_check_marks_down_stops_
     """It gets what a request arriving now gets (503 no_backend_available, or the fallback) at once, not
     503 upstream_busy once its queue_timeout has passed, nor the slot of a server marked down."""
     async with harness(configure=held_first(held.url, fallback)) as h:
-        holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
-            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
-        await eventually(lambda: held.received == 1)
-        queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
-            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
-        await eventually(lambda: pool(h).queued() == 1)
+        holder, queued = await one_holding_one_queued(h, held, eventually)
         held.probe = 503
         await h.app[HEALTH].check_all()
         async with asyncio.timeout(20):  # a guard only: the queue_timeout is an hour
@@ -281,12 +288,7 @@ async def test_a_request_queued_for_an_upstream_its_failures_mark_down_is_not_se
     """The request holding the only slot fails (HTTP 503, or a reset) and so marks the upstream down: the
     slot it frees does not send the request queued behind it to a server marked down."""
     async with harness(configure=held_first(held.url, upstream_max_failures=1, upstream_down_seconds=3600)) as h:
-        holder = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
-            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
-        await eventually(lambda: held.received == 1)
-        queued = asyncio.create_task(h.session.post(f"{h.url}/v1/completions", headers=h.headers(), json={
-            "model": MODEL, "prompt": "hi", "max_tokens": 2}))
-        await eventually(lambda: pool(h).queued() == 1)
+        holder, queued = await one_holding_one_queued(h, held, eventually)
         held.answer(failure)
         async with await holder as resp:
             assert resp.status == 502
