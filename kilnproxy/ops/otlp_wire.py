@@ -28,7 +28,7 @@ FLAGS_REMOTE = 0x300                # ... and it is remote (the client's tracepa
 
 _BYTE = BYTE = [bytes((n,)) for n in range(256)]
 _U64 = (1 << 64) - 1
-_DOUBLE = struct.Struct("<d").pack
+_DOUBLE = DOUBLE = struct.Struct("<d").pack
 _TIMES = TIMES = struct.Struct("<BQBQ").pack   # the start and end times, with their tags (0x39, 0x41)
 _FLAGS = struct.Struct("<BBI").pack     # field 16, fixed32: a two-byte tag
 _EVENT_TIME = struct.Struct("<BQ").pack

@@ -223,21 +223,28 @@ class RequestTrace:
         self.row = row
         if committed is None or committed.done():
             self.committed_at = now
-            self(None)
+            spans: list[bytes] = []
+            self.encode(time_ns(), spans)
+            self.tracing.add_all(spans)
         else:
             committed.add_done_callback(self._committed, context=_CALLBACKS)
 
     def _committed(self, _future) -> None:
         """The row is committed. The request's task, woken by the same commit, runs next and writes its
-        answer; the spans are encoded after it, so that tracing adds nothing to the answer's latency."""
+        answer; the spans are encoded after it (``Tracing.encode_ended``, once for the requests whose rows
+        one commit wrote), so that tracing adds nothing to the answer's latency."""
         self.committed_at = time_ns()
-        get_running_loop().call_soon(self, None, context=_CALLBACKS)
+        ended = self.tracing.ended
+        ended.append(self)
+        if len(ended) == 1:  # the first of its commit: the others' tasks are woken before this runs
+            get_running_loop().call_soon(self.tracing.encode_ended, context=_CALLBACKS)
 
-    def __call__(self, _future) -> None:
-        """The request's spans, queued at once; the request's own ends now (its answer written). One pass:
+    def encode(self, now: int, spans: list[bytes]) -> None:
+        """The request's spans, appended to ``spans``; the request's own ends at ``now`` (its answer written).
+        One pass:
         the children's shared fields joined once, each child one ``struct`` pack, the request's own span one
-        join of its pieces (byte for byte what ``wire.span`` and ``Child.encode`` write)."""
-        now = time_ns()
+        join of its pieces (byte for byte what ``wire.span`` and ``Child.encode`` write), the values seen
+        before taken from their keys' tables in line."""
         row, ids, trace = self.row, self.ids, self.trace
         own_id = ids[16:24]
         if self.state:
@@ -249,27 +256,44 @@ class RequestTrace:
         packs = _ENDED.get(len(prefix))
         if packs is None:
             packs = _ended(len(prefix))
-        commit_head, commit_pack, admission_head, admission_pack = packs
-        spans = [commit_pack(commit_head, prefix, ids[32:40], 0x39, self.ending, 0x41, self.committed_at,
-                             _COMMIT.rest)]
+        head, pack, admission_head, admission_pack = packs
+        spans.append(pack(head, prefix, ids[32:40], 0x39, self.ending, 0x41, self.committed_at, _COMMIT_REST))
         if self.admission_end is not None:
             spans.append(admission_pack(admission_head, prefix, ids[24:32], 0x39, self.admitted, 0x41,
-                                        self.admission_end, _ADMISSION.rest))
+                                        self.admission_end, _ADMISSION_REST))
         if self.attempt_end is not None:
-            spans.append(self._upstream(prefix))
+            found = None
+            if self.attempt_problem is None:
+                found = _UPSTREAM_DONE.get((self.attempt_url, self.attempt_status, len(prefix)))
+            if found is None:
+                spans.append(self._upstream(prefix))
+            else:
+                head, pack, rest = found
+                spans.append(pack(head, prefix, self.attempt_id, 0x39, self.attempt_start, 0x41, self.attempt_end,
+                                  rest))
         disconnected = _DISCONNECTED[bool(row["disconnected"])]
         if self.stream_start is not None:
             spans.append(_STREAM.encode(prefix[:-2], ids[48:56], self.stream_start, self.ending, disconnected
                                         + _NO_STATUS))
-        # the SDK drops an attribute without a value
+        # the SDK drops an attribute without a value; ints and strings seen before are in their key's table
         value = row["prompt_tokens"]
-        input_tokens = b"" if value is None else _INPUT_TOKENS.encode(value)
+        input_tokens = b"" if value is None else (
+            type(value) is int and _INPUT_TOKENS.seen.get(value) or _INPUT_TOKENS.encode(value))
         value = row["completion_tokens"]
-        output_tokens = b"" if value is None else _OUTPUT_TOKENS.encode(value)
+        output_tokens = b"" if value is None else (
+            type(value) is int and _OUTPUT_TOKENS.seen.get(value) or _OUTPUT_TOKENS.encode(value))
         value = row["cost"]
-        cost = b"" if value is None else _COST.encode(value)
+        if value is None:
+            cost, cost_value = b"", b""
+        elif type(value) is float:
+            cost, cost_value = _COST.double_head, _DOUBLE(value)
+        else:
+            cost, cost_value = _COST.encode(value), b""
         status = row["status"]
-        status_code = b"" if status is None else _STATUS_CODE.encode(status)
+        status_code = b"" if status is None else (
+            type(status) is int and _STATUS_CODE.seen.get(status) or _STATUS_CODE.encode(status))
+        value = row["model"] or ""
+        response_model = type(value) is str and _RESPONSE_MODEL.seen.get(value) or _RESPONSE_MODEL.encode(value)
         error = b""
         outcome = _NO_STATUS
         if (code := row["error_code"]) is not None:
@@ -283,18 +307,21 @@ class RequestTrace:
             generation, generation_id = _GENERATION_ID.unique(self.generation_id), b""
         parent_id = self.parent_id
         body = b"".join((
-            b"\n\x10", trace, b"\x12\x08", own_id, state,
-            b"" if parent_id is None else b'"\x08' + parent_id, wire.name_field(self.name), b"0\x02",
-            _TIMES(0x39, self.start, 0x41, now), self.head[1], generation, generation_id, self.requested,
-            _RESPONSE_MODEL.encode(row["model"] or ""), disconnected, input_tokens, output_tokens, cost, status_code,
-            error, self.events, outcome, _FLAGS_LOCAL if parent_id is None else _FLAGS_REMOTE))
+            b"\n\x10", trace, b"\x12\x08", own_id, state, b"" if parent_id is None else b'"\x08' + parent_id,
+            _NAMES.get(self.name) or wire.name_field(self.name), b"0\x02", _TIMES(0x39, self.start, 0x41, now),
+            self.head[1], generation, generation_id, self.requested, response_model, disconnected, input_tokens,
+            output_tokens, cost, cost_value, status_code, error, self.events, outcome,
+            _FLAGS_LOCAL if parent_id is None else _FLAGS_REMOTE))
         n = len(body)
-        spans.append((b"\x12" + _BYTE[n] if n < 0x80 else b"\x12" + wire.varint(n)) + body)
-        self.tracing.add_all(spans)
+        spans.append((_SPAN_HEADS[n] if n < _SHORT_SPAN else b"\x12" + wire.varint(n)) + body)
 
 
 _UPSTREAM_DONE: dict[tuple, tuple] = {}  # (base_url, status, prefix length) -> child_packer's and the span's rest
 _ENDED: dict[int, tuple] = {}  # prefix length -> the commit's and the admission's child_packer
+_COMMIT_REST, _ADMISSION_REST = _COMMIT.rest, _ADMISSION.rest
+_NAMES, _DOUBLE = wire._NAMES, wire.DOUBLE
+_SHORT_SPAN = 4096  # spans shorter than this have their tag and length from a table (a request's: about 400 bytes)
+_SPAN_HEADS = [b"\x12" + wire.varint(n) for n in range(_SHORT_SPAN)]
 
 
 def _ended(prefix_len: int) -> tuple:

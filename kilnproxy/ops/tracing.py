@@ -55,6 +55,7 @@ import os
 import threading
 from collections import OrderedDict
 from random import getrandbits
+from time import time_ns
 from urllib.parse import unquote
 
 from aiohttp import web
@@ -124,6 +125,7 @@ class Tracing:
         self.trace_url = config.trace_url
         self.trace_ids: OrderedDict[str, str] | None = OrderedDict() if config.trace_url else None
         self.heads: dict[tuple[str, str], tuple[str, bytes]] = {}  # (endpoint, org) -> _head's
+        self.ended: list[RequestTrace] = []  # committed, their answers being written: encode_ended's
 
     def begin(self, headers, endpoint: str, call) -> "RequestTrace | Unsampled":
         """The request's trace, a child of the client's ``traceparent`` when it sent a valid one."""
@@ -150,6 +152,16 @@ class Tracing:
             if len(ids) > KEEP_LINKS:
                 ids.popitem(last=False)
         return trace
+
+    def encode_ended(self) -> None:
+        """The spans of the requests committed since the last call, queued at once (their answers are
+        written: the loop ran their tasks first); each request's own span ends now."""
+        ended, self.ended = self.ended, []
+        now = time_ns()
+        spans: list[bytes] = []
+        for trace in ended:
+            trace.encode(now, spans)
+        self.add_all(spans)
 
     def _head(self, endpoint: str, org: str) -> tuple[str, bytes]:
         """The operation of ``endpoint`` and the encoded attributes every request of it and ``org`` has."""
