@@ -93,6 +93,7 @@ _OUTPUT_TOKENS = wire.Key("gen_ai.usage.output_tokens")
 _COST = wire.Key("kilnproxy.cost_usd")
 _DISCONNECTED = {flag: _ATTRIBUTE(b"J", "kilnproxy.disconnected", flag) for flag in (False, True)}
 _FIRST_TOKEN = wire.FloatEvent("gen_ai.first_token", "kilnproxy.ttft_ms")
+_FIRST_TOKEN_PACK, _FIRST_TOKEN_BEFORE, _FIRST_TOKEN_AFTER = _FIRST_TOKEN.pack, _FIRST_TOKEN.before, _FIRST_TOKEN.after
 # the generation id's KeyValue before its text, by the text's length (the gateway's ids: 28 characters)
 _GENERATION_HEADS = {n: _GENERATION_ID.unique("x" * n)[:-n] for n in range(1, 64)}
 
@@ -108,7 +109,7 @@ class RequestTrace:
     ``Tracing`` whose ``add``/``add_all`` queue the encoded spans."""
 
     __slots__ = ("tracing", "trace", "ids", "parent_id", "state", "start", "head", "generation_id", "name",
-                 "requested", "events", "admitted", "admission_end", "attempts", "attempt_id", "attempt_start",
+                 "requested", "events", "admitted", "admission_end", "attempt_id", "attempt_start",
                  "attempt_url", "attempt_end", "attempt_status", "attempt_problem", "stream_start", "row", "ending",
                  "committed_at")
 
@@ -124,7 +125,6 @@ class RequestTrace:
         self.generation_id = generation_id
         self.name = head[0]
         self.requested = self.events = b""
-        self.attempts = 0
         self.admission_end = self.attempt_url = self.attempt_end = self.stream_start = None
 
     @property
@@ -160,7 +160,8 @@ class RequestTrace:
         self.tracing.add(_ADMISSION.encode(self._prefix(), self.ids[24:32], self.admitted, time_ns(), tail))
 
     def model(self, requested: str) -> None:
-        self.name, self.requested = _model(self.head[0], requested)
+        found = _MODELS.get((self.head[0], requested))
+        self.name, self.requested = found if found is not None else _model(self.head[0], requested)
 
     def attempt(self, base_url: str, headers: dict) -> dict:
         """An upstream attempt begins: its span, and the headers that carry it upstream (W3C trace context,
@@ -168,8 +169,7 @@ class RequestTrace:
         if self.attempt_end is not None:  # the attempt before, failed over
             self.tracing.add(self._upstream(self._prefix() + b"\x12\x08"))
             self.attempt_end = None
-        self.attempts += 1
-        span_id = self.attempt_id = self.ids[40:48] if self.attempts == 1 else _new_span_id()
+        span_id = self.attempt_id = self.ids[40:48] if self.attempt_url is None else _new_span_id()
         self.attempt_start = time_ns()
         self.attempt_url = base_url
         carrier = dict(headers) if headers else {}
@@ -208,7 +208,10 @@ class RequestTrace:
         return _UPSTREAM.encode(prefix[:-2], self.attempt_id, self.attempt_start, self.attempt_end, tail)
 
     def first_token(self, ttft_ms: float) -> None:
-        self.events += _FIRST_TOKEN.encode(time_ns(), ttft_ms)
+        if type(ttft_ms) is float:  # as FloatEvent.encode packs it
+            self.events += _FIRST_TOKEN_PACK(_FIRST_TOKEN_BEFORE, time_ns(), _FIRST_TOKEN_AFTER, ttft_ms)
+        else:
+            self.events += _FIRST_TOKEN.encode(time_ns(), ttft_ms)
 
     def stream_started(self) -> None:
         self.stream_start = time_ns()

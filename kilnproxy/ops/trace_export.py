@@ -25,6 +25,8 @@ import ssl
 import threading
 import time
 from collections import deque
+from itertools import repeat
+from operator import call
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -338,9 +340,12 @@ class SpanQueue:
             flushed, self._flushed = self._flushed, []
             everything = timed_out or flushed or self.stopping.is_set()  # else full batches only
             while len(queue) >= self.batch_size or (everything and queue):
-                batch = []
-                for _ in range(min(len(queue), self.batch_size)):
-                    batch.append(queue.popleft())
+                batch: list[bytes] = []
+                try:  # in C: no bytecode a span
+                    batch.extend(map(call, repeat(queue.popleft, min(len(queue), self.batch_size))))
+                except IndexError:  # the loop dropped the oldest meanwhile (a full queue): the batch is shorter
+                    if not batch:
+                        continue
                 try:
                     body = self.frame(batch)
                 except Exception as exc:  # a bug: the batch goes, the thread stays
