@@ -8,7 +8,15 @@ the request runs, a ``RequestTrace`` keeps times and outcomes only; its spans
 encoded to OTLP protobuf (``otlp_wire``) together and handed to the export
 queue once the row is committed and the request has written what the commit
 let it write (its answer, or ``[DONE]``), but for an admission that raised and
-an upstream attempt followed by another, queued when they end.
+an upstream attempt followed by another, queued when they end. The requests
+whose rows one commit wrote are encoded in one loop callback
+(``Tracing.encode_ended``) and queued with one ``add_all``.
+
+Each traced request is on the gateway's hot path, so the encoding is written
+for CPU: the children's shared fields joined once, a child with no attributes
+(or an attempt's that repeat) one ``struct`` pack, the values that repeat
+(models, token counts, statuses) encoded once and taken from tables; the bytes
+are those ``otlp_wire``'s generic calls write (``tests/test_tracing_wire.py``).
 """
 
 from __future__ import annotations
@@ -323,7 +331,7 @@ _UPSTREAM_DONE: dict[tuple, tuple] = {}  # (base_url, status, prefix length) -> 
 _ENDED: dict[int, tuple] = {}  # prefix length -> the commit's and the admission's child_packer
 _COMMIT_REST, _ADMISSION_REST = _COMMIT.rest, _ADMISSION.rest
 _NAMES, _DOUBLE = wire._NAMES, wire.DOUBLE
-_SHORT_SPAN = 4096  # spans shorter than this have their tag and length from a table (a request's: about 400 bytes)
+_SHORT_SPAN = 2048  # spans shorter than this have their tag and length from a table (a request's: about 400 bytes)
 _SPAN_HEADS = [b"\x12" + wire.varint(n) for n in range(_SHORT_SPAN)]
 
 
