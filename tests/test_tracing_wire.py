@@ -1,20 +1,24 @@
 """A request's export, byte for byte, against the encoder before the one-pass encoding: the spans a
 ``RequestTrace`` queues are compared with those the generic ``otlp_wire`` calls (``span``, ``Child.encode``,
 ``attribute``) write for the same trace, as bytes and as the official ``opentelemetry-proto`` decodes them,
-every field; and the OTLP/HTTP sender against answers in each of HTTP/1.x's shapes."""
+every field; and the OTLP/HTTP sender against answers in each of HTTP/1.x's shapes, and over TLS."""
 
 import itertools
 import socket
+import ssl
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 from otlp_receiver import decode
+from test_tls_upstream import certificates  # noqa: F401 (a fixture: the test CA and a certificate it signed)
 
 from kilnproxy.config_types import TracingConfig
 from kilnproxy.ops import otlp_wire as wire
 from kilnproxy.ops import request_trace
 from kilnproxy.ops import tracing as tracing_module
-from kilnproxy.ops.trace_export import OtlpHttp
+from kilnproxy.ops.trace_export import ExportFailed, OtlpHttp
 from kilnproxy.ops.tracing import Tracing
 from kilnproxy.proxy.request_record import stored_text
 
@@ -185,7 +189,7 @@ def test_the_sender_reads_answers_of_each_shape_on_one_kept_alive_connection():
     for body in (b"one", b"two" * 40_000, b""):
         send(body)
         assert send.sock is not None  # kept alive
-    with pytest.raises(Exception, match="HTTP 400: no such thing"):
+    with pytest.raises(ExportFailed, match="HTTP 400: no such thing"):
         send(b"four")
     assert send.sock is None
     server.close()
@@ -200,6 +204,47 @@ def test_the_sender_reads_answers_of_each_shape_on_one_kept_alive_connection():
 def test_the_sender_retries_an_answer_cut_short():
     server = OneConnection([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"])  # then the connection ends
     send = OtlpHttp(server.url, {}, 0.5, threading.Event())
-    with pytest.raises(Exception, match="IncompleteRead"):
+    with pytest.raises(ExportFailed, match="IncompleteRead"):
         send(b"x")
     server.close()
+
+
+@pytest.fixture
+def tls_collector(certificates):
+    """A collector over TLS (the certificate for 127.0.0.1, signed by the test CA), HTTP/1.1 kept alive:
+    its URL and the bodies it took."""
+    _, cert, key = certificates
+    got = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            got.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield SimpleNamespace(url=f"https://127.0.0.1:{server.server_port}/v1/traces", got=got)
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_sender_verifies_an_https_endpoint_and_keeps_its_connection(tls_collector, certificates, monkeypatch):
+    ca, _, _ = certificates
+    with pytest.raises(ExportFailed, match="CERTIFICATE_VERIFY_FAILED"):  # the system's CAs do not know ours
+        OtlpHttp(tls_collector.url, {}, 0.5, threading.Event())(b"x")
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    send = OtlpHttp(tls_collector.url, {}, 5.0, threading.Event())
+    for body in (b"one", b"two" * 100_000):
+        send(body)
+    assert tls_collector.got == [b"one", b"two" * 100_000] and send.sock is not None
+    send.close()

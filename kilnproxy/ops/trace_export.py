@@ -117,6 +117,7 @@ class OtlpHttp:
         self.timeout = timeout
         self.stopping = stopping
         self.sock: socket.socket | None = None
+        self.context: ssl.SSLContext | None = None
         host = f"[{self.host}]" if ":" in self.host else self.host
         if self.port != (443 if self.tls else 80):
             host = f"{host}:{self.port}"
@@ -174,9 +175,10 @@ class OtlpHttp:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls:
-                context = ssl.create_default_context()
-                context.set_alpn_protocols(["http/1.1"])
-                sock = context.wrap_socket(sock, server_hostname=self.host)
+                if self.context is None:  # made once: loading the system's certificates takes milliseconds
+                    self.context = ssl.create_default_context()
+                    self.context.set_alpn_protocols(["http/1.1"])
+                sock = self.context.wrap_socket(sock, server_hostname=self.host)
         except BaseException:
             sock.close()
             raise
