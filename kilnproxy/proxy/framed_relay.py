@@ -147,7 +147,7 @@ class FramedRelay:
             for frame in block.split(b"\n\n"):
                 if self.ended:
                     break
-                sent = self._frame(frame.lstrip(b"\n"))
+                sent = self._frame(frame.strip(b"\n"))  # a chunk may end in the middle of two blank lines
                 if sent:
                     out.append(sent)
         except StreamPluginError as exc:  # the events the plugins let through before it go out first
