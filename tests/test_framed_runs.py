@@ -1,13 +1,22 @@
-"""The framed relay's frames (Responses API, Anthropic Messages) whatever the chunk boundaries and the blank
-lines between them."""
+"""The framed relay's runs (Responses API, Anthropic Messages): frames that hold nothing the gateway reads go
+out as the upstream's bytes, found a chunk at a time with a few bytes operations; the frames that hold a marker
+(the model, usage, an error, the end) are read. What must hold whatever the chunk boundaries: a marker or a
+delta cut across two chunks, an error frame among plain ones, extra blank lines, the event count that an error
+event of ours continues.
+"""
 
 from __future__ import annotations
 
 import anthropic
 import orjson
+import pytest
 from test_apis_leftovers import MESSAGE, MESSAGES_END, claude, event, messages_stream, serving
 from test_streaming import raw_upstream
 
+from kilnproxy.config import Pricing
+from kilnproxy.plugins.call import Call
+from kilnproxy.proxy.framed_relay import FramedRelay
+from kilnproxy.proxy.request_record import RequestRecord
 from kilnproxy.testing import MODEL
 
 
@@ -48,3 +57,117 @@ async def test_a_frame_the_gateway_reads_keeps_its_event_name_when_an_extra_blan
     assert sse_events(raw)[0][1]["message"]["model"] == MODEL and "cost" in sse_events(raw)[5][1]["usage"]
     assert seen[0] == "message_start" and seen[-1] == "message_stop"
     assert (row["status"], row["error_code"], row["prompt_tokens"], row["completion_tokens"]) == (200, None, 3, 3)
+
+
+# -- the relay alone, at every chunk boundary ------------------------------------------------------------------
+
+
+def relay(endpoint: str) -> tuple[FramedRelay, RequestRecord]:
+    call = Call("gen-1", "acme", "key-1", endpoint, lambda name: {}, model="catalog-model",
+                pricing=Pricing(0.10, 0.30, None))
+    record = RequestRecord(call)
+    return FramedRelay(call, record, ()), record
+
+
+def response(status: str, usage: dict | None) -> dict:
+    return {"id": "resp_1", "object": "response", "status": status, "model": "org/Up-7B", "usage": usage}
+
+
+def delta(i: int, text: str) -> bytes:
+    return event("response.output_text.delta", item_id="msg_1", output_index=0, content_index=0, delta=text,
+                 sequence_number=i)
+
+
+DELTAS = [delta(1 + i, t) for i, t in enumerate(["Paris", " is", " the", " capital"])]
+USAGE = {"input_tokens": 5, "output_tokens": 4, "total_tokens": 9}
+
+
+def through(endpoint: str, chunks: list[bytes]) -> tuple[bytes, FramedRelay, RequestRecord]:
+    r, record = relay(endpoint)
+    out = []
+    for chunk in chunks:
+        out.append(r.feed_chunk(chunk))
+        if r.ended:
+            break
+    out.append(r.close())
+    return b"".join(out), r, record
+
+
+def every_cut(stream: bytes):
+    """``stream`` whole, then cut in two at every byte, then in three around each byte."""
+    yield [stream]
+    for cut in range(1, len(stream)):
+        yield [stream[:cut], stream[cut:]]
+    for cut in range(1, len(stream) - 1):
+        yield [stream[:cut], stream[cut:cut + 1], stream[cut + 1:]]
+
+
+def test_a_marker_and_a_delta_cut_across_chunks_read_and_count_as_whole():
+    """The final frame's ``"usage"`` and ``"model"``, and every delta's ``.delta"``, may be cut by a chunk's
+    edge: each is found in the chunk that completes its frame, so the bytes, the usage and the count are the
+    same at every cut (a search run over each chunk as it came would miss them)."""
+    stream = (event("response.created", response=response("in_progress", None), sequence_number=0)
+              + b"".join(DELTAS)
+              + event("response.completed", response=response("completed", USAGE), sequence_number=5))
+    expected, _, _ = through("responses", [stream])
+    assert expected.count(b'"model":"catalog-model"') == 2 and b'"cost":' in expected
+    for chunks in every_cut(stream):
+        out, r, record = through("responses", chunks)
+        assert out == expected, chunks
+        assert (record.streamed_chunks, record.usage.completion_tokens, record.finish_reason, r.sequence) == \
+            (4, 4, "completed", 6), chunks
+
+
+def test_the_deltas_a_client_got_are_counted_at_every_cut_before_the_final_count():
+    """No final usage: the row bills what was streamed, each delta once whatever chunk it came in, with the
+    prompt counts of ``message_start`` (Messages)."""
+    stream = b"".join(messages_stream("Hi", " there", " you"))
+    for chunks in every_cut(stream):
+        out, r, record = through("messages", chunks)
+        assert (record.streamed_chunks, record.usage.prompt_tokens, record.usage.completion_tokens) == (3, 3, 3)
+        assert not r.finished and out.count(b"event: content_block_delta\n") == 3, chunks
+
+
+@pytest.mark.parametrize("error", [
+    b'data: {"error": {"message": "engine died", "code": "engine_dead"}}\n\n',
+    b'event: response.output_text.delta\ndata: {"object": "error", "message": "engine died", "code": "engine_dead"}\n\n',
+], ids=["OpenAI's form", "vLLM's flat object"])
+def test_an_error_frame_among_plain_frames_ends_the_stream_where_it_stands(error):
+    """Among plain frames in one chunk, the upstream's error in OpenAI's form is the format's own error event,
+    numbered after the events before it; the frames before it go out, the ones after it do not, and only the
+    deltas before it count."""
+    stream = (event("response.created", response=response("in_progress", None), sequence_number=0)
+              + b"".join(DELTAS[:2]) + error + b"".join(DELTAS[2:]))
+    told = event("error", code="engine_dead", message="engine died", param=None, sequence_number=3)
+    renamed = event("response.created", response={**response("in_progress", None), "model": "catalog-model"},
+                    sequence_number=0)
+    for chunks in every_cut(stream):
+        out, r, record = through("responses", chunks)
+        if not r.ended:  # cut inside the error frame: it is not whole until the next chunk
+            continue
+        assert out == renamed + b"".join(DELTAS[:2]) + told, chunks
+        assert (record.error_code, record.streamed_chunks, r.finished) == ("engine_dead", 2, True), chunks
+
+
+@pytest.mark.parametrize("per_event", [False, True], ids=["one chunk", "a chunk per event"])
+def test_an_error_event_of_ours_continues_the_upstreams_count(per_event):
+    """The events passed as they came are counted (``sequence``) however they came, a long run of them too
+    (counted only when the number is asked): the gateway's error event after them carries the next number."""
+    frames = [event("response.created", response=response("in_progress", None), sequence_number=0),
+              b": a comment\n\n", *[delta(1 + i, " word") for i in range(40)]]
+    r, record = relay("responses")
+    for chunk in (frames if per_event else [b"".join(frames)]):
+        r.feed_chunk(chunk)
+    told = orjson.loads(r.error_frame("The upstream closed the stream before it finished.", "upstream_error")
+                        .split(b"data: ", 1)[1])
+    assert told["sequence_number"] == 41 and r.sequence == 41 and record.streamed_chunks == 40
+
+
+@pytest.mark.parametrize("endpoint,foreign", [("responses", b'"message_stop"'),
+                                              ("messages", b'"response.incomplete"')])
+def test_the_other_formats_end_marks_nothing(endpoint, foreign):
+    """Each format's frames are read for its own markers: a frame holding only the other format's end
+    (``message_stop`` on the Responses API, ``response.incomplete`` on Messages) goes out as it came."""
+    odd = b'event: odd\ndata: {"type": "odd", "note": ' + foreign + b'}\n\n'
+    out, r, _ = through(endpoint, [odd])
+    assert out == odd and not r.finished
