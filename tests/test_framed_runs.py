@@ -7,10 +7,11 @@ event of ours continues.
 
 from __future__ import annotations
 
-import anthropic
+import json
+
 import orjson
 import pytest
-from test_apis_leftovers import MESSAGE, MESSAGES_END, claude, event, messages_stream, serving
+from test_apis_leftovers import MESSAGES_END, claude, event, messages_stream, responses_stream, serving
 from test_streaming import raw_upstream
 
 from kilnproxy.config import Pricing
@@ -27,7 +28,7 @@ def sse_events(raw: bytes) -> list[tuple[str | None, dict]]:
     for line in raw.split(b"\n"):
         if not line:
             if data:
-                events.append((name, orjson.loads(b"\n".join(data))))
+                events.append((name, json.loads(b"\n".join(data))))  # json: a lone surrogate is JSON too
             name, data = None, []
         elif line.startswith(b"event:"):
             name = line[6:].strip().decode()
@@ -57,6 +58,23 @@ async def test_a_frame_the_gateway_reads_keeps_its_event_name_when_an_extra_blan
     assert sse_events(raw)[0][1]["message"]["model"] == MODEL and "cost" in sse_events(raw)[5][1]["usage"]
     assert seen[0] == "message_start" and seen[-1] == "message_stop"
     assert (row["status"], row["error_code"], row["prompt_tokens"], row["completion_tokens"]) == (200, None, 3, 3)
+
+
+async def test_a_responses_stream_whose_last_event_names_no_model_nor_usage_ends_there(harness):
+    """The Responses API's end is read from the event's ``response`` object, whatever it holds: a
+    ``response.completed`` without ``model`` and ``usage`` (an upstream that reports neither) ended the
+    answer, and the gateway added its "closed before it finished" error after it."""
+    final = {"id": "resp_1", "object": "response", "created_at": 1, "status": "completed", "output": []}
+    frames = responses_stream(final)
+    async with raw_upstream(stream=b"".join(frames)) as url:
+        async with harness(configure=serving(url, "responses")) as h:
+            body = {"model": MODEL, "input": "hi", "stream": True}
+            async with h.post("/v1/responses", body) as resp:
+                raw = await resp.read()
+                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
+    assert raw.endswith(frames[-1]) and [name for name, _ in sse_events(raw)][-1] == "response.completed"
+    assert (row["status"], row["error_code"], row["finish_reason"], row["completion_tokens"]) == \
+        (200, None, "completed", 2)
 
 
 # -- the relay alone, at every chunk boundary ------------------------------------------------------------------
@@ -163,11 +181,12 @@ def test_an_error_event_of_ours_continues_the_upstreams_count(per_event):
     assert told["sequence_number"] == 41 and r.sequence == 41 and record.streamed_chunks == 40
 
 
-@pytest.mark.parametrize("endpoint,foreign", [("responses", b'"message_stop"'),
-                                              ("messages", b'"response.incomplete"')])
-def test_the_other_formats_end_marks_nothing(endpoint, foreign):
-    """Each format's frames are read for its own markers: a frame holding only the other format's end
-    (``message_stop`` on the Responses API, ``response.incomplete`` on Messages) goes out as it came."""
+@pytest.mark.parametrize("endpoint,foreign", [("responses", b'"message_stop"'), ("responses", b'"model"'),
+                                              ("responses", b'"usage"'), ("messages", b'"response.incomplete"')])
+def test_what_a_formats_rules_do_not_read_goes_out_as_it_came(endpoint, foreign):
+    """Each format's frames are read for what its own rules read: a frame holding only the other format's end
+    (``message_stop`` on the Responses API, ``response.incomplete`` on Messages), or on the Responses API a
+    ``model`` or ``usage`` outside a ``response`` object, goes out byte for byte (not written back by orjson)."""
     odd = b'event: odd\ndata: {"type": "odd", "note": ' + foreign + b'}\n\n'
     out, r, _ = through(endpoint, [odd])
     assert out == odd and not r.finished

@@ -55,16 +55,20 @@ FINAL = {"responses": ("response.completed", "response.incomplete", "response.fa
 
 UNWRITABLE_CODE = "upstream_bad_response"
 UNWRITABLE_MESSAGE = "The upstream sent an event nested deeper than the gateway can write JSON back (254 levels)."
-# What may mark a frame the gateway reads or changes, per format: the model, usage, an error, the end.
-MARKERS = {"responses": (b'"model"', b'"usage"', b'"error"', b'"response.failed"', b'"response.incomplete"'),
+# What marks a frame the gateway reads or changes: the keys (or values) its format's rules read, in quotes (a
+# quote inside a JSON string is escaped, so these bytes are a key or a whole string). The Responses API's rules
+# read only an event's ``response`` object (its model, usage, status and error: ``response.created`` ...
+# ``response.completed``, ``.incomplete``, ``.failed``) and its errors (``"type":"error"``, OpenAI's
+# ``{"error": ...}``, vLLM's ``"object":"error"``); Messages' read the model (``message_start``'s message),
+# ``usage`` (``message_start``'s and ``message_delta``'s, with its stop reason), errors and ``message_stop``.
+MARKERS = {"responses": (b'"response"', b'"error"'),
            "messages": (b'"model"', b'"usage"', b'"error"', b'"message_stop"')}
 DATA = b"\ndata:"
 LATER = 2048  # a run of plain frames this long or longer has its events counted only when asked (``sequence``)
 
 
 def _responses_marked(data: bytes) -> bool:
-    return (b'"model"' in data or b'"usage"' in data or b'"error"' in data or b'"response.failed"' in data
-            or b'"response.incomplete"' in data)
+    return b'"response"' in data or b'"error"' in data
 
 
 def _messages_marked(data: bytes) -> bool:
