@@ -168,17 +168,23 @@ def test_an_error_frame_among_plain_frames_ends_the_stream_where_it_stands(error
 
 
 @pytest.mark.parametrize("per_event", [False, True], ids=["one chunk", "a chunk per event"])
-def test_an_error_event_of_ours_continues_the_upstreams_count(per_event):
-    """The events passed as they came are counted (``sequence``) however they came, a long run of them too
-    (counted only when the number is asked): the gateway's error event after them carries the next number."""
+@pytest.mark.parametrize("finished", [False, True], ids=["cut short", "after the last event"])
+def test_an_error_event_of_ours_continues_the_upstreams_count(per_event, finished):
+    """The events passed as they came are counted (``sequence``) however they came, a long run of them too,
+    and the chunk that ends the answer's (counted only when the number is asked): the gateway's error event
+    after them carries the next number."""
     frames = [event("response.created", response=response("in_progress", None), sequence_number=0),
               b": a comment\n\n", *[delta(1 + i, " word") for i in range(40)]]
+    if finished:
+        frames.append(event("response.completed", response=response("completed", USAGE), sequence_number=41))
     r, record = relay("responses")
     for chunk in (frames if per_event else [b"".join(frames)]):
         r.feed_chunk(chunk)
     told = orjson.loads(r.error_frame("The upstream closed the stream before it finished.", "upstream_error")
                         .split(b"data: ", 1)[1])
-    assert told["sequence_number"] == 41 and r.sequence == 41 and record.streamed_chunks == 40
+    events = 42 if finished else 41
+    assert told["sequence_number"] == events and r.sequence == events and record.streamed_chunks == 40
+    assert r.finished is finished
 
 
 @pytest.mark.parametrize("endpoint,foreign", [("responses", b'"message_stop"'), ("responses", b'"model"'),

@@ -125,14 +125,14 @@ class FramedRelay:
         self.ended = False
         self.counts: dict[str, Any] = {}  # Anthropic: each usage field as last reported
         self.events = 0  # events read or counted so far (``sequence``)
-        self.uncounted: list[tuple[bytes, int, int]] = []  # the last chunk's runs passed as they came
+        self.uncounted: list[tuple[bytes, int, int]] = []  # runs passed as they came, their events not counted
         self.partial: Usage | None = None  # prompt counts reported before the output's (message_start)
 
     @property
     def sequence(self) -> int:
         """The events so far: the Responses API numbers its events, and an error event of ours continues
-        the count. The runs passed as they came are counted when asked (or at the next chunk): a stream
-        that comes in one chunk never is."""
+        the count. The long runs of the chunk that holds the format's last event are counted only when
+        asked (a stream that comes in one chunk, nginx's in M8, never is); the others with their chunk."""
         if self.uncounted:
             self._count_events()
         return self.events
@@ -143,7 +143,7 @@ class FramedRelay:
         self.uncounted.clear()
 
     def feed_chunk(self, chunk: bytes) -> bytes:
-        if self.uncounted:  # a chunk is held no longer than until the next one
+        if self.uncounted:  # one that came after the last event
             self._count_events()
         data = self.rest + chunk if self.rest else chunk
         if b"\r" in data:
@@ -160,8 +160,12 @@ class FramedRelay:
             return self._frames(data[:end])
         if not self.rest and end and not self.ended and not self.marked(data):  # whole frames, none marked
             self._plain(data, 0, end)  # (as ``_runs`` would: a model server's chunk of one delta, in fewer steps)
-            return data
-        return self._runs(data, end)
+            out = data
+        else:
+            out = self._runs(data, end)
+        if self.uncounted and not self.finished:  # only a stream's last chunk is left to count when asked
+            self._count_events()
+        return out
 
     def _runs(self, data: bytes, size: int) -> bytes:
         """``data[:size]``'s frames (a blank line follows them): each run of frames that holds no marker goes
