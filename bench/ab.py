@@ -5,7 +5,8 @@ with a change to measure; ``installed`` is the checkout this script runs from) w
 ``[tracing]`` on (every trace kept, spans sent to ``otlp_sink.py``). Every variant is started
 once, pinned to CPU 0 like ``run.py``'s process under test; then each round runs wrk against
 each in turn (M2's non-streamed requests, 64 in flight; with ``--stream`` M3's 64-chunk
-streams, 32 in flight; ``--seconds`` long), so that what the machine does meanwhile falls
+streams, 32 in flight; with ``--responses`` M8's Responses API streams, 32 in flight;
+``--seconds`` long), so that what the machine does meanwhile falls
 on all of them alike. Prints, per variant, the CPU time per request of the whole process
 (median of the rounds, then every round), the user and kernel parts, the thread that
 spent the most (per stream with ``--stream``), and wrk's latency p50 and p99 (with
@@ -13,7 +14,7 @@ spent the most (per stream with ``--stream``), and wrk's latency p50 and p99 (wi
 moves ±10 µs from one run to the next: compare variants within a run, over 6 rounds or
 more.
 
-    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream | --latency]
+    python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream | --responses | --latency]
         [--plugin bench/plugins/noop_event.py] [--rounds 8] [--seconds 3]
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 from loads import wrk
 from procs import Procs, free_port
 from run import KEY, gateway_config
-from upstreams import request_body, write_nginx_files
+from upstreams import request_body, responses_body, write_nginx_files
 
 HERE = Path(__file__).resolve().parent
 TICK = os.sysconf("SC_CLK_TCK")
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--tracing", action="append", default=[], metavar="NAME", help="this variant with [tracing] on")
     parser.add_argument("--plugin", metavar="PATH", help="every variant with this plugin module loaded")
     parser.add_argument("--stream", action="store_true", help="M3's load: 64-chunk streams, 32 in flight")
+    parser.add_argument("--responses", action="store_true", help="M8's load: Responses API streams, 32 in flight")
     parser.add_argument("--latency", action="store_true", help="M1's load: one request at a time")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -74,16 +76,21 @@ def main() -> None:
             port = free_port()
             config = gateway_config(work / f"{name}.toml", work / f"{name}.db", port,
                                     {"bench": f"http://127.0.0.1:{nginx_port}/json/v1",
-                                     "bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1"},
+                                     "bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1",
+                                     "bench-responses": {"url": f"http://127.0.0.1:{nginx_port}/sse/v1",
+                                                         "endpoints": ["responses"]}},
                                     plugin=plugin, sections=tracing if name in args.tracing else "")
             env = {"PYTHONPATH": str(Path(tree).resolve())} if tree != "installed" else {"PYTHONPATH": str(HERE.parent)}
             proc = procs.start(name, [sys.executable, "-m", "kilnproxy", "serve", "--config", str(config)],
                                cpus={cpus[0]}, port=port, env=env)
-            gateways[name] = (proc.pid, f"http://127.0.0.1:{port}/v1/completions")
+            path = "/v1/responses" if args.responses else "/v1/completions"
+            gateways[name] = (proc.pid, f"http://127.0.0.1:{port}{path}")
         body, connections = (request_body(True, model="bench-stream"), 32) if args.stream else (request_body(False), 64)
+        if args.responses:
+            body, connections = responses_body(), 32
         if args.latency:
             connections = 1
-        unit = "a stream" if args.stream else "a request"
+        unit = "a stream" if args.stream or args.responses else "a request"
         for pid, url in gateways.values():  # warm-up
             wrk(url, body, KEY, connections, 2, pid)
         per_request: dict[str, list[float]] = {name: [] for name in gateways}

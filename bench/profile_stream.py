@@ -6,9 +6,10 @@ samples the gateway, and prints the CPU time per stream (from ``/proc``: the
 event loop's thread, and the others) and the event loop thread's samples as
 microseconds per stream: by part (what they pay for) and for the functions
 that take the most (inclusive, and their own). ``--plugin`` loads a plugin module (e.g.
-``plugins/noop_event.py``). Needs py-spy (``pip install py-spy``), nginx and wrk.
+``plugins/noop_event.py``); ``--responses`` runs M8's Responses API stream instead (72 ``event:`` +
+``data:`` pairs, 64 text deltas, through ``framed_relay.py``). Needs py-spy (``pip install py-spy``), nginx and wrk.
 
-    python bench/profile_stream.py [--seconds 10] [--plugin plugins/noop_event.py] [--raw out.txt]
+    python bench/profile_stream.py [--seconds 10] [--plugin plugins/noop_event.py] [--responses] [--raw out.txt]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from loads import wrk
 from procs import Procs, free_port, raise_fd_limit
 from run import KEY, PY, gateway_config
-from upstreams import CHUNKS, request_body, write_nginx_files
+from upstreams import CHUNKS, RESPONSES_EVENTS, request_body, responses_body, write_nginx_files
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,6 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--plugin", help="a plugin module for the gateway to load")
+    parser.add_argument("--responses", action="store_true", help="M8's Responses API stream instead of M3's")
     parser.add_argument("--raw", help="also keep py-spy's collapsed stacks in this file")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
@@ -51,10 +53,15 @@ def main() -> int:
             procs.start("nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c", str(conf)], port=nginx_port)
             nginx = f"http://127.0.0.1:{nginx_port}"
             plugin = str(Path(args.plugin).resolve()) if args.plugin else None
-            cfg = gateway_config(work / "gw.toml", work / "gw.db", port, {"bench-stream": f"{nginx}/sse/v1"}, plugin)
+            cfg = gateway_config(work / "gw.toml", work / "gw.db", port,
+                                 {"bench-stream": f"{nginx}/sse/v1",
+                                  "bench-responses": {"url": f"{nginx}/sse/v1", "endpoints": ["responses"]}}, plugin)
             gw = procs.start("kilnproxy", [PY, "-m", "kilnproxy", "serve", "--config", str(cfg)], cpus=gw_cpus,
                              port=port)
-            url, body = f"http://127.0.0.1:{port}/v1/completions", request_body(True, model="bench-stream")
+            if args.responses:
+                url, body, events = f"http://127.0.0.1:{port}/v1/responses", responses_body(), RESPONSES_EVENTS
+            else:
+                url, body, events = f"http://127.0.0.1:{port}/v1/completions", request_body(True, model="bench-stream"), CHUNKS + 2
             wrk(url, body, KEY, 32, 2)  # warm-up
             raw = work / "raw.txt"
             spy = subprocess.Popen([py_spy, "record", "-p", str(gw.pid), "-d", str(int(args.seconds)), "-r", "250",
@@ -66,7 +73,7 @@ def main() -> int:
             spy.wait()
             per_stream = summary["cpu_us"]
             print(f"{summary['requests']} streams, {summary['rps'] * CHUNKS:.0f} chunks/s, "
-                  f"{per_stream:.0f} µs CPU per stream ({per_stream / (CHUNKS + 2):.2f} µs per event), "
+                  f"{per_stream:.0f} µs CPU per stream ({per_stream / events:.2f} µs per event), "
                   f"CPU share {summary['cpu_share'] * 100:.0f}%; the event loop's thread {main:.0f} µs, the "
                   f"others (the ledger's SQLite thread, the access log's writer) {per_stream - main:.0f} µs")
             if args.raw:
@@ -139,7 +146,9 @@ def _part(frames: list[str]) -> str:
             return "relay: per chunk (tail, rename, count)"
         if path in ("kilnproxy/proxy/relay.py", "kilnproxy/sse.py"):
             return "relay: events read one by one (finish, usage, [DONE]) and the usage chunk"
-        if path == "kilnproxy/proxy/stream.py":
+        if path == "kilnproxy/proxy/framed_relay.py":
+            return "relay: the framed relay (runs, frames read one by one)"
+        if path in ("kilnproxy/proxy/stream.py", "kilnproxy/proxy/framed_stream.py"):
             if "http_writer" in leaf or "web_response" in leaf:
                 return "stream: writes to the client"
             if "streams.py" in leaf or "client_proto" in leaf:

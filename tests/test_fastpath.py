@@ -62,3 +62,45 @@ async def test_other_methods_on_a_hot_path_get_the_apps_json_405(gw, resolves):
         assert resp.headers["Allow"] == "POST"
         assert (await resp.json())["error"]["code"] == "method_not_allowed"
     assert resolves == ["/v1/chat/completions"]
+
+
+@pytest.fixture
+def every_api(harness):
+    """A gateway whose model serves every endpoint."""
+    def configure(config):
+        config["models"][0]["endpoints"] = ["completions", "chat/completions", "embeddings", "responses", "messages"]
+    return harness(configure=configure)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 3}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/embeddings", {"model": MODEL, "input": "Hi"}),
+])
+async def test_the_other_apis_do_not_go_through_the_router_either(every_api, monkeypatch, path, body):
+    """Embeddings, the Responses API and Messages are hot too: the same rules, streamed and not (embeddings
+    never stream), the no-key errors in each format's own form, and the router only for what the table
+    does not take."""
+    async with every_api as h:
+        seen = []
+        resolve = web.UrlDispatcher.resolve
+
+        async def counting(self, request):
+            if self is h.gateway.app.router:
+                seen.append(request.path)
+            return await resolve(self, request)
+        monkeypatch.setattr(web.UrlDispatcher, "resolve", counting)
+        for stream in ((False, True) if path != "/v1/embeddings" else (False,)):
+            async with h.post(path, {**body, "stream": stream} if stream else body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+                assert (b"event: " in raw) is stream
+                assert (await h.row(resp.headers[GEN]))["status"] == 200
+        async with h.session.post(f"{h.url}{path}", json=body) as resp:  # no key: the app's error rules
+            assert resp.status == 401
+            error = (await resp.json())["error"]
+            assert error["type" if path == "/v1/messages" else "code"] == \
+                ("authentication_error" if path == "/v1/messages" else "invalid_api_key")
+        async with h.post(f"{path}?trace=1", body) as resp:  # a query string: the router, the same handler
+            assert resp.status == 200
+        assert seen == [path], seen

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Callable
 
 from aiohttp import web
 
@@ -49,8 +50,15 @@ log = logging.getLogger("kilnproxy")
 
 
 def add_routes(app: web.Application, expect_handler) -> None:
+    """The router's routes: what the server's own table (``hot_routes``) does not take comes here (a query
+    string, an escaped path, an ``Expect`` header)."""
     for path, endpoint in PATHS.items():
         app.router.add_post(path, partial(_route, endpoint=endpoint), expect_handler=expect_handler)
+
+
+def hot_routes(gw: Gateway) -> dict[tuple[str, str], Callable]:
+    """The endpoints of this module for the server's own route table (``fastpath``), as completions'."""
+    return {("POST", path): partial(handle, gw=gw, endpoint=endpoint) for path, endpoint in PATHS.items()}
 
 
 async def _route(request: web.Request, endpoint: str) -> web.StreamResponse:

@@ -14,9 +14,14 @@ unchanged), end without ``[DONE]``, and report usage in events of their own
   the last ``message_delta``'s usage gets ``cost``), ``message_stop``; a failure is ``event: error``.
 
 A frame is parsed only when it may carry what the gateway reads or changes
-(the model's name, usage, an error), or when ``transform_event`` plugins are
-loaded; the others (the output deltas) go out as the upstream's own bytes and
-are counted, so that a client that leaves early is billed for what it got.
+(its format's markers: the model's name, usage, an error, the end), or when
+``transform_event`` plugins are loaded; the others (the output deltas) go out
+as the upstream's own bytes and are counted, so that a client that leaves
+early is billed for what it got. Those are found a chunk at a time, as the
+completions relay finds its plain events: each marker searched for once over
+the chunk's whole frames, the runs of frames between the marked ones sent as
+they came, their deltas counted with one ``count`` a run (their events, for
+the number an error event of ours continues, only when that number is asked).
 An event orjson refuses but the json module reads (a lone surrogate escape)
 is read and written back by the json module (``event_json``), as the
 completions relay does.
@@ -50,25 +55,39 @@ FINAL = {"responses": ("response.completed", "response.incomplete", "response.fa
 
 UNWRITABLE_CODE = "upstream_bad_response"
 UNWRITABLE_MESSAGE = "The upstream sent an event nested deeper than the gateway can write JSON back (254 levels)."
-MARKERS = (b'"model"', b'"usage"', b'"error"', b'"message_stop"', b'"response.failed"', b'"response.incomplete"')
+# What marks a frame the gateway reads or changes: the keys (or values) its format's rules read, in quotes (a
+# quote inside a JSON string is escaped, so these bytes are a key or a whole string). The Responses API's rules
+# read only an event's ``response`` object (its model, usage, status and error: ``response.created`` ...
+# ``response.completed``, ``.incomplete``, ``.failed``) and its errors (``"type":"error"``, OpenAI's
+# ``{"error": ...}``, vLLM's ``"object":"error"``); Messages' read the model (``message_start``'s message),
+# ``usage`` (``message_start``'s and ``message_delta``'s, with its stop reason), errors and ``message_stop``.
+MARKERS = {"responses": (b'"response"', b'"error"'),
+           "messages": (b'"model"', b'"usage"', b'"error"', b'"message_stop"')}
+DATA = b"\ndata:"
+LATER = 2048  # a run of plain frames this long or longer has its events counted only when asked (``sequence``)
 
 
-def _first_marked(data: bytes, start: int, ahead: list[int]) -> int:
-    """Where the first marker at or after ``start`` is, or -1; ``ahead`` holds each marker's next
+def _responses_marked(data: bytes) -> bool:
+    return b'"response"' in data or b'"error"' in data
+
+
+def _messages_marked(data: bytes) -> bool:
+    return b'"model"' in data or b'"usage"' in data or b'"error"' in data or b'"message_stop"' in data
+
+
+MARKED = {"responses": _responses_marked, "messages": _messages_marked}
+
+
+def _first_marked(data: bytes, start: int, size: int, markers: tuple[bytes, ...], ahead: list[int]) -> int:
+    """Where the first marker in ``data[start:size]`` is, or -1; ``ahead`` holds each marker's next
     place found so far, and is moved on only for the markers left behind (each scan once)."""
     first = -1
     for i, at in enumerate(ahead):
         if 0 <= at < start:
-            at = ahead[i] = data.find(MARKERS[i], start)
+            at = ahead[i] = data.find(markers[i], start, size)
         if at >= 0 and (first < 0 or at < first):
             first = at
     return first
-
-
-def _marked(data: bytes) -> bool:
-    """``data`` may hold what the gateway reads or changes (the model, usage, an error, the end)."""
-    return (b'"model"' in data or b'"usage"' in data or b'"error"' in data or b'"message_stop"' in data
-            or b'"response.failed"' in data or b'"response.incomplete"' in data)
 
 
 def _whole(frame: bytes) -> bool:
@@ -99,14 +118,33 @@ class FramedRelay:
         self.impls = impls
         self.transforms = tuple(_event_only(impl, call) for impl in impls)
         self.delta = DELTAS[call.endpoint]
+        self.markers = MARKERS[call.endpoint]
+        self.marked = MARKED[call.endpoint]
         self.rest = b""
         self.finished = False
         self.ended = False
         self.counts: dict[str, Any] = {}  # Anthropic: each usage field as last reported
-        self.sequence = 0  # the Responses API numbers its events; an error of ours continues the count
+        self.events = 0  # events read or counted so far (``sequence``)
+        self.uncounted: list[tuple[bytes, int, int]] = []  # runs passed as they came, their events not counted
         self.partial: Usage | None = None  # prompt counts reported before the output's (message_start)
 
+    @property
+    def sequence(self) -> int:
+        """The events so far: the Responses API numbers its events, and an error event of ours continues
+        the count. The long runs of the chunk that holds the format's last event are counted only when
+        asked (a stream that comes in one chunk, nginx's in M8, never is); the others with their chunk."""
+        if self.uncounted:
+            self._count_events()
+        return self.events
+
+    def _count_events(self) -> None:
+        for data, start, stop in self.uncounted:
+            self.events += data.count(DATA, start, stop) + data.startswith(b"data:", start, stop)
+        self.uncounted.clear()
+
     def feed_chunk(self, chunk: bytes) -> bytes:
+        if self.uncounted:  # one that came after the last event
+            self._count_events()
         data = self.rest + chunk if self.rest else chunk
         if b"\r" in data:
             if data.endswith(b"\r"):  # half a CRLF: wait for the rest
@@ -118,26 +156,39 @@ class FramedRelay:
             self.rest = data
             return b""
         self.rest = data[end + 2:]
-        block = data[:end]
         if self.impls:  # every event is shown to the plugins
-            return self._frames(block)
+            return self._frames(data[:end])
+        if not self.rest and end and not self.ended and not self.marked(data):  # whole frames, none marked
+            self._plain(data, 0, end)  # (as ``_runs`` would: a model server's chunk of one delta, in fewer steps)
+            out = data
+        else:
+            out = self._runs(data, end)
+        if self.uncounted and not self.finished:  # only a stream's last chunk is left to count when asked
+            self._count_events()
+        return out
+
+    def _runs(self, data: bytes, size: int) -> bytes:
+        """``data[:size]``'s frames (a blank line follows them): each run of frames that holds no marker goes
+        out as the upstream's bytes, its deltas counted with one ``count``; a frame that holds one is read
+        (``_frame``). Each marker is searched for once over the chunk, whatever the number of frames."""
         out = []
-        pos, size = 0, len(block)
-        ahead = [block.find(marker) for marker in MARKERS]  # each marker's next place (-1: none left)
-        while pos < size and not self.ended:  # frames with nothing to read go out as they came
-            marked = _first_marked(block, pos, ahead)
+        pos = 0
+        markers = self.markers
+        ahead = [data.find(marker, 0, size) for marker in markers]  # each marker's next place (-1: none left)
+        while pos < size and not self.ended:
+            marked = _first_marked(data, pos, size, markers, ahead)
             if marked < 0:
-                self._plain(block[pos:])
-                out.append(block[pos:] + b"\n\n")
+                self._plain(data, pos, size)
+                out.append(data[pos:size + 2])
                 break
-            start = block.rfind(b"\n\n", pos, marked)
+            start = data.rfind(b"\n\n", pos, marked)
             start = pos if start < 0 else start + 2
-            stop = block.find(b"\n\n", marked)
+            stop = data.find(b"\n\n", marked, size)
             stop = size if stop < 0 else stop
             if start > pos:
-                self._plain(block[pos:start - 2])
-                out.append(block[pos:start])
-            out.append(self._frames(block[start:stop]))
+                self._plain(data, pos, start - 2)
+                out.append(data[pos:start])
+            out.append(self._frames(data[start:stop]))
             pos = stop + 2
         return b"".join(out)
 
@@ -147,7 +198,7 @@ class FramedRelay:
             for frame in block.split(b"\n\n"):
                 if self.ended:
                     break
-                sent = self._frame(frame.lstrip(b"\n"))
+                sent = self._frame(frame.strip(b"\n"))  # a chunk may end in the middle of two blank lines
                 if sent:
                     out.append(sent)
         except StreamPluginError as exc:  # the events the plugins let through before it go out first
@@ -155,10 +206,14 @@ class FramedRelay:
             raise
         return b"".join(out)
 
-    def _plain(self, block: bytes) -> None:
-        """Count what a run of frames that need no change holds: events, and output deltas."""
-        self.sequence += block.count(b"\ndata:") + (block[:5] == b"data:")
-        deltas = block.count(self.delta)
+    def _plain(self, data: bytes, start: int, stop: int) -> None:
+        """Count what a run of frames that need no change holds (``data[start:stop]``): its output deltas
+        now; its events now when the run is short, else when ``sequence`` is asked."""
+        if stop - start < LATER:
+            self.events += data.count(DATA, start, stop) + data.startswith(b"data:", start, stop)
+        else:
+            self.uncounted.append((data, start, stop))
+        deltas = data.count(self.delta, start, stop)
         if deltas:
             self.record.streamed_chunks += deltas
             if self.partial is not None:  # until the final count: the output streamed so far
@@ -181,9 +236,9 @@ class FramedRelay:
         if not datas:
             return frame + b"\n\n"  # comments pass through
         payload = datas[0] if len(datas) == 1 else b"\n".join(datas)
-        self.sequence += 1
+        self.events += 1
         delta = self.delta in payload  # counted once it is sent (not when a plugin drops it or fails on it)
-        if not self.impls and not _marked(payload):
+        if not self.impls and not self.marked(payload):
             return self._sent(frame + b"\n\n", delta)
         try:
             event = orjson.loads(payload)

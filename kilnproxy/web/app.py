@@ -34,7 +34,8 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     gateway = Gateway(config, build_plugin_manager(config, extra_plugins))
     app = web.Application(middlewares=[json_errors], client_max_size=config.server.max_request_bytes)
     app[GATEWAY] = gateway
-    app[HOT_ROUTES] = hot_routes(gateway)  # answered by the server's own route table (kilnproxy.web.fastpath)
+    # answered by the server's own route table (kilnproxy.web.fastpath)
+    app[HOT_ROUTES] = {**hot_routes(gateway), **apis.hot_routes(gateway)}
     app.cleanup_ctx.append(_gateway_ctx)
     # also here: a path with a query string or an escape, or an Expect header, comes through the router
     app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)

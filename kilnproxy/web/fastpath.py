@@ -1,6 +1,8 @@
 """The hot endpoints on aiohttp's low-level server: a route table of our own in front of the app.
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` are found in a
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (and the other
+APIs' ``POST /v1/embeddings``, ``/v1/responses``, ``/v1/messages`` and
+``/v1/messages/count_tokens``) are found in a
 dict keyed by the request line's method and raw path, and answered from a
 plain ``web.BaseRequest``: no URL dispatcher, no ``Request`` with its match
 info, no middleware chain rebuilt per request, no ``on_response_prepare``
