@@ -252,10 +252,9 @@ class RequestTrace:
 
     def encode(self, now: int, spans: list[bytes]) -> None:
         """The request's spans, appended to ``spans``; the request's own ends at ``now`` (its answer written).
-        One pass:
-        the children's shared fields joined once, each child one ``struct`` pack, the request's own span one
-        join of its pieces (byte for byte what ``wire.span`` and ``Child.encode`` write), the values seen
-        before taken from their keys' tables in line."""
+        One pass: the children's shared fields joined once, each child one ``struct`` pack, the request's own
+        span one join of its pieces (byte for byte what ``wire.span`` and ``Child.encode`` write), the values
+        seen before taken from their keys' tables in line."""
         row, ids, trace = self.row, self.ids, self.trace
         own_id = ids[16:24]
         if self.state:
