@@ -19,16 +19,17 @@ types are the proto's (tests decode what this writes with the official ``opentel
 from __future__ import annotations
 
 import struct
+from typing import Callable
 
 SERVER, CLIENT, INTERNAL = 2, 3, 1  # Span.SpanKind
 STATUS_ERROR = 2                    # Status.StatusCode
 FLAGS_LOCAL = 0x100                 # SpanFlags: the parent's is_remote is known, and it is local
 FLAGS_REMOTE = 0x300                # ... and it is remote (the client's traceparent)
 
-_BYTE = [bytes((n,)) for n in range(256)]
+_BYTE = BYTE = [bytes((n,)) for n in range(256)]
 _U64 = (1 << 64) - 1
-_DOUBLE = struct.Struct("<d").pack
-_TIMES = struct.Struct("<BQBQ").pack    # the start and end times, with their tags (0x39, 0x41)
+_DOUBLE = DOUBLE = struct.Struct("<d").pack
+_TIMES = TIMES = struct.Struct("<BQBQ").pack   # the start and end times, with their tags (0x39, 0x41)
 _FLAGS = struct.Struct("<BBI").pack     # field 16, fixed32: a two-byte tag
 _EVENT_TIME = struct.Struct("<BQ").pack
 
@@ -126,6 +127,21 @@ def status(message: str | None) -> bytes:
     return field(b"z", field(b"\x12", message.encode()) + b"\x18\x02")
 
 
+def name_field(name: str) -> bytes:
+    """A span's name (field 5), kept for the names seen (at most ``SEEN_AT_MOST``)."""
+    found = _NAMES.get(name)
+    if found is None:
+        found = field(b"*", name.encode())
+        if len(_NAMES) < SEEN_AT_MOST:
+            _NAMES[name] = found
+    return found
+
+
+def flags(value: int) -> bytes:
+    """A span's flags (field 16, fixed32)."""
+    return _FLAGS(0x85, 0x01, value)
+
+
 def span(trace_id: bytes, span_id: bytes, parent_id: bytes | None, trace_state: bytes, name: str, kind: int,
          start_ns: int, end_ns: int, attrs: bytes, events: bytes, status_bytes: bytes, flags: int) -> bytes:
     """One span as a ``ScopeSpans.spans`` field. ``attrs``, ``events``, ``status_bytes``: already encoded
@@ -205,12 +221,24 @@ _ID_TIMES = struct.Struct("<2s8sBQBQ").pack  # span id (field 2) and the start a
 
 
 class Child:
-    """The constant part of one kind of child span (its name and kind), for ``Child.encode``."""
+    """The constant part of one kind of child span (its name and kind), for ``Child.encode``; ``packed``: the
+    same span with no attributes and an unset status (``tail`` ``status(None)``) in one ``struct`` pack."""
 
-    __slots__ = ("middle",)
+    __slots__ = ("middle", "rest", "packs")
 
     def __init__(self, name: str, kind: int):
         self.middle = field(b"*", name.encode()) + b"0" + _BYTE[kind]
+        self.rest = self.middle + status(None) + _LOCAL
+        self.packs: dict[int, tuple[bytes, Callable]] = {}  # len(prefix) -> packed's head and Struct.pack
+
+    def packed(self, prefix: bytes, span_id: bytes, start_ns: int, end_ns: int) -> bytes:
+        """``encode(prefix[:-2], span_id, start_ns, end_ns, status(None))``, byte for byte; ``prefix``: the
+        request's ``span_prefix`` and the span id's tag ``b"\\x12\\x08"`` (as ``RequestTrace`` joins it once a request)."""
+        found = self.packs.get(len(prefix))
+        if found is None:
+            found = self.packs[len(prefix)] = child_packer(len(prefix), len(self.rest))
+        head, pack = found
+        return pack(head, prefix, span_id, 0x39, start_ns, 0x41, end_ns, self.rest)
 
     def encode(self, prefix: bytes, span_id: bytes, start_ns: int, end_ns: int, tail: bytes) -> bytes:
         """``child_span`` of this name and kind; ``tail``: its attributes, events and status, already encoded.
@@ -225,6 +253,24 @@ class Child:
             head = b"\x12" + varint(n)
         return b"".join((head, prefix, _ID_TIMES(_ID_LEN, span_id, 0x39, start_ns, 0x41, end_ns), middle, tail,
                          _LOCAL))
+
+
+_PACKERS: dict[tuple[int, int], tuple[bytes, Callable]] = {}
+
+
+def child_packer(prefix_len: int, rest_len: int) -> tuple[bytes, Callable]:
+    """The head (tag and length) of a child span whose ``prefix`` (trace id, trace state, parent, the span id's
+    tag) and ``rest`` (name, kind, attributes, events, status, flags) have these lengths, and the
+    ``Struct.pack`` that writes it from ``(head, prefix, span_id, 0x39, start_ns, 0x41, end_ns, rest)``."""
+    key = (prefix_len, rest_len)
+    found = _PACKERS.get(key)
+    if found is None:
+        n = prefix_len + 26 + rest_len  # 8: the span id, 18: the two times and their tags
+        head = b"\x12" + varint(n)
+        found = (head, struct.Struct(f"<{len(head)}s{prefix_len}s8sBQBQ{rest_len}s").pack)
+        if len(_PACKERS) < SEEN_AT_MOST:
+            _PACKERS[key] = found
+    return found
 
 
 class FloatEvent:

@@ -8,7 +8,15 @@ the request runs, a ``RequestTrace`` keeps times and outcomes only; its spans
 encoded to OTLP protobuf (``otlp_wire``) together and handed to the export
 queue once the row is committed and the request has written what the commit
 let it write (its answer, or ``[DONE]``), but for an admission that raised and
-an upstream attempt followed by another, queued when they end.
+an upstream attempt followed by another, queued when they end. The requests
+whose rows one commit wrote are encoded in one loop callback
+(``Tracing.encode_ended``) and queued with one ``add_all``.
+
+Each traced request is on the gateway's hot path, so the encoding is written
+for CPU: the children's shared fields joined once, a child with no attributes
+(or an attempt's that repeat) one ``struct`` pack, the values that repeat
+(models, token counts, statuses) encoded once and taken from tables; the bytes
+are those ``otlp_wire``'s generic calls write (``tests/test_tracing_wire.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from ..proxy.request_record import stored_text
 from . import otlp_wire as wire
 
 _ATTRIBUTE, _NO_STATUS = wire.attribute, wire.status(None)
+_TIMES, _BYTE = wire.TIMES, wire.BYTE
+_FLAGS_LOCAL, _FLAGS_REMOTE = wire.flags(wire.FLAGS_LOCAL), wire.flags(wire.FLAGS_REMOTE)
 
 
 def _new_span_id() -> bytes:
@@ -91,6 +101,9 @@ _OUTPUT_TOKENS = wire.Key("gen_ai.usage.output_tokens")
 _COST = wire.Key("kilnproxy.cost_usd")
 _DISCONNECTED = {flag: _ATTRIBUTE(b"J", "kilnproxy.disconnected", flag) for flag in (False, True)}
 _FIRST_TOKEN = wire.FloatEvent("gen_ai.first_token", "kilnproxy.ttft_ms")
+_FIRST_TOKEN_PACK, _FIRST_TOKEN_BEFORE, _FIRST_TOKEN_AFTER = _FIRST_TOKEN.pack, _FIRST_TOKEN.before, _FIRST_TOKEN.after
+# the generation id's KeyValue before its text, by the text's length (the gateway's ids: 28 characters)
+_GENERATION_HEADS = {n: _GENERATION_ID.unique("x" * n)[:-n] for n in range(1, 64)}
 
 
 class RequestTrace:
@@ -104,7 +117,7 @@ class RequestTrace:
     ``Tracing`` whose ``add``/``add_all`` queue the encoded spans."""
 
     __slots__ = ("tracing", "trace", "ids", "parent_id", "state", "start", "head", "generation_id", "name",
-                 "requested", "events", "admitted", "admission_end", "attempts", "attempt_id", "attempt_start",
+                 "requested", "events", "admitted", "admission_end", "attempt_id", "attempt_start",
                  "attempt_url", "attempt_end", "attempt_status", "attempt_problem", "stream_start", "row", "ending",
                  "committed_at")
 
@@ -120,7 +133,6 @@ class RequestTrace:
         self.generation_id = generation_id
         self.name = head[0]
         self.requested = self.events = b""
-        self.attempts = 0
         self.admission_end = self.attempt_url = self.attempt_end = self.stream_start = None
 
     @property
@@ -156,16 +168,16 @@ class RequestTrace:
         self.tracing.add(_ADMISSION.encode(self._prefix(), self.ids[24:32], self.admitted, time_ns(), tail))
 
     def model(self, requested: str) -> None:
-        self.name, self.requested = _model(self.head[0], requested)
+        found = _MODELS.get((self.head[0], requested))
+        self.name, self.requested = found if found is not None else _model(self.head[0], requested)
 
     def attempt(self, base_url: str, headers: dict) -> dict:
         """An upstream attempt begins: its span, and the headers that carry it upstream (W3C trace context,
         written as the SDK's propagator writes it)."""
         if self.attempt_end is not None:  # the attempt before, failed over
-            self.tracing.add(self._upstream(self._prefix()))
+            self.tracing.add(self._upstream(self._prefix() + b"\x12\x08"))
             self.attempt_end = None
-        self.attempts += 1
-        span_id = self.attempt_id = self.ids[40:48] if self.attempts == 1 else _new_span_id()
+        span_id = self.attempt_id = self.ids[40:48] if self.attempt_url is None else _new_span_id()
         self.attempt_start = time_ns()
         self.attempt_url = base_url
         carrier = dict(headers) if headers else {}
@@ -181,21 +193,33 @@ class RequestTrace:
             self.attempt_status, self.attempt_problem = status, problem
 
     def _upstream(self, prefix: bytes) -> bytes:
-        """The span of the attempt that ended (``attempt_done``)."""
+        """The span of the attempt that ended (``attempt_done``); ``prefix``: the request's ``span_prefix`` and
+        the span id's tag. An attempt that did not fail is one pack of the attributes its upstream and status
+        had before."""
         base_url, status, problem = self.attempt_url, self.attempt_status, self.attempt_problem
         if problem is None and (status is None or status < 500):
-            tail = _SERVER_ADDRESS.encode(base_url) + (b"" if status is None else _STATUS_CODE.encode(status)) \
-                + _NO_STATUS
-        else:
-            attrs = _SERVER_ADDRESS.encode(base_url)
-            if status is not None:
-                attrs += _STATUS_CODE.encode(status)
-            attrs += _ERROR_TYPE.encode(problem or str(status))
-            tail = attrs + wire.status(problem or f"HTTP {status}")
-        return _UPSTREAM.encode(prefix, self.attempt_id, self.attempt_start, self.attempt_end, tail)
+            key = (base_url, status, len(prefix))
+            found = _UPSTREAM_DONE.get(key)
+            if found is None:
+                rest = _UPSTREAM.middle + _SERVER_ADDRESS.encode(base_url) \
+                    + (b"" if status is None else _STATUS_CODE.encode(status)) + _NO_STATUS + _FLAGS_LOCAL
+                if len(_UPSTREAM_DONE) >= wire.SEEN_AT_MOST:
+                    _UPSTREAM_DONE.clear()
+                found = _UPSTREAM_DONE[key] = (*wire.child_packer(len(prefix), len(rest)), rest)
+            head, pack, rest = found
+            return pack(head, prefix, self.attempt_id, 0x39, self.attempt_start, 0x41, self.attempt_end, rest)
+        attrs = _SERVER_ADDRESS.encode(base_url)
+        if status is not None:
+            attrs += _STATUS_CODE.encode(status)
+        attrs += _ERROR_TYPE.encode(problem or str(status))
+        tail = attrs + wire.status(problem or f"HTTP {status}")
+        return _UPSTREAM.encode(prefix[:-2], self.attempt_id, self.attempt_start, self.attempt_end, tail)
 
     def first_token(self, ttft_ms: float) -> None:
-        self.events += _FIRST_TOKEN.encode(time_ns(), ttft_ms)
+        if type(ttft_ms) is float:  # as FloatEvent.encode packs it
+            self.events += _FIRST_TOKEN_PACK(_FIRST_TOKEN_BEFORE, time_ns(), _FIRST_TOKEN_AFTER, ttft_ms)
+        else:
+            self.events += _FIRST_TOKEN.encode(time_ns(), ttft_ms)
 
     def stream_started(self) -> None:
         self.stream_start = time_ns()
@@ -210,51 +234,111 @@ class RequestTrace:
         self.row = row
         if committed is None or committed.done():
             self.committed_at = now
-            self(None)
+            spans: list[bytes] = []
+            self.encode(time_ns(), spans)
+            self.tracing.add_all(spans)
         else:
             committed.add_done_callback(self._committed, context=_CALLBACKS)
 
     def _committed(self, _future) -> None:
         """The row is committed. The request's task, woken by the same commit, runs next and writes its
-        answer; the spans are encoded after it, so that tracing adds nothing to the answer's latency."""
+        answer; the spans are encoded after it (``Tracing.encode_ended``, once for the requests whose rows
+        one commit wrote), so that tracing adds nothing to the answer's latency."""
         self.committed_at = time_ns()
-        get_running_loop().call_soon(self, None, context=_CALLBACKS)
+        ended = self.tracing.ended
+        ended.append(self)
+        if len(ended) == 1:  # the first of its commit: the others' tasks are woken before this runs
+            get_running_loop().call_soon(self.tracing.encode_ended, context=_CALLBACKS)
 
-    def __call__(self, _future) -> None:
-        """The request's spans, queued at once; the request's own ends now (its answer written)."""
-        now = time_ns()
-        row, ids, prefix = self.row, self.ids, self._prefix()
-        spans = [_COMMIT.encode(prefix, ids[32:40], self.ending, self.committed_at, _NO_STATUS)]
+    def encode(self, now: int, spans: list[bytes]) -> None:
+        """The request's spans, appended to ``spans``; the request's own ends at ``now`` (its answer written).
+        One pass: the children's shared fields joined once, each child one ``struct`` pack, the request's own
+        span one join of its pieces (byte for byte what ``wire.span`` and ``Child.encode`` write), the values
+        seen before taken from their keys' tables in line."""
+        row, ids, trace = self.row, self.ids, self.trace
+        own_id = ids[16:24]
+        if self.state:
+            state = self._state_field()
+            prefix = b"".join((b"\n\x10", trace, state, b'"\x08', own_id, b"\x12\x08"))
+        else:
+            state = b""
+            prefix = b"".join((b"\n\x10", trace, b'"\x08', own_id, b"\x12\x08"))
+        packs = _ENDED.get(len(prefix))
+        if packs is None:
+            packs = _ended(len(prefix))
+        head, pack, admission_head, admission_pack = packs
+        spans.append(pack(head, prefix, ids[32:40], 0x39, self.ending, 0x41, self.committed_at, _COMMIT_REST))
         if self.admission_end is not None:
-            spans.append(_ADMISSION.encode(prefix, ids[24:32], self.admitted, self.admission_end, _NO_STATUS))
+            spans.append(admission_pack(admission_head, prefix, ids[24:32], 0x39, self.admitted, 0x41,
+                                        self.admission_end, _ADMISSION_REST))
         if self.attempt_end is not None:
-            spans.append(self._upstream(prefix))
+            found = None
+            if self.attempt_problem is None:
+                found = _UPSTREAM_DONE.get((self.attempt_url, self.attempt_status, len(prefix)))
+            if found is None:
+                spans.append(self._upstream(prefix))
+            else:
+                head, pack, rest = found
+                spans.append(pack(head, prefix, self.attempt_id, 0x39, self.attempt_start, 0x41, self.attempt_end,
+                                  rest))
         disconnected = _DISCONNECTED[bool(row["disconnected"])]
         if self.stream_start is not None:
-            spans.append(_STREAM.encode(prefix, ids[48:56], self.stream_start, self.ending, disconnected
+            spans.append(_STREAM.encode(prefix[:-2], ids[48:56], self.stream_start, self.ending, disconnected
                                         + _NO_STATUS))
-        attrs = [self.head[1], _GENERATION_ID.unique(self.generation_id), self.requested,
-                 _RESPONSE_MODEL.encode(row["model"] or ""), disconnected]
-        # the SDK drops an attribute without a value
-        if (value := row["prompt_tokens"]) is not None:
-            attrs.append(_INPUT_TOKENS.encode(value))
-        if (value := row["completion_tokens"]) is not None:
-            attrs.append(_OUTPUT_TOKENS.encode(value))
-        if (value := row["cost"]) is not None:
-            attrs.append(_COST.encode(value))
+        # the SDK drops an attribute without a value; ints and strings seen before are in their key's table
+        value = row["prompt_tokens"]
+        input_tokens = b"" if value is None else (
+            type(value) is int and _INPUT_TOKENS.seen.get(value) or _INPUT_TOKENS.encode(value))
+        value = row["completion_tokens"]
+        output_tokens = b"" if value is None else (
+            type(value) is int and _OUTPUT_TOKENS.seen.get(value) or _OUTPUT_TOKENS.encode(value))
+        value = row["cost"]
+        if value is None:
+            cost, cost_value = b"", b""
+        elif type(value) is float:
+            cost, cost_value = _COST.double_head, _DOUBLE(value)
+        else:
+            cost, cost_value = _COST.encode(value), b""
         status = row["status"]
-        if status is not None:
-            attrs.append(_STATUS_CODE.encode(status))
+        status_code = b"" if status is None else (
+            type(status) is int and _STATUS_CODE.seen.get(status) or _STATUS_CODE.encode(status))
+        value = row["model"] or ""
+        response_model = type(value) is str and _RESPONSE_MODEL.seen.get(value) or _RESPONSE_MODEL.encode(value)
+        error = b""
         outcome = _NO_STATUS
         if (code := row["error_code"]) is not None:
             code = stored_text(code)  # an upstream's, perhaps made of the client's text
-            attrs.append(_ERROR_TYPE.encode(code))
+            error = _ERROR_TYPE.encode(code)
             if status >= 500 or status == 200:  # a server fault, or a stream that ended in one
                 outcome = wire.status(code)
-        spans.append(wire.span(self.trace, ids[16:24], self.parent_id, self._state_field(), self.name, wire.SERVER,
-                               self.start, now, b"".join(attrs), self.events, outcome,
-                               wire.FLAGS_LOCAL if self.parent_id is None else wire.FLAGS_REMOTE))
-        self.tracing.add_all(spans)
+        generation_id = self.generation_id.encode()
+        generation = _GENERATION_HEADS.get(len(generation_id))
+        if generation is None:  # not one of ours
+            generation, generation_id = _GENERATION_ID.unique(self.generation_id), b""
+        parent_id = self.parent_id
+        body = b"".join((
+            b"\n\x10", trace, b"\x12\x08", own_id, state, b"" if parent_id is None else b'"\x08' + parent_id,
+            _NAMES.get(self.name) or wire.name_field(self.name), b"0\x02", _TIMES(0x39, self.start, 0x41, now),
+            self.head[1], generation, generation_id, self.requested, response_model, disconnected, input_tokens,
+            output_tokens, cost, cost_value, status_code, error, self.events, outcome,
+            _FLAGS_LOCAL if parent_id is None else _FLAGS_REMOTE))
+        n = len(body)
+        spans.append((_SPAN_HEADS[n] if n < _SHORT_SPAN else b"\x12" + wire.varint(n)) + body)
+
+
+_UPSTREAM_DONE: dict[tuple, tuple] = {}  # (base_url, status, prefix length) -> child_packer's and the span's rest
+_ENDED: dict[int, tuple] = {}  # prefix length -> the commit's and the admission's child_packer
+_COMMIT_REST, _ADMISSION_REST = _COMMIT.rest, _ADMISSION.rest
+_NAMES, _DOUBLE = wire._NAMES, wire.DOUBLE
+_SHORT_SPAN = 2048  # spans shorter than this have their tag and length from a table (a request's: about 400 bytes)
+_SPAN_HEADS = [b"\x12" + wire.varint(n) for n in range(_SHORT_SPAN)]
+
+
+def _ended(prefix_len: int) -> tuple:
+    found = (*wire.child_packer(prefix_len, len(_COMMIT.rest)), *wire.child_packer(prefix_len, len(_ADMISSION.rest)))
+    if len(_ENDED) < wire.SEEN_AT_MOST:
+        _ENDED[prefix_len] = found
+    return found
 
 
 # the context the commit callbacks run in: they read no context variable, and one context a request would be copied
