@@ -108,12 +108,13 @@ class PlainRun:
 
     def _by_frames(self, head: bytes) -> tuple[int, bytes, int] | None:
         """``take`` for a run whose events all start with the stream's ``prefix`` and end with its
-        ``suffix``, shown by one split at the blank lines and one count of ``suffix``, the blank
-        line and ``prefix`` (``needle``) over ``head``: when the first event starts with the prefix,
-        the last ends with the suffix and every one of the ``n - 1`` joints is a needle, the events
-        are framed so (the needles counted do not overlap, so neither do an event's frames). The
-        middles, what differs from event to event (a token's text), are then checked for a
-        newline (none: every event is one ``data:`` line) and for the rules' markers, joined (a
+        ``suffix``, shown by one split at the blank lines: each event's middle (what differs from
+        event to event, a token's text) is taken as what its frames would leave, and ``head`` is
+        compared with ``data: ``, the prefix, the middles joined by ``needle`` (``suffix``, the blank
+        line and ``prefix``), the suffix and the blank line (one join and one compare of memory,
+        cheaper than a count of the needles over ``head``). When they are the same bytes and no
+        middle holds a newline, every event is one ``data:`` line framed so. The middles are
+        checked for the rules' markers, joined (a
         few bytes an event); the frames were checked once (``_frames_from``), not per run. The
         frames end and begin at one of ``,{}``, no marker holds one of those, and the middles are
         joined with ``,``: so no marker is cut by an edge, and each is in the frames (then in
@@ -128,12 +129,14 @@ class PlainRun:
                 return None
             prefix, suffix = self.prefix, self.suffix
             edge = len(prefix) + len(suffix)
-            if prefix and events[0].startswith(prefix) and events[-1].endswith(suffix) \
-                    and len(events[0]) >= edge and len(events[-1]) >= edge and head.count(self.needle) == n - 1:
-                middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
-                joined = b",".join(middles)
-                if b"\n" not in joined:
-                    return self._checked(head, middles, joined)
+            if not prefix or len(events[0]) < edge or len(events[-1]) < edge:
+                continue
+            middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
+            joined = b",".join(middles)
+            if b"\n" not in joined and head.startswith(prefix, 6) and head.startswith(suffix, len(head) - 2 - len(suffix)) \
+                    and len(head) == n * (edge + 8) + len(joined) - (n - 1) \
+                    and head.startswith(self.needle.join(middles), 6 + len(prefix)):
+                return self._checked(head, middles, joined)
         return None
 
     def _checked(self, head: bytes, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
