@@ -24,32 +24,19 @@ from .gateway import Gateway
 from .relay import EventRelay
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError, error_frame
+from .stream_response import SSE_HEADERS, SSEResponse
 from .upstream import Route
 
 log = logging.getLogger("kilnproxy")
 
-# No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
-# response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
-# and a load balancer would send its next request on a connection being closed.
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
-
-
-class _HeadWithBody(web.StreamResponse):
-    """A stream whose head goes out with its first body bytes, in one write (aiohttp holds the head
-    back until then when ``_send_headers_immediately`` is false, as it does for ``web.Response``)."""
-
-    _send_headers_immediately = False
-
-
-def stream_response(headers: dict, upstream, first: bytes | None) -> web.StreamResponse:
+def stream_response(headers: dict, upstream, first: bytes | None) -> SSEResponse:
     """The client's response: its head held back for the first events only when they are here already
-    (the upstream sent its answer at once), so that no client ever waits longer for the head."""
-    ready = first is not None or upstream.content.has_data()
-    return (_HeadWithBody if ready else web.StreamResponse)(status=200, headers={**SSE_HEADERS, **headers})
+    (the upstream sent its answer at once), so that no client ever waits longer for the head.
+
+    No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
+    response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
+    and a load balancer would send its next request on a connection being closed."""
+    return SSEResponse(headers, first is not None or upstream.content.has_data())
 
 
 class ShuttingDown(aiohttp.ClientError):
