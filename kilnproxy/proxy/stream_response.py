@@ -64,6 +64,11 @@ class SSEResponse(web.StreamResponse):
             self._send_headers_immediately = False
 
     @property
+    def held(self) -> bool:
+        """The head waits for the first body bytes."""
+        return not self._send_headers_immediately
+
+    @property
     def _headers(self) -> CIMultiDict:  # type: ignore[override]
         """The headers as ``StreamResponse`` has them (rarely asked for): before ``prepare``, asking
         makes the response ``StreamResponse``'s, so that a change to them is sent."""
