@@ -77,7 +77,7 @@ async def start_stream(request: web.BaseRequest, gw: Gateway, record: RequestRec
     if record.trace is not None:
         record.trace.stream_started()
     held = isinstance(response, SSEResponse) and response.held
-    return KeepAlive(response, gw.config.server.keepalive_seconds, armed=not held)
+    return KeepAlive(response, gw.config.server.keepalive_seconds, armed=not held, loop=gw.loop)
 
 
 async def end_stream(gw: Gateway, record: RequestRecord, response: web.StreamResponse, keepalive: "KeepAlive",
@@ -183,10 +183,11 @@ class KeepAlive:
 
     __slots__ = ("response", "seconds", "last", "loop", "handle", "task")
 
-    def __init__(self, response: web.StreamResponse, seconds: float, armed: bool = True):
+    def __init__(self, response: web.StreamResponse, seconds: float, armed: bool = True,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self.response = response
         self.seconds = seconds
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         self.last = self.loop.time()
         self.task: asyncio.Task | None = None
         self.handle: asyncio.TimerHandle | None = self.loop.call_at(self.last + seconds, self._due) if armed else None
