@@ -58,7 +58,7 @@ class EventRelay:
 
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
                  "upstream_key", "own_start", "own_end", "own_end_key", "ended", "error",
-                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
+                 "usage_raw", "raw_counts", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
                  "choice_usage", "request_usage", "chat", "several", "finished")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
@@ -78,6 +78,7 @@ class EventRelay:
         self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
         self.error: bytes | None = None
         self.usage_raw: dict | None = None
+        self.raw_counts: Usage | None = None  # usage_raw's counts
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream finished its answer ([DONE], an error event): read it to its end
@@ -444,7 +445,7 @@ class EventRelay:
         counts = Usage.from_upstream(usage)
         if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
-        self.usage_raw = usage
+        self.usage_raw, self.raw_counts = usage, counts
         if not self.several:  # one choice: the latest report replaces the one before
             self.request_usage = [counts]
         elif isinstance(choices, list) and choices:  # on a choice's chunk: that choice's latest count
@@ -521,7 +522,8 @@ class EventRelay:
         """What follows the last event: the usage chunk if asked for, then ``[DONE]``."""
         if self.error is not None or not self.call.include_usage:
             return DONE_FRAME
-        event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw)
+        event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw,
+                            self.raw_counts)
         try:
             data = write(event)  # also before the plugins: a fault writing it after them is theirs
         except TypeError:  # the upstream's usage object, nested too deep
