@@ -67,7 +67,7 @@ class EventRelay:
         self.record = record
         self.impls = impls
         self.parse_all = bool(impls)
-        self.transforms = tuple(_event_only(impl, call) for impl in impls)
+        self.transforms = tuple([_event_only(impl, call) for impl in impls]) if impls else ()
         self.catalog_key, self.upstream_key = route.model_bytes, route.upstream_model_bytes  # b'"model":"<name>"'
         self.rename = self.catalog_key != self.upstream_key
         # the bytes of an event that showed its own model to be the upstream's name (``_own_model``), from its
@@ -167,7 +167,11 @@ class EventRelay:
         cut = len(events)
         for _ in range(TAIL_EVENTS):
             start = events.rfind(b"\n\n", 0, cut - 2) + 2
-            if start < 2 or not _marked(events[start:cut]):
+            if start < 2:
+                return cut
+            event = events[start:cut]  # marked: [DONE], an error, usage or a finish reason (what ends or is read)
+            if not (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
+                    or FINISH in event and FINISH_NULL not in event):
                 return cut
             cut = start
         return cut
@@ -586,12 +590,6 @@ def _then(out: bytes, more: Callable[[bytes], bytes], events: bytes) -> bytes:
     except StreamPluginError as exc:
         exc.before = out + exc.before
         raise
-
-
-def _marked(event: bytes) -> bool:
-    """The event carries what ends a stream or must be read: [DONE], an error, usage or a finish reason."""
-    return (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
-            or FINISH in event and FINISH_NULL not in event)
 
 
 def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:
