@@ -81,7 +81,9 @@ class Usage:
         return round_usd(pricing.cost(self.prompt_tokens, self.completion_tokens, self.cached_tokens))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Usage) and all(getattr(self, s) == getattr(other, s) for s in self.__slots__)
+        return isinstance(other, Usage) and (
+            self.prompt_tokens == other.prompt_tokens and self.completion_tokens == other.completion_tokens
+            and self.cached_tokens == other.cached_tokens and self.total_tokens == other.total_tokens)
 
     def __repr__(self) -> str:
         return ("Usage(prompt={0.prompt_tokens}, completion={0.completion_tokens}, "

@@ -366,3 +366,39 @@ async def test_the_head_is_not_held_back_for_events_still_to_come(harness, monke
     assert raw.endswith(b"data: [DONE]\n\n")
     [head] = [data for data in sent if data.startswith(b"HTTP/1.1 200")]
     assert head.endswith(b"\r\n\r\n")
+
+
+@pytest.mark.parametrize("api", list(WHOLE))
+async def test_keepalive_after_first_events_that_were_there_when_the_stream_began(harness, api):
+    """The upstream sends its head with its first events, then falls silent: the stream began with its
+    events (its head held back for them, no timer yet), and the silence after them still gets
+    ``: keepalive``."""
+    path, body, stream = WHOLE[api]
+    cut = stream.index(b"\n\n") + 2  # the first event
+    go = asyncio.Event()
+
+    async def serve(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(stream), stream[:cut]))
+        await writer.drain()
+        await go.wait()
+        writer.write(stream[cut:])
+        await writer.drain()
+        writer.close()
+
+    def configure(config):
+        config["models"][0].update(upstreams=[url], endpoints=["completions", "messages"])
+    async with raw_server(serve) as url:
+        async with harness(overrides={"server": {"keepalive_seconds": 0.1}}, configure=configure) as h:
+            async with h.post(path, body) as resp:
+                assert resp.status == 200
+                raw = b""
+                async with asyncio.timeout(30):  # only stops a test that would hang: no keepalive came
+                    while b": keepalive\n\n" not in raw:
+                        raw += await resp.content.readany()
+                go.set()
+                raw += await resp.read()
+    assert raw.startswith(b"data: {" if api == "completions" else b"event: message_start\n")
+    assert raw.index(b": keepalive\n\n") > raw.index(b"\n\n")  # after the first event
+    assert raw.endswith(b"data: [DONE]\n\n" if api == "completions" else b'"type":"message_stop"}\n\n')

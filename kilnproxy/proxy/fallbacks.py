@@ -93,7 +93,7 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
         raise _body_spoilt(gw, exc) from exc
     if record.tap is not None:
         record.tap.sent_upstream(payload)
-    loop = asyncio.get_running_loop()
+    loop = gw.loop
     deadline = deadline_of(record.admitted, model.request_timeout)
     queue_deadline = loop.time() + model.queue_timeout
     if deadline is not None:

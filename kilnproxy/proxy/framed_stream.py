@@ -72,7 +72,6 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             if last:
                 out = relay.close()
             else:
-                keepalive.touch()
                 record.first_byte()
                 if tap is not None:
                     tap.upstream_chunk(chunk)
@@ -88,6 +87,8 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             return _failed(relay, record, "internal_error", "The gateway failed unexpectedly; see its log.")
         if relay.ended or relay.finished and last:  # the last events go out with the body's end: one write
             return out
+        if chunk:
+            keepalive.touch()  # the stream goes on: the next silence is timed from here
         if out:
             if tap is not None:
                 tap.client_write(out)

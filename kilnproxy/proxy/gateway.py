@@ -72,12 +72,15 @@ class Gateway:
         self.fallback_counts: dict[tuple[str, str], int] = {}  # (requested model, fallback) -> requests sent
         self._usage_queue: asyncio.Queue | None = None
         self._usage_task: asyncio.Task | None = None
+        # the event loop it serves on, once started: asyncio.get_running_loop() makes a getpid system call
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- life cycle -----------------------------------------------------------
 
     async def start(self) -> None:
         """Open the stores and run the ``startup`` hooks. Whatever a ``startup`` raises (``BaseException``
         included, but not the cancellation of this task) stops the gateway and becomes a ``PluginError``."""
+        self.loop = asyncio.get_running_loop()
         await self.ledger.open()
         self.credits.load(await self.ledger.spent_by_org())
         await self._open_tenancy()

@@ -52,6 +52,7 @@ conclusive, ``count`` decides as above.
 
 from __future__ import annotations
 
+import functools
 from itertools import repeat
 from operator import getitem
 
@@ -82,8 +83,7 @@ class PlainRun:
         self.from_end = [False, False, False]  # per marker: the frame from the end matched last time
         self.frames = [(b"", b"")] * 6  # per marker and side: the last frame and the needle counted
         self.prefix = self.suffix = b""  # the stream's event frames, without "data: " and "\n\n" (``_frames_from``)
-        # a frame ends or begins at one of ",{}": no name with those could be seen across its edge
-        self.framable = not (self.rename and any(c in name for c in b",{}" for name in (upstream, catalog)))
+        self.framable = _framable(upstream, catalog)
         self.misses = 0  # runs the frames did not show plain: after MAX_MISSES, a stream they do not suit
 
     def take(self, head: bytes) -> tuple[int, bytes, int]:
@@ -108,12 +108,13 @@ class PlainRun:
 
     def _by_frames(self, head: bytes) -> tuple[int, bytes, int] | None:
         """``take`` for a run whose events all start with the stream's ``prefix`` and end with its
-        ``suffix``, shown by one split at the blank lines and one count of ``suffix``, the blank
-        line and ``prefix`` (``needle``) over ``head``: when the first event starts with the prefix,
-        the last ends with the suffix and every one of the ``n - 1`` joints is a needle, the events
-        are framed so (the needles counted do not overlap, so neither do an event's frames). The
-        middles, what differs from event to event (a token's text), are then checked for a
-        newline (none: every event is one ``data:`` line) and for the rules' markers, joined (a
+        ``suffix``, shown by one split at the blank lines: each event's middle (what differs from
+        event to event, a token's text) is taken as what its frames would leave, and ``head`` is
+        compared with ``data: ``, the prefix, the middles joined by ``needle`` (``suffix``, the blank
+        line and ``prefix``), the suffix and the blank line (one join and one compare of memory,
+        cheaper than a count of the needles over ``head``). When they are the same bytes and no
+        middle holds a newline, every event is one ``data:`` line framed so. The middles are
+        checked for the rules' markers, joined (a
         few bytes an event); the frames were checked once (``_frames_from``), not per run. The
         frames end and begin at one of ``,{}``, no marker holds one of those, and the middles are
         joined with ``,``: so no marker is cut by an edge, and each is in the frames (then in
@@ -128,12 +129,14 @@ class PlainRun:
                 return None
             prefix, suffix = self.prefix, self.suffix
             edge = len(prefix) + len(suffix)
-            if prefix and events[0].startswith(prefix) and events[-1].endswith(suffix) \
-                    and len(events[0]) >= edge and len(events[-1]) >= edge and head.count(self.needle) == n - 1:
-                middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
-                joined = b",".join(middles)
-                if b"\n" not in joined:
-                    return self._checked(head, middles, joined)
+            if not prefix or len(events[0]) < edge or len(events[-1]) < edge:
+                continue
+            middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
+            joined = b",".join(middles)
+            if b"\n" not in joined and head.startswith(prefix, 6) and head.startswith(suffix, len(head) - 2 - len(suffix)) \
+                    and len(head) == n * (edge + 8) + len(joined) - (n - 1) \
+                    and head.startswith(self.needle.join(middles), 6 + len(prefix)):
+                return self._checked(head, middles, joined)
         return None
 
     def _checked(self, head: bytes, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
@@ -157,26 +160,25 @@ class PlainRun:
         same = _common_start(first, second)
         cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
         start = len(first) - _common_end(first, second)
-        ends = [i for i in (first.find(b",", start), first.find(b"}", start)) if i >= 0]
-        if not cut or not ends or min(ends) < cut:
+        comma, brace = first.find(b",", start), first.find(b"}", start)
+        end = comma if brace < 0 or 0 <= comma < brace else brace  # the first of the two (-1: neither)
+        if not cut or end < cut:
             return False
-        prefix, suffix = first[:cut], first[min(ends):]
+        prefix, suffix = first[:cut], first[end:]
         self.prefix, self.suffix = prefix, suffix
         self.needle = suffix + EVENT_SEP + prefix
         frames = prefix + b"\n" + suffix  # the newline: no marker seen across the two
-        banned = [ERROR]
-        plain = ERROR not in frames
-        for null, key in ((USAGE_NULL, USAGE), (FINISH_NULL, FINISH)):
-            if null not in frames:  # else every event holds the null; if not, none may hold the key
-                plain = plain and key not in frames
-            banned.append(key)  # in a middle: a usage or finish reason of its own (another choice's)
+        # a usage or a finish reason: each event holds the null, or none holds the key
+        plain = (ERROR not in frames and (USAGE_NULL in frames or USAGE not in frames)
+                 and (FINISH_NULL in frames or FINISH not in frames))
+        banned = BANNED  # in a middle: an error, a usage or finish reason of its own (another choice's)
         at = prefix.find(MODEL_KEY)  # each event's first "model": at its top level, the upstream's name (TOP)
         if at >= 0:
             plain = plain and prefix.startswith(self.upstream, at) and opens_top(prefix, at)
         else:  # after the middles, which may then hold none
             at = suffix.find(MODEL_KEY)
             plain = plain and at > 0 and suffix.startswith(self.upstream, at) and closes_top(suffix, at)
-            banned.append(MODEL_KEY)
+            banned += (MODEL_KEY,)
         if not self.rename:  # the name once in every event (a server may name its model otherwise)
             plain = plain and frames.count(self.upstream) == 1
         else:  # the upstream's name once in every event: once in the frames, nowhere else
@@ -186,7 +188,7 @@ class PlainRun:
             prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
             self.out_start, self.out_end = b"data: " + prefix, suffix + b"\n\n"
             self.out_needle = suffix + EVENT_SEP + prefix
-        self.frames_plain, self.banned, self.frame_roles = plain, tuple(banned), ROLE in frames
+        self.frames_plain, self.banned, self.frame_roles = plain, banned, ROLE in frames
         return True
 
     def count(self, head: bytes) -> int:
@@ -282,6 +284,15 @@ class PlainRun:
 
     def renamed(self, head: bytes) -> bytes:
         return head.replace(self.upstream, self.catalog) if self.rename else head
+
+
+BANNED = (ERROR, USAGE, FINISH)
+
+
+@functools.lru_cache(maxsize=256)
+def _framable(upstream: bytes, catalog: bytes) -> bool:
+    """A frame ends or begins at one of ``,{}``: no model name with those could be seen across its edge."""
+    return not (upstream != catalog and any(c in name for c in b",{}" for name in (upstream, catalog)))
 
 
 def _common_start(a: bytes, b: bytes) -> int:

@@ -58,7 +58,7 @@ class EventRelay:
 
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
                  "upstream_key", "own_start", "own_end", "own_end_key", "ended", "error",
-                 "usage_raw", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
+                 "usage_raw", "raw_counts", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
                  "choice_usage", "request_usage", "chat", "several", "finished")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
@@ -67,7 +67,7 @@ class EventRelay:
         self.record = record
         self.impls = impls
         self.parse_all = bool(impls)
-        self.transforms = tuple(_event_only(impl, call) for impl in impls)
+        self.transforms = tuple([_event_only(impl, call) for impl in impls]) if impls else ()
         self.catalog_key, self.upstream_key = route.model_bytes, route.upstream_model_bytes  # b'"model":"<name>"'
         self.rename = self.catalog_key != self.upstream_key
         # the bytes of an event that showed its own model to be the upstream's name (``_own_model``), from its
@@ -78,6 +78,7 @@ class EventRelay:
         self.ended = False  # [DONE], an error event, or a plugin's STOP: read no further
         self.error: bytes | None = None
         self.usage_raw: dict | None = None
+        self.raw_counts: Usage | None = None  # usage_raw's counts
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream finished its answer ([DONE], an error event): read it to its end
@@ -166,7 +167,11 @@ class EventRelay:
         cut = len(events)
         for _ in range(TAIL_EVENTS):
             start = events.rfind(b"\n\n", 0, cut - 2) + 2
-            if start < 2 or not _marked(events[start:cut]):
+            if start < 2:
+                return cut
+            event = events[start:cut]  # marked: [DONE], an error, usage or a finish reason (what ends or is read)
+            if not (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
+                    or FINISH in event and FINISH_NULL not in event):
                 return cut
             cut = start
         return cut
@@ -444,7 +449,7 @@ class EventRelay:
         counts = Usage.from_upstream(usage)
         if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
-        self.usage_raw = usage
+        self.usage_raw, self.raw_counts = usage, counts
         if not self.several:  # one choice: the latest report replaces the one before
             self.request_usage = [counts]
         elif isinstance(choices, list) and choices:  # on a choice's chunk: that choice's latest count
@@ -521,7 +526,8 @@ class EventRelay:
         """What follows the last event: the usage chunk if asked for, then ``[DONE]``."""
         if self.error is not None or not self.call.include_usage:
             return DONE_FRAME
-        event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw)
+        event = usage_chunk(self.call, self.record.final_usage(), self.usage_event, self.last_event, self.usage_raw,
+                            self.raw_counts)
         try:
             data = write(event)  # also before the plugins: a fault writing it after them is theirs
         except TypeError:  # the upstream's usage object, nested too deep
@@ -584,12 +590,6 @@ def _then(out: bytes, more: Callable[[bytes], bytes], events: bytes) -> bytes:
     except StreamPluginError as exc:
         exc.before = out + exc.before
         raise
-
-
-def _marked(event: bytes) -> bool:
-    """The event carries what ends a stream or must be read: [DONE], an error, usage or a finish reason."""
-    return (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
-            or FINISH in event and FINISH_NULL not in event)
 
 
 def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:

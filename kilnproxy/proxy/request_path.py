@@ -130,7 +130,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
             with trace.admission():
                 await slot
         record.hold = hold  # released with the row, in Gateway.submit
-        record.admitted = asyncio.get_running_loop().time()  # request_timeout counts from here
+        record.admitted = gw.loop.time()  # request_timeout counts from here
         api.checks(body, call, route)  # steps 6-7
         seal(call)  # what plugins get is read-only (a refused request's: before record_usage)
         await run_request_hooks(gw.hooks, call, body)  # steps 8-9, with the built-in upstream_body plugin

@@ -24,32 +24,19 @@ from .gateway import Gateway
 from .relay import EventRelay
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError, error_frame
+from .stream_response import SSE_HEADERS, SSEResponse
 from .upstream import Route
 
 log = logging.getLogger("kilnproxy")
 
-# No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
-# response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
-# and a load balancer would send its next request on a connection being closed.
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
-
-
-class _HeadWithBody(web.StreamResponse):
-    """A stream whose head goes out with its first body bytes, in one write (aiohttp holds the head
-    back until then when ``_send_headers_immediately`` is false, as it does for ``web.Response``)."""
-
-    _send_headers_immediately = False
-
-
-def stream_response(headers: dict, upstream, first: bytes | None) -> web.StreamResponse:
+def stream_response(headers: dict, upstream, first: bytes | None) -> SSEResponse:
     """The client's response: its head held back for the first events only when they are here already
-    (the upstream sent its answer at once), so that no client ever waits longer for the head."""
-    ready = first is not None or upstream.content.has_data()
-    return (_HeadWithBody if ready else web.StreamResponse)(status=200, headers={**SSE_HEADERS, **headers})
+    (the upstream sent its answer at once), so that no client ever waits longer for the head.
+
+    No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
+    response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
+    and a load balancer would send its next request on a connection being closed."""
+    return SSEResponse(headers, first is not None or upstream.content.has_data())
 
 
 class ShuttingDown(aiohttp.ClientError):
@@ -83,12 +70,14 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
 
 async def start_stream(request: web.BaseRequest, gw: Gateway, record: RequestRecord,
                        response: web.StreamResponse) -> "KeepAlive":
-    """Send the status line and headers (from here an error can only be an event); the keepalive."""
+    """Send the status line and headers (from here an error can only be an event); the keepalive, its
+    timer started at once unless the stream's first events are here already (the head waits for them)."""
     await response.prepare(request)
     record.responded = True
     if record.trace is not None:
         record.trace.stream_started()
-    return KeepAlive(response, gw.config.server.keepalive_seconds)
+    held = isinstance(response, SSEResponse) and response.held
+    return KeepAlive(response, gw.config.server.keepalive_seconds, armed=not held, loop=gw.loop)
 
 
 async def end_stream(gw: Gateway, record: RequestRecord, response: web.StreamResponse, keepalive: "KeepAlive",
@@ -131,7 +120,6 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             if relay.ended or record.finish_reason is not None or relay.finished:
                 return _tail(relay, record)
             return _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
-        keepalive.touch()
         if record.ttft_ms is None:
             record.first_byte()
         try:
@@ -142,6 +130,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             return _bug(record)
         if relay.ended:  # the chunk's events go out with the tail, after the row's commit: one write
             return out + _tail(relay, record)
+        keepalive.touch()  # the stream goes on: the next silence is timed from here
         if out:
             await response.write(out)
 
@@ -186,21 +175,27 @@ class KeepAlive:
     """Sends ``: keepalive`` whenever the upstream has been silent for ``seconds``.
 
     One timer per stream, re-armed lazily: ``touch()`` only stores a time, so
-    the per-chunk cost is one clock read.
+    the per-chunk cost is one clock read. A stream whose first events were
+    there when it began starts its timer at its first ``touch()``, after
+    them: one that ends with them (the upstream sent its whole answer at
+    once) never needs one.
     """
 
     __slots__ = ("response", "seconds", "last", "loop", "handle", "task")
 
-    def __init__(self, response: web.StreamResponse, seconds: float):
+    def __init__(self, response: web.StreamResponse, seconds: float, armed: bool = True,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self.response = response
         self.seconds = seconds
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         self.last = self.loop.time()
         self.task: asyncio.Task | None = None
-        self.handle = self.loop.call_at(self.last + seconds, self._due)
+        self.handle: asyncio.TimerHandle | None = self.loop.call_at(self.last + seconds, self._due) if armed else None
 
     def touch(self) -> None:
         self.last = self.loop.time()
+        if self.handle is None:
+            self.handle = self.loop.call_at(self.last + self.seconds, self._due)
 
     def _due(self) -> None:
         due = self.last + self.seconds
@@ -218,6 +213,20 @@ class KeepAlive:
             pass  # the client is gone; the relay finds out at its next write
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        """For good: a ``touch()`` after it starts no timer."""
+        if self.handle is not None:
+            self.handle.cancel()
+        self.handle = _ENDED
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+
+class _Ended:
+    """The timer of a ``KeepAlive`` cancelled for good."""
+
+    @staticmethod
+    def cancel() -> None:
+        pass
+
+
+_ENDED = _Ended()

@@ -19,7 +19,6 @@ its aiohttp ``ClientSession``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
@@ -108,7 +107,7 @@ class UpstreamClient:
     async def _exchange(self, conn: UpstreamConnection, data: bytes) -> UpstreamResponse:
         if conn.closed:
             raise UpstreamDisconnected(False)
-        response = UpstreamResponse(conn, asyncio.get_running_loop(), self.idle_timeout)
+        response = UpstreamResponse(conn, conn.pool.loop, self.idle_timeout)  # the loop the connection serves on
         conn.send(data, response)
         try:
             await response.wait_headers()

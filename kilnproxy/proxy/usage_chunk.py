@@ -13,10 +13,11 @@ from ..usage import Usage
 
 
 def usage_chunk(call: Call, usage: Usage, usage_event: dict | None, last_event: dict | None,
-                usage_raw: dict | None) -> dict:
+                usage_raw: dict | None, raw_counts: Usage | None = None) -> dict:
     """The chunk for the final ``usage``: built on the upstream's own usage chunk (``usage_event``)
     when it sent one, else on the stream's ``last_event``; ``usage_raw`` is the usage object the
-    upstream reported last (its other fields, e.g. ``prompt_tokens_details``, are kept)."""
+    upstream reported last (its other fields, e.g. ``prompt_tokens_details``, are kept), and
+    ``raw_counts`` its counts when they were read already (``Usage.from_upstream``)."""
     event = usage_event
     if event is None:
         base = last_event or {}
@@ -31,7 +32,8 @@ def usage_chunk(call: Call, usage: Usage, usage_event: dict | None, last_event: 
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
     }
-    if usage_raw is not None and usage != Usage.from_upstream(usage_raw):  # combined reports
+    if usage_raw is not None and usage is not raw_counts \
+            and usage != (raw_counts or Usage.from_upstream(usage_raw)):  # combined reports
         raw.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                    total_tokens=usage.total_tokens)
         details = raw.get("prompt_tokens_details")
