@@ -4,9 +4,9 @@ Each query is written once for both stores (``?`` placeholders, explicit
 column lists, nothing but SQL both SQLite and PostgreSQL read the same way)
 and runs through a reader:
 
-* ``SQLiteReader``: the inspector's own read-only SQLite connection (WAL:
-  readers never hold up the ledger's group commits); it creates the indexes
-  below, once;
+* ``SQLiteReader``: the inspector's own SQLite connection (WAL: readers never
+  hold up the ledger's group commits); it creates the index and the table
+  below, once, and writes nothing else;
 * ``SharedReader``: the PostgreSQL store's own pool (``PostgresStore.fetch``),
   so every replica's rows are seen; the same indexes are made by the store's
   schema (``kilnproxy.store.postgres_schema``). A database out of reach is a 503
@@ -17,7 +17,12 @@ table holds:
 
 * no filter: ``usage_events_created`` (the ledger's, on ``created_at``);
 * org: ``usage_events_org_created`` (the ledger's);
-* model: ``usage_events_model_created``;
+* model: on PostgreSQL ``usage_events_model_created``; on SQLite the inspector's
+  own table ``inspector_models`` (model, time, rowid: its primary key is the
+  index), joined to the row by rowid. Every request's row would otherwise write
+  one more index leaf in its commit; the table is filled instead when a page
+  filtered by model is read, in bulk, from the rows committed since the last
+  such read (``SQLiteReader.model_page``);
 * ``status=error`` or an error status (400 and above): the partial index
   ``usage_events_errors_created``, which holds error rows only (so successful
   requests, nearly all of them, pay no write for it);
@@ -43,9 +48,20 @@ import aiosqlite
 from ..usage import COLUMNS
 
 INDEXES = """
-CREATE INDEX IF NOT EXISTS usage_events_model_created ON usage_events (model, created_at);
 CREATE INDEX IF NOT EXISTS usage_events_errors_created ON usage_events (created_at) WHERE status >= 400;
+CREATE TABLE IF NOT EXISTS inspector_models (
+    model TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    rid INTEGER NOT NULL,
+    PRIMARY KEY (model, created_at, rid)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS inspector_models_filled (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    up_to INTEGER NOT NULL,
+    up_to_id TEXT NOT NULL
+);
 """
+FILL_ROWS = 5_000  # rows copied into ``inspector_models`` per transaction: the ledger's commits wait no longer
 
 BUCKETS = {"minute": (16, timedelta(minutes=1)), "hour": (13, timedelta(hours=1)), "day": (10, timedelta(days=1))}
 DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``since`` is not given
@@ -68,24 +84,10 @@ def page_query(org: str | None = None, model: str | None = None, status: str | N
                before: str | None = None, limit: int = 50) -> tuple[str, list[Any]]:
     """The SQL of one page of requests, newest first (``limit + 1`` rows: the extra tells
     whether there is a next page)."""
-    where, params = [], []
-    if org:
-        where.append("org = ?")
-        params.append(org)
+    where, params = _row_terms(org, status, "")
     if model:
         where.append("model = ?")
         params.append(model)
-    if status:
-        if status == "error":
-            where.append("status >= 400")
-        elif status == "ok":
-            where.append("+status < 400")  # unary + (SQLite): scan by time; nearly every row matches
-        elif (code := parse_status(status)) >= 400:
-            where.append("status = ? AND status >= 400")  # the second term lets the partial index serve
-            params.append(code)
-        else:
-            where.append("+status = ?")
-            params.append(code)
     if before:
         created_at, rowid = parse_cursor(before)
         where.append("created_at <= ? AND (created_at < ? OR rowid < ?)")
@@ -96,6 +98,47 @@ def page_query(org: str | None = None, model: str | None = None, status: str | N
     sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
     params.append(limit + 1)
     return sql, params
+
+
+def model_page_query(model: str, org: str | None = None, status: str | None = None, before: str | None = None,
+                     limit: int = 50) -> tuple[str, list[Any]]:
+    """``page_query`` filtered by model, on SQLite: walks ``inspector_models`` newest first (its primary
+    key), each entry joined to its row by rowid. The join checks the row's model and time too: an entry
+    of a row since replaced or deleted (whose rowid another row may have taken) matches nothing."""
+    where, params = ["m.model = ?"], [model]
+    terms, more = _row_terms(org, status, "u.")
+    where += terms
+    params += more
+    if before:
+        created_at, rowid = parse_cursor(before)
+        where.append("m.created_at <= ? AND (m.created_at < ? OR m.rid < ?)")
+        params += [created_at, created_at, rowid]
+    columns = ", ".join(f"u.{c}" for c in COLUMNS)
+    sql = (f"SELECT u.rowid AS _rowid, {columns} FROM inspector_models AS m CROSS JOIN usage_events AS u"
+           " ON u.rowid = m.rid AND u.model = m.model AND u.created_at = m.created_at"
+           f" WHERE {' AND '.join(where)} ORDER BY m.created_at DESC, m.rid DESC LIMIT ?")
+    params.append(limit + 1)
+    return sql, params
+
+
+def _row_terms(org: str | None, status: str | None, table: str) -> tuple[list[str], list[Any]]:
+    """The org and status terms of a page's ``WHERE`` (columns prefixed with ``table``)."""
+    where, params = [], []
+    if org:
+        where.append(f"{table}org = ?")
+        params.append(org)
+    if status:
+        if status == "error":
+            where.append(f"{table}status >= 400")
+        elif status == "ok":
+            where.append(f"+{table}status < 400")  # unary + (SQLite): scan by time; nearly every row matches
+        elif (code := parse_status(status)) >= 400:
+            where.append(f"{table}status = ? AND {table}status >= 400")  # the second term: the partial index
+            params.append(code)
+        else:
+            where.append(f"+{table}status = ?")
+            params.append(code)
+    return where, params
 
 
 def digits(text: str, most: int = 19) -> bool:
@@ -169,7 +212,8 @@ class Reader(Protocol):
 
 
 class SQLiteReader:
-    """A read-only connection of its own to the SQLite ledger; creates the inspector's indexes."""
+    """A connection of its own to the SQLite ledger; creates the inspector's index and table
+    (``INDEXES``), and writes nothing but ``inspector_models`` (``model_page``)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -177,9 +221,8 @@ class SQLiteReader:
         self._paused = asyncio.Lock()  # held by a read, or while paused
 
     async def open(self) -> None:
-        self.db = await aiosqlite.connect(self.path, timeout=10.0)
+        self.db = await aiosqlite.connect(self.path, timeout=10.0, isolation_level=None)
         await self.db.executescript(INDEXES)
-        await self.db.commit()
         await self.db.execute("PRAGMA query_only = 1")
         self.db.row_factory = sqlite3.Row
 
@@ -204,6 +247,53 @@ class SQLiteReader:
         async with self._paused:  # one read at a time, as on the connection's one thread anyway
             async with self.db.execute(sql, tuple(params)) as cur:
                 return [dict(r) for r in await cur.fetchall()]
+
+    async def model_page(self, sql: str, params: Iterable[Any]) -> list[dict[str, Any]]:
+        """The rows of a ``model_page_query``: ``inspector_models`` is first brought up to every row
+        committed, then read, in one transaction (the rows the page sees are those of one moment).
+        A long way behind (the first read after an upgrade, or after a long time), it is filled
+        ``FILL_ROWS`` at a time, a transaction each, so that the ledger's commits never wait long."""
+        async with self._paused:
+            db = self.db
+            await db.execute("PRAGMA query_only = 0")
+            try:
+                while True:
+                    await db.execute("BEGIN IMMEDIATE")
+                    try:
+                        if await self._fill(db):
+                            async with db.execute(sql, tuple(params)) as cur:
+                                rows = [dict(r) for r in await cur.fetchall()]
+                            await db.execute("COMMIT")
+                            return rows
+                        await db.execute("COMMIT")
+                    except BaseException:
+                        await db.execute("ROLLBACK")
+                        raise
+            finally:
+                await db.execute("PRAGMA query_only = 1")
+
+    @staticmethod
+    async def _fill(db: aiosqlite.Connection) -> bool:
+        """Copy up to ``FILL_ROWS`` rows' (model, time, rowid) into ``inspector_models``; True once it holds
+        every row. Where it stopped is kept as a rowid and that row's id: if that row is gone (rows deleted
+        from the top of the table, whose rowids new rows may take again), it is filled anew from the start."""
+        (up_to, up_to_id), = await db.execute_fetchall(
+            "SELECT COALESCE((SELECT up_to FROM inspector_models_filled), 0), "
+            "(SELECT up_to_id FROM inspector_models_filled)")
+        if up_to and not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid = ? AND id = ?",
+                                                   (up_to, up_to_id)):
+            await db.execute("DELETE FROM inspector_models")
+            up_to = 0
+        last = await db.execute_fetchall("SELECT rowid, id FROM usage_events WHERE rowid > ? AND rowid <= ? "
+                                         "ORDER BY rowid DESC LIMIT 1", (up_to, up_to + FILL_ROWS))
+        if not last:
+            return not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid > ? LIMIT 1", (up_to,))
+        end, end_id = last[0]
+        await db.execute("INSERT OR IGNORE INTO inspector_models (model, created_at, rid) SELECT model, created_at, "
+                         "rowid FROM usage_events WHERE rowid > ? AND rowid <= ? AND model IS NOT NULL", (up_to, end))
+        await db.execute("INSERT OR REPLACE INTO inspector_models_filled (id, up_to, up_to_id) VALUES (1, ?, ?)",
+                         (end, end_id))
+        return not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid > ? LIMIT 1", (end,))
 
 
 class SharedReader:
@@ -232,8 +322,13 @@ class InspectorStore:
 
     async def page(self, limit: int = 50, **filters: str | None) -> tuple[list[dict], str | None]:
         """One page of rows, newest first, and the cursor of the next page (None: the last)."""
-        sql, params = page_query(limit=limit, **filters)
-        rows = await self._fetch(sql, params)
+        model_page = getattr(self.reader, "model_page", None)
+        if filters.get("model") and model_page is not None:  # SQLite: the inspector's own table
+            sql, params = model_page_query(limit=limit, **filters)
+            rows = await self._fetch(sql, params, model_page)
+        else:
+            sql, params = page_query(limit=limit, **filters)
+            rows = await self._fetch(sql, params)
         more = len(rows) > limit
         rows = rows[:limit]
         cursor = cursor_of(rows[-1]) if more else None
@@ -263,13 +358,15 @@ class InspectorStore:
         series = sorted(await self._fetch(sql, params), key=_series_order)
         return {"bucket": bucket, "since": _iso(start), "until": _iso(end), "buckets": labels, "series": series}
 
-    async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...]) -> list[dict[str, Any]]:
-        """The reader's rows; none, without asking, when a text parameter holds a NUL: no row can
-        hold one (PostgreSQL's text cannot, and refuses the parameter; the ledger writes none on
-        SQLite either), so an org, a model or an id with one matches nothing on both stores."""
+    async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...],
+                     fetch: Any = None) -> list[dict[str, Any]]:
+        """The reader's rows (``fetch``, default ``reader.fetch``); none, without asking, when a text
+        parameter holds a NUL: no row can hold one (PostgreSQL's text cannot, and refuses the
+        parameter; the ledger writes none on SQLite either), so an org, a model or an id with one
+        matches nothing on both stores."""
         if any(type(p) is str and "\x00" in p for p in params):
             return []
-        return await self.reader.fetch(sql, params)
+        return await (fetch or self.reader.fetch)(sql, params)
 
 
 def usage_query(width: int, start: str, end: str, org: str | None = None,

@@ -78,6 +78,11 @@ ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
     ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
 )
 
+# Indexes an older kilnproxy made on ``usage_events`` that no query needs any more: dropped when the file is
+# opened. ``usage_events_model_created`` was the inspector's model filter, which reads a table of its own now
+# (``kilnproxy.inspector.queries``): every commit wrote one more index leaf for it.
+DROPPED_INDEXES = ("usage_events_model_created",)
+
 # A new file's page size. Each commit appends every page it changed (the table's last leaf and one leaf
 # per index) to the WAL: 1 KiB pages make a one-row commit append about a third of what 4 KiB pages do
 # (bench/ledger_layout.py). SQLite fixes the size when a file is created; existing files keep theirs.
@@ -516,6 +521,7 @@ def prepare_file(path: Path) -> None:
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
         add_missing_columns(db)
+        drop_old_indexes(db)
         db.execute("BEGIN IMMEDIATE")
         db.execute("ROLLBACK")
     finally:
@@ -545,6 +551,14 @@ def add_missing_columns(db: sqlite3.Connection) -> None:
                 db.execute("BEGIN IMMEDIATE")
                 db.execute(add)
                 db.execute(f"UPDATE usage_events SET {name} = {filled_from}")
+
+
+def drop_old_indexes(db: sqlite3.Connection) -> None:
+    """Drop the ``DROPPED_INDEXES`` a file made by an older kilnproxy has (no write when it has none)."""
+    present = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    for name in DROPPED_INDEXES:
+        if name in present:
+            db.execute(f"DROP INDEX IF EXISTS {name}")
 
 
 def read_rows(path: Path, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
