@@ -1,20 +1,21 @@
-"""The usage table keeps only the indexes its queries need: the inspector's model filter reads a table of
-its own (``inspector_models``), filled when such a page is read. A ledger file written by the older
-code, rows and all, opens without the model index and every query answers as it did."""
+"""The usage table keeps only the indexes the gateway's own queries need: the inspector's reads by time and
+by model go through tables of its own (``inspector_times``, ``inspector_models``), filled when it reads
+them. A ledger file written by the older code, rows and all, opens without those indexes and every query
+answers as it did."""
 
 import shutil
 import sqlite3
 
 import pytest
 
-from kilnproxy.inspector.queries import (FILL_ROWS, INDEXES, InspectorStore, SQLiteReader, cursor_of, model_page_query,
-                                        page_query)
+from kilnproxy.inspector.queries import FILL_ROWS, INDEXES, InspectorStore, SQLiteReader, cursor_of, page_query
 from kilnproxy.store.sqlite import SCHEMA, SQLiteLedger
 from kilnproxy.store.tenancy_sql import migrate_sqlite
 from kilnproxy.usage import COLUMNS
 
-# What the inspector of the older code created on the ledger's file, as it wrote it.
-OLD_INSPECTOR_INDEXES = """
+# What the older code created on the ledger's file, as it wrote it: the ledger's time index, the inspector's two.
+OLD_INDEXES = """
+CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 CREATE INDEX IF NOT EXISTS usage_events_model_created ON usage_events (model, created_at);
 CREATE INDEX IF NOT EXISTS usage_events_errors_created ON usage_events (created_at) WHERE status >= 400;
 """
@@ -44,7 +45,7 @@ def old_file(path, rows: int) -> None:
     db.execute("PRAGMA journal_mode=WAL")
     db.executescript(SCHEMA)
     migrate_sqlite(db)
-    db.executescript(OLD_INSPECTOR_INDEXES)
+    db.executescript(OLD_INDEXES)
     db.execute("BEGIN")
     for i in range(rows):
         db.execute(INSERT, [row(i // 2 * 2 if i % 13 == 0 else i)[c] for c in COLUMNS])
@@ -100,7 +101,8 @@ async def test_an_old_ledger_file_migrates_and_every_query_answers_the_same(tmp_
     store = InspectorStore(SQLiteReader(path))
     await store.open()
     try:
-        assert "usage_events_model_created" not in indexes(path)
+        assert indexes(path) == {"sqlite_autoindex_usage_events_1", "usage_events_org_created",
+                                 "usage_events_key_created", "usage_events_errors_created"}
         for i, shape in enumerate(SHAPES):
             for limit in (7, 50):
                 assert await pages_of(store, shape, limit) == expected[(i, limit)], shape
@@ -176,17 +178,24 @@ async def test_a_model_table_far_behind_is_filled_a_part_at_a_time(tmp_path):
         await ledger.close()
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if "model" in s], ids=str)
-def test_a_model_page_walks_the_inspectors_table_newest_first(tmp_path, shape):
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_page_walks_an_index_newest_first(tmp_path, shape):
     path = tmp_path / "usage.db"
     old_file(path, 50)
     db = sqlite3.connect(path)
     try:
+        for name in ("usage_events_created", "usage_events_model_created"):
+            db.execute(f"DROP INDEX {name}")
         db.executescript(INDEXES)
         for before in (None, "MjAyNi0xMS0zMFQxMDowMDozMC4wMDArMDA6MDB-MzA"):
-            sql, params = model_page_query(before=before, limit=50, **shape)
-            plan = " | ".join(r[3] for r in db.execute("EXPLAIN QUERY PLAN " + sql, params))
-            assert "SEARCH m USING PRIMARY KEY (model=?" in plan and "TEMP B-TREE" not in plan, plan
-            assert "SEARCH u USING INTEGER PRIMARY KEY (rowid=?)" in plan, plan
+            sql, params = page_query(before=before, limit=50, own_tables=True, **shape)
+            steps = [r[3] for r in db.execute("EXPLAIN QUERY PLAN " + sql, params)]
+            plan = " | ".join(steps)
+            # ``SCAN m``: the inspector's table is its primary key (WITHOUT ROWID), walked in order
+            assert "TEMP B-TREE" not in plan and all("USING" in step or step == "SCAN m" for step in steps), plan
+            if "model" in shape:
+                assert "SEARCH m USING PRIMARY KEY (model=?" in plan, plan
+            if "inspector_" in sql:
+                assert "SEARCH u USING INTEGER PRIMARY KEY (rowid=?)" in plan, plan
     finally:
         db.close()

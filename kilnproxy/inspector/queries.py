@@ -5,7 +5,7 @@ column lists, nothing but SQL both SQLite and PostgreSQL read the same way)
 and runs through a reader:
 
 * ``SQLiteReader``: the inspector's own SQLite connection (WAL: readers never
-  hold up the ledger's group commits); it creates the index and the table
+  hold up the ledger's group commits); it creates the index and the tables
   below, once, and writes nothing else;
 * ``SharedReader``: the PostgreSQL store's own pool (``PostgresStore.fetch``),
   so every replica's rows are seen; the same indexes are made by the store's
@@ -15,18 +15,26 @@ and runs through a reader:
 With those indexes a page is a short index range scan however many rows the
 table holds:
 
-* no filter: ``usage_events_created`` (the ledger's, on ``created_at``);
-* org: ``usage_events_org_created`` (the ledger's);
+* no filter, and ``status=ok`` or a status below 400 (nearly every row matches):
+  on PostgreSQL the time index ``usage_events_created``; on SQLite the
+  inspector's own table ``inspector_times`` (time, rowid);
+* org: ``usage_events_org_created`` (the ledger's), whatever else is filtered;
 * model: on PostgreSQL ``usage_events_model_created``; on SQLite the inspector's
-  own table ``inspector_models`` (model, time, rowid: its primary key is the
-  index), joined to the row by rowid. Every request's row would otherwise write
-  one more index leaf in its commit; the table is filled instead when a page
-  filtered by model is read, in bulk, from the rows committed since the last
-  such read (``SQLiteReader.model_page``);
+  own table ``inspector_models`` (model, time, rowid);
 * ``status=error`` or an error status (400 and above): the partial index
   ``usage_events_errors_created``, which holds error rows only (so successful
-  requests, nearly all of them, pay no write for it);
-* ``status=ok`` or a status below 400: the time index, as nearly every row matches.
+  requests, nearly all of them, pay no write for it).
+
+Usage buckets read the same time index or table (the org's index for an org).
+
+On SQLite the ledger's table keeps only the indexes the gateway's own queries
+need (``kilnproxy.store.sqlite``): every index is one more b-tree written in
+every request's commit. The inspector's two tables (their primary keys are the
+index; each entry is joined to its row by rowid, and must match the row's time
+and model, so an entry of a row since deleted matches nothing) are filled when
+the inspector reads them, in bulk, from the rows committed since its last read,
+in the read's own transaction (``SQLiteReader.read_filled``): off the request
+path, and at no cost while nobody looks.
 
 Pages are newest first, ordered by ``(created_at, rowid)`` (on PostgreSQL,
 whose indexes hold no rowid, rows of one same ``created_at`` are put in order
@@ -49,19 +57,24 @@ from ..usage import COLUMNS
 
 INDEXES = """
 CREATE INDEX IF NOT EXISTS usage_events_errors_created ON usage_events (created_at) WHERE status >= 400;
+CREATE TABLE IF NOT EXISTS inspector_times (
+    created_at TEXT NOT NULL,
+    rid INTEGER NOT NULL,
+    PRIMARY KEY (created_at, rid)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS inspector_models (
     model TEXT NOT NULL,
     created_at TEXT NOT NULL,
     rid INTEGER NOT NULL,
     PRIMARY KEY (model, created_at, rid)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS inspector_models_filled (
+CREATE TABLE IF NOT EXISTS inspector_filled (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     up_to INTEGER NOT NULL,
     up_to_id TEXT NOT NULL
 );
 """
-FILL_ROWS = 5_000  # rows copied into ``inspector_models`` per transaction: the ledger's commits wait no longer
+FILL_ROWS = 5_000  # rows copied into the inspector's tables per transaction: the ledger's commits wait no longer
 
 BUCKETS = {"minute": (16, timedelta(minutes=1)), "hour": (13, timedelta(hours=1)), "day": (10, timedelta(days=1))}
 DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``since`` is not given
@@ -81,10 +94,13 @@ class QueryError(ValueError):
 
 
 def page_query(org: str | None = None, model: str | None = None, status: str | None = None,
-               before: str | None = None, limit: int = 50) -> tuple[str, list[Any]]:
+               before: str | None = None, limit: int = 50, own_tables: bool = False) -> tuple[str, list[Any]]:
     """The SQL of one page of requests, newest first (``limit + 1`` rows: the extra tells
-    whether there is a next page)."""
+    whether there is a next page). ``own_tables`` (SQLite): through the inspector's own tables where
+    a page needs one (module docstring)."""
     where, params = _row_terms(org, status, "")
+    if own_tables and (model or not (org or _errors_only(status))):
+        return _own_page_query(model, org, status, before, limit)
     if model:
         where.append("model = ?")
         params.append(model)
@@ -100,12 +116,23 @@ def page_query(org: str | None = None, model: str | None = None, status: str | N
     return sql, params
 
 
-def model_page_query(model: str, org: str | None = None, status: str | None = None, before: str | None = None,
-                     limit: int = 50) -> tuple[str, list[Any]]:
-    """``page_query`` filtered by model, on SQLite: walks ``inspector_models`` newest first (its primary
-    key), each entry joined to its row by rowid. The join checks the row's model and time too: an entry
-    of a row since replaced or deleted (whose rowid another row may have taken) matches nothing."""
-    where, params = ["m.model = ?"], [model]
+def _errors_only(status: str | None) -> bool:
+    """Whether a page's status filter lets only error rows through (the partial index serves it)."""
+    return status == "error" or (status not in (None, "", "ok") and parse_status(status) >= 400)
+
+
+def _own_page_query(model: str | None, org: str | None, status: str | None, before: str | None,
+                    limit: int) -> tuple[str, list[Any]]:
+    """``page_query`` on SQLite through ``inspector_models`` (a model given) or ``inspector_times``:
+    the table's primary key walked newest first, each entry joined to its row by rowid (and checked
+    against the row's time and model)."""
+    if model:
+        source = ("inspector_models AS m CROSS JOIN usage_events AS u"
+                  " ON u.rowid = m.rid AND u.model = m.model AND u.created_at = m.created_at")
+        where, params = ["m.model = ?"], [model]
+    else:
+        source = "inspector_times AS m CROSS JOIN usage_events AS u ON u.rowid = m.rid AND u.created_at = m.created_at"
+        where, params = [], []
     terms, more = _row_terms(org, status, "u.")
     where += terms
     params += more
@@ -114,9 +141,8 @@ def model_page_query(model: str, org: str | None = None, status: str | None = No
         where.append("m.created_at <= ? AND (m.created_at < ? OR m.rid < ?)")
         params += [created_at, created_at, rowid]
     columns = ", ".join(f"u.{c}" for c in COLUMNS)
-    sql = (f"SELECT u.rowid AS _rowid, {columns} FROM inspector_models AS m CROSS JOIN usage_events AS u"
-           " ON u.rowid = m.rid AND u.model = m.model AND u.created_at = m.created_at"
-           f" WHERE {' AND '.join(where)} ORDER BY m.created_at DESC, m.rid DESC LIMIT ?")
+    sql = (f"SELECT u.rowid AS _rowid, {columns} FROM {source}" + (f" WHERE {' AND '.join(where)}" if where else "")
+           + " ORDER BY m.created_at DESC, m.rid DESC LIMIT ?")
     params.append(limit + 1)
     return sql, params
 
@@ -212,8 +238,8 @@ class Reader(Protocol):
 
 
 class SQLiteReader:
-    """A connection of its own to the SQLite ledger; creates the inspector's index and table
-    (``INDEXES``), and writes nothing but ``inspector_models`` (``model_page``)."""
+    """A connection of its own to the SQLite ledger; creates the inspector's index and tables
+    (``INDEXES``), and writes nothing but those tables (``read_filled``)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -248,9 +274,9 @@ class SQLiteReader:
             async with self.db.execute(sql, tuple(params)) as cur:
                 return [dict(r) for r in await cur.fetchall()]
 
-    async def model_page(self, sql: str, params: Iterable[Any]) -> list[dict[str, Any]]:
-        """The rows of a ``model_page_query``: ``inspector_models`` is first brought up to every row
-        committed, then read, in one transaction (the rows the page sees are those of one moment).
+    async def read_filled(self, sql: str, params: Iterable[Any]) -> list[dict[str, Any]]:
+        """The rows of a query of the inspector's own tables: they are first brought up to every row
+        committed, then read, in one transaction (the rows the query sees are those of one moment).
         A long way behind (the first read after an upgrade, or after a long time), it is filled
         ``FILL_ROWS`` at a time, a transaction each, so that the ledger's commits never wait long."""
         async with self._paused:
@@ -274,14 +300,14 @@ class SQLiteReader:
 
     @staticmethod
     async def _fill(db: aiosqlite.Connection) -> bool:
-        """Copy up to ``FILL_ROWS`` rows' (model, time, rowid) into ``inspector_models``; True once it holds
-        every row. Where it stopped is kept as a rowid and that row's id: if that row is gone (rows deleted
-        from the top of the table, whose rowids new rows may take again), it is filled anew from the start."""
+        """Copy up to ``FILL_ROWS`` rows' time, model and rowid into the inspector's tables; True once they
+        hold every row. Where it stopped is kept as a rowid and that row's id: if that row is gone (rows
+        deleted from the top of the table, whose rowids new rows may take again), they are filled anew."""
         (up_to, up_to_id), = await db.execute_fetchall(
-            "SELECT COALESCE((SELECT up_to FROM inspector_models_filled), 0), "
-            "(SELECT up_to_id FROM inspector_models_filled)")
+            "SELECT COALESCE((SELECT up_to FROM inspector_filled), 0), (SELECT up_to_id FROM inspector_filled)")
         if up_to and not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid = ? AND id = ?",
                                                    (up_to, up_to_id)):
+            await db.execute("DELETE FROM inspector_times")
             await db.execute("DELETE FROM inspector_models")
             up_to = 0
         last = await db.execute_fetchall("SELECT rowid, id FROM usage_events WHERE rowid > ? AND rowid <= ? "
@@ -289,9 +315,11 @@ class SQLiteReader:
         if not last:
             return not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid > ? LIMIT 1", (up_to,))
         end, end_id = last[0]
+        await db.execute("INSERT OR IGNORE INTO inspector_times (created_at, rid) SELECT created_at, rowid "
+                         "FROM usage_events WHERE rowid > ? AND rowid <= ?", (up_to, end))
         await db.execute("INSERT OR IGNORE INTO inspector_models (model, created_at, rid) SELECT model, created_at, "
                          "rowid FROM usage_events WHERE rowid > ? AND rowid <= ? AND model IS NOT NULL", (up_to, end))
-        await db.execute("INSERT OR REPLACE INTO inspector_models_filled (id, up_to, up_to_id) VALUES (1, ?, ?)",
+        await db.execute("INSERT OR REPLACE INTO inspector_filled (id, up_to, up_to_id) VALUES (1, ?, ?)",
                          (end, end_id))
         return not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid > ? LIMIT 1", (end,))
 
@@ -322,13 +350,9 @@ class InspectorStore:
 
     async def page(self, limit: int = 50, **filters: str | None) -> tuple[list[dict], str | None]:
         """One page of rows, newest first, and the cursor of the next page (None: the last)."""
-        model_page = getattr(self.reader, "model_page", None)
-        if filters.get("model") and model_page is not None:  # SQLite: the inspector's own table
-            sql, params = model_page_query(limit=limit, **filters)
-            rows = await self._fetch(sql, params, model_page)
-        else:
-            sql, params = page_query(limit=limit, **filters)
-            rows = await self._fetch(sql, params)
+        read_filled = getattr(self.reader, "read_filled", None)  # SQLite: the inspector's own tables
+        sql, params = page_query(limit=limit, own_tables=read_filled is not None, **filters)
+        rows = await self._fetch(sql, params, read_filled if "inspector_" in sql else None)
         more = len(rows) > limit
         rows = rows[:limit]
         cursor = cursor_of(rows[-1]) if more else None
@@ -354,8 +378,11 @@ class InspectorStore:
             raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
         labels = _bucket_labels(start, end, step, width)
         # Without ``until`` the span ends now, and a row stamped in this very millisecond is in it.
-        sql, params = usage_query(width, _iso(start), _iso(end), org, model, up_to_now=not until)
-        series = sorted(await self._fetch(sql, params), key=_series_order)
+        read_filled = getattr(self.reader, "read_filled", None)
+        sql, params = usage_query(width, _iso(start), _iso(end), org, model, up_to_now=not until,
+                                  own_tables=read_filled is not None)
+        rows = await self._fetch(sql, params, read_filled if "inspector_" in sql else None)
+        series = sorted(rows, key=_series_order)
         return {"bucket": bucket, "since": _iso(start), "until": _iso(end), "buckets": labels, "series": series}
 
     async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...],
@@ -370,21 +397,28 @@ class InspectorStore:
 
 
 def usage_query(width: int, start: str, end: str, org: str | None = None,
-                model: str | None = None, up_to_now: bool = False) -> tuple[str, list[Any]]:
+                model: str | None = None, up_to_now: bool = False, own_tables: bool = False) -> tuple[str, list[Any]]:
     """Sums per bucket (the first ``width`` characters of ``created_at``), org and model, from
     ``start`` to ``end`` (included when ``up_to_now``). The casts keep PostgreSQL's sums of
-    BIGINT columns integers (not NUMERIC), as SQLite's are."""
-    where, params = ["created_at >= ?", "created_at <= ?" if up_to_now else "created_at < ?"], [start, end]
+    BIGINT columns integers (not NUMERIC), as SQLite's are. ``own_tables`` (SQLite): without an org,
+    the rows of the span are found through ``inspector_times``."""
+    through = own_tables and not org
+    p = "u." if through else ""
+    span = "m." if through else ""
+    where = [f"{span}created_at >= ?", f"{span}created_at {'<=' if up_to_now else '<'} ?"]
+    params = [start, end]
     for column, value in (("org", org), ("model", model)):
         if value:
-            where.append(f"{column} = ?")
+            where.append(f"{p}{column} = ?")
             params.append(value)
-    sql = (f"SELECT substr(created_at, 1, {width}) AS t, org, model, COUNT(*) AS requests,"
-           " CAST(SUM(prompt_tokens) AS BIGINT) AS prompt_tokens,"
-           " CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,"
-           " CAST(SUM(total_tokens) AS BIGINT) AS total_tokens, SUM(cost) AS cost,"
-           " SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END) AS errors FROM usage_events"
-           f" WHERE {' AND '.join(where)} GROUP BY substr(created_at, 1, {width}), org, model")
+    source = ("inspector_times AS m CROSS JOIN usage_events AS u ON u.rowid = m.rid AND u.created_at = m.created_at"
+              if through else "usage_events")
+    sql = (f"SELECT substr({p}created_at, 1, {width}) AS t, {p}org AS org, {p}model AS model, COUNT(*) AS requests,"
+           f" CAST(SUM({p}prompt_tokens) AS BIGINT) AS prompt_tokens,"
+           f" CAST(SUM({p}completion_tokens) AS BIGINT) AS completion_tokens,"
+           f" CAST(SUM({p}total_tokens) AS BIGINT) AS total_tokens, SUM({p}cost) AS cost,"
+           f" SUM(CASE WHEN {p}status >= 400 THEN 1 ELSE 0 END) AS errors FROM {source}"
+           f" WHERE {' AND '.join(where)} GROUP BY substr({p}created_at, 1, {width}), {p}org, {p}model")
     return sql, params
 
 

@@ -68,7 +68,6 @@ CREATE TABLE IF NOT EXISTS usage_events (
     requested_model TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, created_at);
-CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 """
 
 # Columns added since the first release: a file made before gets them when it is opened, filled in
@@ -78,10 +77,12 @@ ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
     ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
 )
 
-# Indexes an older kilnproxy made on ``usage_events`` that no query needs any more: dropped when the file is
-# opened. ``usage_events_model_created`` was the inspector's model filter, which reads a table of its own now
-# (``kilnproxy.inspector.queries``): every commit wrote one more index leaf for it.
-DROPPED_INDEXES = ("usage_events_model_created",)
+# The table keeps the indexes of the gateway's own reads: the id's (a generation looked up, a row written
+# twice), the org's (its usage and credits) and the key's (``tenancy_sql``: its usage in its period). Every
+# index is one more b-tree written in every request's commit: the inspector's reads by time and by model go
+# through tables of its own, filled when it reads them (``kilnproxy.inspector.queries``). The indexes an
+# older kilnproxy made for those are dropped when the file is opened.
+DROPPED_INDEXES = ("usage_events_created", "usage_events_model_created")
 
 # A new file's page size. Each commit appends every page it changed (the table's last leaf and one leaf
 # per index) to the WAL: 1 KiB pages make a one-row commit append about a third of what 4 KiB pages do
