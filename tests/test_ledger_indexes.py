@@ -8,6 +8,7 @@ import sqlite3
 
 import pytest
 
+from kilnproxy.inspector import queries
 from kilnproxy.inspector.queries import FILL_ROWS, INDEXES, InspectorStore, SQLiteReader, cursor_of, page_query
 from kilnproxy.store.sqlite import SCHEMA, SQLiteLedger
 from kilnproxy.store.tenancy_sql import migrate_sqlite
@@ -176,6 +177,34 @@ async def test_a_model_table_far_behind_is_filled_a_part_at_a_time(tmp_path):
     finally:
         await store.close()
         await ledger.close()
+
+
+async def test_pages_answer_while_another_program_holds_the_write_lock(tmp_path, caplog, monkeypatch):
+    """The inspector's tables cannot be filled then: the usage table answers alone, the same rows."""
+    monkeypatch.setattr(queries, "FILL_WAIT_MS", 1)  # each read's wait for the lock: not half a second
+    path = tmp_path / "usage.db"
+    old_file(path, 300)
+    ledger = SQLiteLedger(path)
+    await ledger.open()
+    await ledger.close()
+    store = InspectorStore(SQLiteReader(path))
+    await store.open()
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        for shape in SHAPES:
+            assert await pages_of(store, shape, 50) == answers_of(path, shape, 50), shape
+        usage = await store.usage("hour", "2026-11-30T09:00:00Z", "2026-11-30T11:00:00Z")
+        (count,), = holder.execute("SELECT COUNT(*) FROM usage_events").fetchall()  # every row is in that hour
+        assert sum(s["requests"] for s in usage["series"]) == count
+        assert [r.getMessage() for r in caplog.records if "cannot be filled" in r.getMessage()] == [
+            "inspector: its own tables cannot be filled now (database is locked); reading the usage table "
+            "without them"]
+        holder.execute("ROLLBACK")
+        assert await pages_of(store, {}, 50) == answers_of(path, {}, 50)
+    finally:
+        holder.close()
+        await store.close()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

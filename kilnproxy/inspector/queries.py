@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -54,6 +55,8 @@ from typing import Any, Iterable, Protocol
 import aiosqlite
 
 from ..usage import COLUMNS
+
+log = logging.getLogger("kilnproxy.inspector")
 
 INDEXES = """
 CREATE INDEX IF NOT EXISTS usage_events_errors_created ON usage_events (created_at) WHERE status >= 400;
@@ -75,6 +78,8 @@ CREATE TABLE IF NOT EXISTS inspector_filled (
 );
 """
 FILL_ROWS = 5_000  # rows copied into the inspector's tables per transaction: the ledger's commits wait no longer
+FILL_WAIT_MS = 500  # how long a fill waits for the file's write lock (the ledger holds it a moment a commit)
+READ_WAIT_MS = 10_000  # the reader's busy timeout otherwise
 
 BUCKETS = {"minute": (16, timedelta(minutes=1)), "hour": (13, timedelta(hours=1)), "day": (10, timedelta(days=1))}
 DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``since`` is not given
@@ -245,9 +250,10 @@ class SQLiteReader:
         self.path = Path(path)
         self.db: aiosqlite.Connection | None = None
         self._paused = asyncio.Lock()  # held by a read, or while paused
+        self._fill_error = ""  # why the inspector's tables could not be filled at the last read
 
     async def open(self) -> None:
-        self.db = await aiosqlite.connect(self.path, timeout=10.0, isolation_level=None)
+        self.db = await aiosqlite.connect(self.path, timeout=READ_WAIT_MS / 1000, isolation_level=None)
         await self.db.executescript(INDEXES)
         await self.db.execute("PRAGMA query_only = 1")
         self.db.row_factory = sqlite3.Row
@@ -274,14 +280,19 @@ class SQLiteReader:
             async with self.db.execute(sql, tuple(params)) as cur:
                 return [dict(r) for r in await cur.fetchall()]
 
-    async def read_filled(self, sql: str, params: Iterable[Any]) -> list[dict[str, Any]]:
+    async def read_filled(self, sql: str, params: Iterable[Any],
+                          shared: tuple[str, list[Any]]) -> list[dict[str, Any]]:
         """The rows of a query of the inspector's own tables: they are first brought up to every row
         committed, then read, in one transaction (the rows the query sees are those of one moment).
-        A long way behind (the first read after an upgrade, or after a long time), it is filled
-        ``FILL_ROWS`` at a time, a transaction each, so that the ledger's commits never wait long."""
+        A long way behind (the first read after an upgrade, or after a long time), they are filled
+        ``FILL_ROWS`` rows at a time, a transaction each, so that the ledger's commits never wait long.
+        When they cannot be written now (another program holds the file's write lock, a full disk, a
+        read-only file), the ``shared`` query answers instead, from the usage table alone: the same
+        rows, found without the inspector's tables (slower on a large table), rather than no answer."""
         async with self._paused:
             db = self.db
             await db.execute("PRAGMA query_only = 0")
+            await db.execute(f"PRAGMA busy_timeout = {FILL_WAIT_MS}")
             try:
                 while True:
                     await db.execute("BEGIN IMMEDIATE")
@@ -293,10 +304,21 @@ class SQLiteReader:
                             return rows
                         await db.execute("COMMIT")
                     except BaseException:
-                        await db.execute("ROLLBACK")
+                        if db.in_transaction:
+                            await db.execute("ROLLBACK")
                         raise
+            except sqlite3.OperationalError as exc:
+                if str(exc) != self._fill_error:  # said once, not at each read
+                    log.warning("inspector: its own tables cannot be filled now (%s); reading the usage table "
+                                "without them", exc)
+                self._fill_error = str(exc)
+            else:
+                self._fill_error = ""
             finally:
+                await db.execute(f"PRAGMA busy_timeout = {READ_WAIT_MS}")
                 await db.execute("PRAGMA query_only = 1")
+            async with db.execute(shared[0], tuple(shared[1])) as cur:
+                return [dict(r) for r in await cur.fetchall()]
 
     @staticmethod
     async def _fill(db: aiosqlite.Connection) -> bool:
@@ -350,9 +372,7 @@ class InspectorStore:
 
     async def page(self, limit: int = 50, **filters: str | None) -> tuple[list[dict], str | None]:
         """One page of rows, newest first, and the cursor of the next page (None: the last)."""
-        read_filled = getattr(self.reader, "read_filled", None)  # SQLite: the inspector's own tables
-        sql, params = page_query(limit=limit, own_tables=read_filled is not None, **filters)
-        rows = await self._fetch(sql, params, read_filled if "inspector_" in sql else None)
+        rows = await self._read(page_query, limit=limit, **filters)
         more = len(rows) > limit
         rows = rows[:limit]
         cursor = cursor_of(rows[-1]) if more else None
@@ -378,22 +398,35 @@ class InspectorStore:
             raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
         labels = _bucket_labels(start, end, step, width)
         # Without ``until`` the span ends now, and a row stamped in this very millisecond is in it.
-        read_filled = getattr(self.reader, "read_filled", None)
-        sql, params = usage_query(width, _iso(start), _iso(end), org, model, up_to_now=not until,
-                                  own_tables=read_filled is not None)
-        rows = await self._fetch(sql, params, read_filled if "inspector_" in sql else None)
+        rows = await self._read(usage_query, width, _iso(start), _iso(end), org, model, up_to_now=not until)
         series = sorted(rows, key=_series_order)
         return {"bucket": bucket, "since": _iso(start), "until": _iso(end), "buckets": labels, "series": series}
 
-    async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...],
-                     fetch: Any = None) -> list[dict[str, Any]]:
-        """The reader's rows (``fetch``, default ``reader.fetch``); none, without asking, when a text
-        parameter holds a NUL: no row can hold one (PostgreSQL's text cannot, and refuses the
-        parameter; the ledger writes none on SQLite either), so an org, a model or an id with one
-        matches nothing on both stores."""
-        if any(type(p) is str and "\x00" in p for p in params):
+    async def _read(self, query: Any, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        """The rows of ``query(*args, **kwargs)`` (``page_query``, ``usage_query``): on SQLite through
+        the inspector's own tables where the query has a form for them (``SQLiteReader.read_filled``)."""
+        shared = query(*args, **kwargs)
+        read_filled = getattr(self.reader, "read_filled", None)
+        if read_filled is not None:
+            sql, params = query(*args, own_tables=True, **kwargs)
+            if "inspector_" in sql:
+                if _has_nul(params):
+                    return []
+                return await read_filled(sql, params, shared)
+        return await self._fetch(*shared)
+
+    async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...]) -> list[dict[str, Any]]:
+        """The reader's rows; none, without asking, when a text parameter holds a NUL (``_has_nul``)."""
+        if _has_nul(params):
             return []
-        return await (fetch or self.reader.fetch)(sql, params)
+        return await self.reader.fetch(sql, params)
+
+
+def _has_nul(params: Iterable[Any]) -> bool:
+    """A text parameter holds a NUL: no row can hold one (PostgreSQL's text cannot, and refuses the
+    parameter; the ledger writes none on SQLite either), so an org, a model or an id with one matches
+    nothing on both stores, and the query is not sent."""
+    return any(type(p) is str and "\x00" in p for p in params)
 
 
 def usage_query(width: int, start: str, end: str, org: str | None = None,
