@@ -4,9 +4,9 @@ Each query is written once for both stores (``?`` placeholders, explicit
 column lists, nothing but SQL both SQLite and PostgreSQL read the same way)
 and runs through a reader:
 
-* ``SQLiteReader``: the inspector's own read-only SQLite connection (WAL:
-  readers never hold up the ledger's group commits); it creates the indexes
-  below, once;
+* ``SQLiteReader``: the inspector's own SQLite connection (WAL: readers never
+  hold up the ledger's group commits); it creates the index and the tables
+  below, once, and writes nothing else;
 * ``SharedReader``: the PostgreSQL store's own pool (``PostgresStore.fetch``),
   so every replica's rows are seen; the same indexes are made by the store's
   schema (``kilnproxy.store.postgres_schema``). A database out of reach is a 503
@@ -15,13 +15,26 @@ and runs through a reader:
 With those indexes a page is a short index range scan however many rows the
 table holds:
 
-* no filter: ``usage_events_created`` (the ledger's, on ``created_at``);
-* org: ``usage_events_org_created`` (the ledger's);
-* model: ``usage_events_model_created``;
+* no filter, and ``status=ok`` or a status below 400 (nearly every row matches):
+  on PostgreSQL the time index ``usage_events_created``; on SQLite the
+  inspector's own table ``inspector_times`` (time, rowid);
+* org: ``usage_events_org_created`` (the ledger's), whatever else is filtered;
+* model: on PostgreSQL ``usage_events_model_created``; on SQLite the inspector's
+  own table ``inspector_models`` (model, time, rowid);
 * ``status=error`` or an error status (400 and above): the partial index
   ``usage_events_errors_created``, which holds error rows only (so successful
-  requests, nearly all of them, pay no write for it);
-* ``status=ok`` or a status below 400: the time index, as nearly every row matches.
+  requests, nearly all of them, pay no write for it).
+
+Usage buckets read the same time index or table (the org's index for an org).
+
+On SQLite the ledger's table keeps only the indexes the gateway's own queries
+need (``kilnproxy.store.sqlite``): every index is one more b-tree written in
+every request's commit. The inspector's two tables (their primary keys are the
+index; each entry is joined to its row by rowid, and must match the row's time
+and model, so an entry of a row since deleted matches nothing) are filled when
+the inspector reads them, in bulk, from the rows committed since its last read,
+in the read's own transaction (``SQLiteReader.read_filled``): off the request
+path, and at no cost while nobody looks.
 
 Pages are newest first, ordered by ``(created_at, rowid)`` (on PostgreSQL,
 whose indexes hold no rowid, rows of one same ``created_at`` are put in order
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -42,10 +56,30 @@ import aiosqlite
 
 from ..usage import COLUMNS
 
+log = logging.getLogger("kilnproxy.inspector")
+
 INDEXES = """
-CREATE INDEX IF NOT EXISTS usage_events_model_created ON usage_events (model, created_at);
 CREATE INDEX IF NOT EXISTS usage_events_errors_created ON usage_events (created_at) WHERE status >= 400;
+CREATE TABLE IF NOT EXISTS inspector_times (
+    created_at TEXT NOT NULL,
+    rid INTEGER NOT NULL,
+    PRIMARY KEY (created_at, rid)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS inspector_models (
+    model TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    rid INTEGER NOT NULL,
+    PRIMARY KEY (model, created_at, rid)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS inspector_filled (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    up_to INTEGER NOT NULL,
+    up_to_id TEXT NOT NULL
+);
 """
+FILL_ROWS = 5_000  # rows copied into the inspector's tables per transaction: the ledger's commits wait no longer
+FILL_WAIT_MS = 500  # how long a fill waits for the file's write lock (the ledger holds it a moment a commit)
+READ_WAIT_MS = 10_000  # the reader's busy timeout otherwise
 
 BUCKETS = {"minute": (16, timedelta(minutes=1)), "hour": (13, timedelta(hours=1)), "day": (10, timedelta(days=1))}
 DEFAULT_SPAN = {"minute": 60, "hour": 48, "day": 30}  # buckets shown when ``since`` is not given
@@ -65,27 +99,16 @@ class QueryError(ValueError):
 
 
 def page_query(org: str | None = None, model: str | None = None, status: str | None = None,
-               before: str | None = None, limit: int = 50) -> tuple[str, list[Any]]:
+               before: str | None = None, limit: int = 50, own_tables: bool = False) -> tuple[str, list[Any]]:
     """The SQL of one page of requests, newest first (``limit + 1`` rows: the extra tells
-    whether there is a next page)."""
-    where, params = [], []
-    if org:
-        where.append("org = ?")
-        params.append(org)
+    whether there is a next page). ``own_tables`` (SQLite): through the inspector's own tables where
+    a page needs one (module docstring)."""
+    where, params = _row_terms(org, status, "")
+    if own_tables and (model or not (org or _errors_only(status))):
+        return _own_page_query(model, org, status, before, limit)
     if model:
         where.append("model = ?")
         params.append(model)
-    if status:
-        if status == "error":
-            where.append("status >= 400")
-        elif status == "ok":
-            where.append("+status < 400")  # unary + (SQLite): scan by time; nearly every row matches
-        elif (code := parse_status(status)) >= 400:
-            where.append("status = ? AND status >= 400")  # the second term lets the partial index serve
-            params.append(code)
-        else:
-            where.append("+status = ?")
-            params.append(code)
     if before:
         created_at, rowid = parse_cursor(before)
         where.append("created_at <= ? AND (created_at < ? OR rowid < ?)")
@@ -96,6 +119,57 @@ def page_query(org: str | None = None, model: str | None = None, status: str | N
     sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
     params.append(limit + 1)
     return sql, params
+
+
+def _errors_only(status: str | None) -> bool:
+    """Whether a page's status filter lets only error rows through (the partial index serves it)."""
+    return status == "error" or (status not in (None, "", "ok") and parse_status(status) >= 400)
+
+
+def _own_page_query(model: str | None, org: str | None, status: str | None, before: str | None,
+                    limit: int) -> tuple[str, list[Any]]:
+    """``page_query`` on SQLite through ``inspector_models`` (a model given) or ``inspector_times``:
+    the table's primary key walked newest first, each entry joined to its row by rowid (and checked
+    against the row's time and model)."""
+    if model:
+        source = ("inspector_models AS m CROSS JOIN usage_events AS u"
+                  " ON u.rowid = m.rid AND u.model = m.model AND u.created_at = m.created_at")
+        where, params = ["m.model = ?"], [model]
+    else:
+        source = "inspector_times AS m CROSS JOIN usage_events AS u ON u.rowid = m.rid AND u.created_at = m.created_at"
+        where, params = [], []
+    terms, more = _row_terms(org, status, "u.")
+    where += terms
+    params += more
+    if before:
+        created_at, rowid = parse_cursor(before)
+        where.append("m.created_at <= ? AND (m.created_at < ? OR m.rid < ?)")
+        params += [created_at, created_at, rowid]
+    columns = ", ".join(f"u.{c}" for c in COLUMNS)
+    sql = (f"SELECT u.rowid AS _rowid, {columns} FROM {source}" + (f" WHERE {' AND '.join(where)}" if where else "")
+           + " ORDER BY m.created_at DESC, m.rid DESC LIMIT ?")
+    params.append(limit + 1)
+    return sql, params
+
+
+def _row_terms(org: str | None, status: str | None, table: str) -> tuple[list[str], list[Any]]:
+    """The org and status terms of a page's ``WHERE`` (columns prefixed with ``table``)."""
+    where, params = [], []
+    if org:
+        where.append(f"{table}org = ?")
+        params.append(org)
+    if status:
+        if status == "error":
+            where.append(f"{table}status >= 400")
+        elif status == "ok":
+            where.append(f"+{table}status < 400")  # unary + (SQLite): scan by time; nearly every row matches
+        elif (code := parse_status(status)) >= 400:
+            where.append(f"{table}status = ? AND {table}status >= 400")  # the second term: the partial index
+            params.append(code)
+        else:
+            where.append(f"+{table}status = ?")
+            params.append(code)
+    return where, params
 
 
 def digits(text: str, most: int = 19) -> bool:
@@ -169,17 +243,18 @@ class Reader(Protocol):
 
 
 class SQLiteReader:
-    """A read-only connection of its own to the SQLite ledger; creates the inspector's indexes."""
+    """A connection of its own to the SQLite ledger; creates the inspector's index and tables
+    (``INDEXES``), and writes nothing but those tables (``read_filled``)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.db: aiosqlite.Connection | None = None
         self._paused = asyncio.Lock()  # held by a read, or while paused
+        self._fill_error = ""  # why the inspector's tables could not be filled at the last read
 
     async def open(self) -> None:
-        self.db = await aiosqlite.connect(self.path, timeout=10.0)
+        self.db = await aiosqlite.connect(self.path, timeout=READ_WAIT_MS / 1000, isolation_level=None)
         await self.db.executescript(INDEXES)
-        await self.db.commit()
         await self.db.execute("PRAGMA query_only = 1")
         self.db.row_factory = sqlite3.Row
 
@@ -204,6 +279,71 @@ class SQLiteReader:
         async with self._paused:  # one read at a time, as on the connection's one thread anyway
             async with self.db.execute(sql, tuple(params)) as cur:
                 return [dict(r) for r in await cur.fetchall()]
+
+    async def read_filled(self, sql: str, params: Iterable[Any],
+                          shared: tuple[str, list[Any]]) -> list[dict[str, Any]]:
+        """The rows of a query of the inspector's own tables: they are first brought up to every row
+        committed, then read, in one transaction (the rows the query sees are those of one moment).
+        A long way behind (the first read after an upgrade, or after a long time), they are filled
+        ``FILL_ROWS`` rows at a time, a transaction each, so that the ledger's commits never wait long.
+        When they cannot be written now (another program holds the file's write lock, a full disk, a
+        read-only file), the ``shared`` query answers instead, from the usage table alone: the same
+        rows, found without the inspector's tables (slower on a large table), rather than no answer."""
+        async with self._paused:
+            db = self.db
+            await db.execute("PRAGMA query_only = 0")
+            await db.execute(f"PRAGMA busy_timeout = {FILL_WAIT_MS}")
+            try:
+                while True:
+                    await db.execute("BEGIN IMMEDIATE")
+                    try:
+                        if await self._fill(db):
+                            async with db.execute(sql, tuple(params)) as cur:
+                                rows = [dict(r) for r in await cur.fetchall()]
+                            await db.execute("COMMIT")
+                            return rows
+                        await db.execute("COMMIT")
+                    except BaseException:
+                        if db.in_transaction:
+                            await db.execute("ROLLBACK")
+                        raise
+            except sqlite3.OperationalError as exc:
+                if str(exc) != self._fill_error:  # said once, not at each read
+                    log.warning("inspector: its own tables cannot be filled now (%s); reading the usage table "
+                                "without them", exc)
+                self._fill_error = str(exc)
+            else:
+                self._fill_error = ""
+            finally:
+                await db.execute(f"PRAGMA busy_timeout = {READ_WAIT_MS}")
+                await db.execute("PRAGMA query_only = 1")
+            async with db.execute(shared[0], tuple(shared[1])) as cur:
+                return [dict(r) for r in await cur.fetchall()]
+
+    @staticmethod
+    async def _fill(db: aiosqlite.Connection) -> bool:
+        """Copy up to ``FILL_ROWS`` rows' time, model and rowid into the inspector's tables; True once they
+        hold every row. Where it stopped is kept as a rowid and that row's id: if that row is gone (rows
+        deleted from the top of the table, whose rowids new rows may take again), they are filled anew."""
+        (up_to, up_to_id), = await db.execute_fetchall(
+            "SELECT COALESCE((SELECT up_to FROM inspector_filled), 0), (SELECT up_to_id FROM inspector_filled)")
+        if up_to and not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid = ? AND id = ?",
+                                                   (up_to, up_to_id)):
+            await db.execute("DELETE FROM inspector_times")
+            await db.execute("DELETE FROM inspector_models")
+            up_to = 0
+        last = await db.execute_fetchall("SELECT rowid, id FROM usage_events WHERE rowid > ? AND rowid <= ? "
+                                         "ORDER BY rowid DESC LIMIT 1", (up_to, up_to + FILL_ROWS))
+        if not last:
+            return not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid > ? LIMIT 1", (up_to,))
+        end, end_id = last[0]
+        await db.execute("INSERT OR IGNORE INTO inspector_times (created_at, rid) SELECT created_at, rowid "
+                         "FROM usage_events WHERE rowid > ? AND rowid <= ?", (up_to, end))
+        await db.execute("INSERT OR IGNORE INTO inspector_models (model, created_at, rid) SELECT model, created_at, "
+                         "rowid FROM usage_events WHERE rowid > ? AND rowid <= ? AND model IS NOT NULL", (up_to, end))
+        await db.execute("INSERT OR REPLACE INTO inspector_filled (id, up_to, up_to_id) VALUES (1, ?, ?)",
+                         (end, end_id))
+        return not await db.execute_fetchall("SELECT 1 FROM usage_events WHERE rowid > ? LIMIT 1", (end,))
 
 
 class SharedReader:
@@ -232,8 +372,7 @@ class InspectorStore:
 
     async def page(self, limit: int = 50, **filters: str | None) -> tuple[list[dict], str | None]:
         """One page of rows, newest first, and the cursor of the next page (None: the last)."""
-        sql, params = page_query(limit=limit, **filters)
-        rows = await self._fetch(sql, params)
+        rows = await self._read(page_query, limit=limit, **filters)
         more = len(rows) > limit
         rows = rows[:limit]
         cursor = cursor_of(rows[-1]) if more else None
@@ -259,35 +398,60 @@ class InspectorStore:
             raise QueryError("bucket", f"more than {MAX_BUCKETS} buckets: use a wider bucket or a later since")
         labels = _bucket_labels(start, end, step, width)
         # Without ``until`` the span ends now, and a row stamped in this very millisecond is in it.
-        sql, params = usage_query(width, _iso(start), _iso(end), org, model, up_to_now=not until)
-        series = sorted(await self._fetch(sql, params), key=_series_order)
+        rows = await self._read(usage_query, width, _iso(start), _iso(end), org, model, up_to_now=not until)
+        series = sorted(rows, key=_series_order)
         return {"bucket": bucket, "since": _iso(start), "until": _iso(end), "buckets": labels, "series": series}
 
+    async def _read(self, query: Any, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        """The rows of ``query(*args, **kwargs)`` (``page_query``, ``usage_query``): on SQLite through
+        the inspector's own tables where the query has a form for them (``SQLiteReader.read_filled``)."""
+        shared = query(*args, **kwargs)
+        read_filled = getattr(self.reader, "read_filled", None)
+        if read_filled is not None:
+            sql, params = query(*args, own_tables=True, **kwargs)
+            if "inspector_" in sql:
+                if _has_nul(params):
+                    return []
+                return await read_filled(sql, params, shared)
+        return await self._fetch(*shared)
+
     async def _fetch(self, sql: str, params: list[Any] | tuple[Any, ...]) -> list[dict[str, Any]]:
-        """The reader's rows; none, without asking, when a text parameter holds a NUL: no row can
-        hold one (PostgreSQL's text cannot, and refuses the parameter; the ledger writes none on
-        SQLite either), so an org, a model or an id with one matches nothing on both stores."""
-        if any(type(p) is str and "\x00" in p for p in params):
+        """The reader's rows; none, without asking, when a text parameter holds a NUL (``_has_nul``)."""
+        if _has_nul(params):
             return []
         return await self.reader.fetch(sql, params)
 
 
+def _has_nul(params: Iterable[Any]) -> bool:
+    """A text parameter holds a NUL: no row can hold one (PostgreSQL's text cannot, and refuses the
+    parameter; the ledger writes none on SQLite either), so an org, a model or an id with one matches
+    nothing on both stores, and the query is not sent."""
+    return any(type(p) is str and "\x00" in p for p in params)
+
+
 def usage_query(width: int, start: str, end: str, org: str | None = None,
-                model: str | None = None, up_to_now: bool = False) -> tuple[str, list[Any]]:
+                model: str | None = None, up_to_now: bool = False, own_tables: bool = False) -> tuple[str, list[Any]]:
     """Sums per bucket (the first ``width`` characters of ``created_at``), org and model, from
     ``start`` to ``end`` (included when ``up_to_now``). The casts keep PostgreSQL's sums of
-    BIGINT columns integers (not NUMERIC), as SQLite's are."""
-    where, params = ["created_at >= ?", "created_at <= ?" if up_to_now else "created_at < ?"], [start, end]
+    BIGINT columns integers (not NUMERIC), as SQLite's are. ``own_tables`` (SQLite): without an org,
+    the rows of the span are found through ``inspector_times``."""
+    through = own_tables and not org
+    p = "u." if through else ""
+    span = "m." if through else ""
+    where = [f"{span}created_at >= ?", f"{span}created_at {'<=' if up_to_now else '<'} ?"]
+    params = [start, end]
     for column, value in (("org", org), ("model", model)):
         if value:
-            where.append(f"{column} = ?")
+            where.append(f"{p}{column} = ?")
             params.append(value)
-    sql = (f"SELECT substr(created_at, 1, {width}) AS t, org, model, COUNT(*) AS requests,"
-           " CAST(SUM(prompt_tokens) AS BIGINT) AS prompt_tokens,"
-           " CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,"
-           " CAST(SUM(total_tokens) AS BIGINT) AS total_tokens, SUM(cost) AS cost,"
-           " SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END) AS errors FROM usage_events"
-           f" WHERE {' AND '.join(where)} GROUP BY substr(created_at, 1, {width}), org, model")
+    source = ("inspector_times AS m CROSS JOIN usage_events AS u ON u.rowid = m.rid AND u.created_at = m.created_at"
+              if through else "usage_events")
+    sql = (f"SELECT substr({p}created_at, 1, {width}) AS t, {p}org AS org, {p}model AS model, COUNT(*) AS requests,"
+           f" CAST(SUM({p}prompt_tokens) AS BIGINT) AS prompt_tokens,"
+           f" CAST(SUM({p}completion_tokens) AS BIGINT) AS completion_tokens,"
+           f" CAST(SUM({p}total_tokens) AS BIGINT) AS total_tokens, SUM({p}cost) AS cost,"
+           f" SUM(CASE WHEN {p}status >= 400 THEN 1 ELSE 0 END) AS errors FROM {source}"
+           f" WHERE {' AND '.join(where)} GROUP BY substr({p}created_at, 1, {width}), {p}org, {p}model")
     return sql, params
 
 

@@ -58,10 +58,13 @@ class LoopCommits:
         self.rows_committed = 0
         self.rows_handed_off = 0
         self.last_commit_seconds = 0.0
+        # the loop the store serves on, set by its open(): asyncio.get_running_loop() makes a getpid
+        # system call on every call
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, row: dict[str, Any], tag: Any = None) -> asyncio.Future:
         """Queue ``row`` for this iteration's flush; never blocks, never raises."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop or asyncio.get_running_loop()
         future = loop.create_future()
         self._pending.append((row, future, tag))
         if not self._flush_due:

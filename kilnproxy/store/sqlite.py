@@ -68,7 +68,6 @@ CREATE TABLE IF NOT EXISTS usage_events (
     requested_model TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, created_at);
-CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 """
 
 # Columns added since the first release: a file made before gets them when it is opened, filled in
@@ -77,6 +76,13 @@ CREATE INDEX IF NOT EXISTS usage_events_created ON usage_events (created_at);
 ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
     ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
 )
+
+# The table keeps the indexes of the gateway's own reads: the id's (a generation looked up, a row written
+# twice), the org's (its usage and credits) and the key's (``tenancy_sql``: its usage in its period). Every
+# index is one more b-tree written in every request's commit: the inspector's reads by time and by model go
+# through tables of its own, filled when it reads them (``kilnproxy.inspector.queries``). The indexes an
+# older kilnproxy made for those are dropped when the file is opened.
+DROPPED_INDEXES = ("usage_events_created", "usage_events_model_created")
 
 # A new file's page size. Each commit appends every page it changed (the table's last leaf and one leaf
 # per index) to the WAL: 1 KiB pages make a one-row commit append about a third of what 4 KiB pages do
@@ -160,6 +166,7 @@ class SQLiteLedger(GroupCommitted):
             raise cannot_open(self.path, exc) from None
         await self.checkpointer.start()
         self._files = _file_ids(self.path)
+        self.here.loop = asyncio.get_running_loop()
         self.rows.start()
         self._watch_task = asyncio.create_task(self._watch(), name="kilnproxy-ledger-watch")
 
@@ -516,6 +523,7 @@ def prepare_file(path: Path) -> None:
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
         add_missing_columns(db)
+        drop_old_indexes(db)
         db.execute("BEGIN IMMEDIATE")
         db.execute("ROLLBACK")
     finally:
@@ -545,6 +553,14 @@ def add_missing_columns(db: sqlite3.Connection) -> None:
                 db.execute("BEGIN IMMEDIATE")
                 db.execute(add)
                 db.execute(f"UPDATE usage_events SET {name} = {filled_from}")
+
+
+def drop_old_indexes(db: sqlite3.Connection) -> None:
+    """Drop the ``DROPPED_INDEXES`` a file made by an older kilnproxy has (no write when it has none)."""
+    present = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    for name in DROPPED_INDEXES:
+        if name in present:
+            db.execute(f"DROP INDEX IF EXISTS {name}")
 
 
 def read_rows(path: Path, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
