@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 
 import pytest
 from aiohttp import web
@@ -24,6 +23,9 @@ from aiohttp import web
 from kilnproxy.answers import Answer
 from kilnproxy.ops.lifecycle import close_after_response
 from kilnproxy.testing import MODEL
+
+import wire_compare
+from wire_compare import assert_same
 
 pytestmark = pytest.mark.asyncio
 
@@ -84,53 +86,11 @@ async def server():
         yield port
 
 
-async def read_one(reader: asyncio.StreamReader, head_only: bool) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    match = re.search(rb"\r\nContent-Length: (\d+)\r\n", head)
-    if head_only:
-        return head
-    if match:
-        return head + await reader.readexactly(int(match.group(1)))
-    return head + await reader.read()  # to the close
+PROBE = b"POST /response/json HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
 
 
 async def exchange(port: int, *requests: bytes) -> tuple[list[bytes], bool]:
-    """Each request on one connection; the answers, and whether the server closed it after the last
-    (a last request is not answered)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    out = []
-    try:
-        async with asyncio.timeout(30):  # only stops a test that would hang
-            for data in requests:
-                writer.write(data)
-                out.append(await read_one(reader, data.startswith(b"HEAD ")))
-            writer.write(PROBE)  # answered only on a connection kept alive
-            try:
-                await read_one(reader, False)
-                closed = False
-            except (asyncio.IncompleteReadError, ConnectionResetError):
-                closed = True
-    finally:
-        writer.close()
-    return out, closed
-
-
-PROBE = b"POST /response/json HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
-DATE = re.compile(rb"^Date: (Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
-                  rb"\d{4} \d\d:\d\d:\d\d GMT$")
-
-
-def assert_same(got: bytes, want: bytes) -> None:
-    got_head, _, got_body = got.partition(b"\r\n\r\n")
-    want_head, _, want_body = want.partition(b"\r\n\r\n")
-    got_lines, want_lines = got_head.split(b"\r\n"), want_head.split(b"\r\n")
-    assert len(got_lines) == len(want_lines), (got_lines, want_lines)
-    for mine, theirs in zip(got_lines, want_lines):
-        if theirs.startswith(b"Date: ") and theirs != b"Date: yesterday":
-            assert DATE.match(mine) and DATE.match(theirs), (mine, theirs)
-        else:
-            assert mine == theirs
-    assert got_body == want_body
+    return await wire_compare.exchange(port, *requests, probe=PROBE)
 
 
 def request(method: str, case: str, kind: str, version: str = "1.1", extra: str = "") -> bytes:

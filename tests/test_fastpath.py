@@ -12,19 +12,24 @@ GEN = "X-Neocloud-Generation-Id"
 BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4}
 
 
-@pytest.fixture
-def resolves(gw, monkeypatch):
-    """The paths the gateway app's router has resolved (the mock upstream's has a router too)."""
+def resolved_by(app: web.Application, monkeypatch) -> list[str]:
+    """The paths ``app``'s router resolves from now on (the mock upstream's has a router too)."""
     seen = []
     resolve = web.UrlDispatcher.resolve
 
     async def counting(self, request):
-        if self is gw.gateway.app.router:
+        if self is app.router:
             seen.append(request.path)
         return await resolve(self, request)
 
     monkeypatch.setattr(web.UrlDispatcher, "resolve", counting)
     return seen
+
+
+@pytest.fixture
+def resolves(gw, monkeypatch):
+    """The paths the gateway app's router has resolved."""
+    return resolved_by(gw.gateway.app, monkeypatch)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -82,14 +87,7 @@ async def test_the_other_apis_do_not_go_through_the_router_either(every_api, mon
     never stream), the no-key errors in each format's own form, and the router only for what the table
     does not take."""
     async with every_api as h:
-        seen = []
-        resolve = web.UrlDispatcher.resolve
-
-        async def counting(self, request):
-            if self is h.gateway.app.router:
-                seen.append(request.path)
-            return await resolve(self, request)
-        monkeypatch.setattr(web.UrlDispatcher, "resolve", counting)
+        seen = resolved_by(h.gateway.app, monkeypatch)
         for stream in ((False, True) if path != "/v1/embeddings" else (False,)):
             async with h.post(path, {**body, "stream": stream} if stream else body) as resp:
                 assert resp.status == 200

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 
 import pytest
 from aiohttp import web
@@ -22,6 +21,9 @@ from aiohttp import web
 from kilnproxy.ops.lifecycle import close_after_response
 from kilnproxy.proxy.stream_response import SSE_HEADERS, SSEResponse
 from kilnproxy.testing import MODEL
+
+import wire_compare
+from wire_compare import assert_same
 
 pytestmark = pytest.mark.asyncio
 
@@ -89,51 +91,13 @@ async def server(request):
         yield port
 
 
-async def read_one(reader: asyncio.StreamReader, head_only: bool) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    if head_only:
-        return head
-    if b"\r\nTransfer-Encoding: chunked\r\n" in head:
-        return head + await reader.readuntil(b"\r\n0\r\n\r\n")
-    length = re.search(rb"\r\nContent-Length: (\d+)\r\n", head)
-    if length:
-        return head + await reader.readexactly(int(length.group(1)))
-    return head + await reader.read()  # to the close
+PROBE = b"GET /theirs/no%20headers/now HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 async def exchange(port: int, data: bytes) -> tuple[bytes, bool]:
     """The answer to ``data``, and whether the server closed the connection after it."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        async with asyncio.timeout(30):  # only stops a test that would hang
-            writer.write(data)
-            out = await read_one(reader, data.startswith(b"HEAD "))
-            writer.write(b"GET /theirs/no%20headers/now HTTP/1.1\r\nHost: x\r\n\r\n")  # answered if kept alive
-            try:
-                await read_one(reader, False)
-                closed = False
-            except (asyncio.IncompleteReadError, ConnectionResetError):
-                closed = True
-    finally:
-        writer.close()
-    return out, closed
-
-
-DATE = re.compile(rb"^Date: (Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
-                  rb"\d{4} \d\d:\d\d:\d\d GMT$")
-
-
-def assert_same(got: bytes, want: bytes) -> None:
-    got_head, _, got_body = got.partition(b"\r\n\r\n")
-    want_head, _, want_body = want.partition(b"\r\n\r\n")
-    got_lines, want_lines = got_head.split(b"\r\n"), want_head.split(b"\r\n")
-    assert len(got_lines) == len(want_lines), (got_lines, want_lines)
-    for mine, theirs in zip(got_lines, want_lines):
-        if theirs.startswith(b"Date: ") and theirs != b"Date: yesterday":
-            assert DATE.match(mine) and DATE.match(theirs), (mine, theirs)
-        else:
-            assert mine == theirs
-    assert got_body == want_body
+    answers, closed = await wire_compare.exchange(port, data, probe=PROBE)
+    return answers[0], closed
 
 
 def request(method: str, kind: str, case: str, hold: str, version: str = "1.1", extra: str = "") -> bytes:
