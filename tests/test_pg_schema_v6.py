@@ -1,7 +1,8 @@
 """Schema version 6 on a real PostgreSQL: a settlement reads only the rows it settles. Version 5's
-``kiln_settle`` looked for ``replica_lost`` rows to replace by scanning all of ``usage_events``
-(no index led to them), so each settlement read every row ever settled: its time grew with the
-table. A version-5 database with rows, a ``replica_lost`` row among them, is migrated in place."""
+``kiln_settle`` read all of ``usage_events`` (looking for ``replica_lost`` rows to replace: no
+index led to them), of ``kiln_holds`` and of ``kiln_minute`` at each settlement, so that its time
+grew with the tables. A version-5 database with rows, a ``replica_lost`` row among them, holds in
+flight and per-minute entries, is migrated in place."""
 
 import asyncpg
 import orjson
@@ -23,8 +24,8 @@ def usage_row(generation_id: str, cost: float) -> dict:
             "duration_ms": 5.0, "ttft_ms": None, "finish_reason": "stop", "disconnected": 0, "requested_model": "m"}
 
 
-async def admit(conn, replica: str, generation_id: str) -> str:
-    holds = orjson.dumps([{**HOLD, "id": generation_id}]).decode()
+async def admit(conn, replica: str, generation_id: str, **bounds) -> str:
+    holds = orjson.dumps([{**HOLD, "id": generation_id, **bounds}]).decode()
     return (await conn.fetchrow("SELECT * FROM kiln_admit($1::jsonb, $2, 60)", holds, replica))["r_verdict"]
 
 
@@ -33,16 +34,16 @@ async def settle(conn, replica: str, *rows: dict) -> list:
                                                orjson.dumps(list(rows)).decode(), replica)]
 
 
-async def rows_read_by_scans(conn, replica: str, row: dict) -> int:
-    """The rows of ``usage_events`` that sequential scans read while ``row`` was admitted and settled
+async def rows_read_by_scans(conn, replica: str, row: dict) -> dict[str, int]:
+    """The rows of each table that sequential scans read while ``row`` was settled
     (``pg_stat_xact_user_tables``: this session's counts not yet reported, which stay unreported until
     the transaction ends: exact, nothing to wait for)."""
-    read = "SELECT seq_tup_read FROM pg_stat_xact_user_tables WHERE relname = 'usage_events'"
+    read = ("SELECT relname, seq_tup_read FROM pg_stat_xact_user_tables"
+            " WHERE relname IN ('usage_events', 'kiln_holds', 'kiln_minute')")
     async with conn.transaction():
-        before = await conn.fetchval(read)
-        assert await admit(conn, replica, row["id"]) == "ok"
+        before = dict(await conn.fetch(read))
         await settle(conn, replica, row)
-        return await conn.fetchval(read) - before
+        return {name: read - before.get(name, 0) for name, read in await conn.fetch(read)}
 
 
 async def test_a_settlement_reads_no_row_but_its_own_and_a_version_5_database_keeps_its_rows(pg_url):
@@ -60,6 +61,13 @@ async def test_a_settlement_reads_no_row_but_its_own_and_a_version_5_database_ke
             " SELECT 'old-' || g, '2026-12-01T00:00:00.000+00:00', 'acme', 'key-1', 'm', 'completions', 0, 200,"
             " 0.001, 'live' FROM generate_series(1, $1) g", ROWS)
         await conn.execute("INSERT INTO kiln_orgs (org, spent) VALUES ('acme', $1)", ROWS * 0.001)
+        # other requests in flight (another org's) and the last minute's admissions under a per-minute limit
+        await conn.execute(
+            "INSERT INTO kiln_holds (id, org, replica, amount, prompt_cost, prompt_tokens, created_at, key_id, model,"
+            " endpoint, stream) SELECT 'flying-' || g, 'other', 'live', 1, 0.25, 6, '2026-12-02T01:00:00.000+00:00',"
+            " 'key-2', 'm', 'completions', 1 FROM generate_series(1, $1) g", ROWS)
+        await conn.execute("INSERT INTO kiln_minute (id, org, key_id, at, tokens)"
+                           " SELECT 'minute-' || g, 'other', 'key-2', now(), 66 FROM generate_series(1, $1) g", ROWS)
         assert await admit(conn, "dead", "gen-dead") == "ok"
         await conn.execute("UPDATE kiln_replicas SET seen_at = now() - interval '1 hour' WHERE id = 'dead'")
         assert [r["lost"] for r in await conn.fetch("SELECT * FROM kiln_reap(60)")] == [1]
@@ -70,11 +78,15 @@ async def test_a_settlement_reads_no_row_but_its_own_and_a_version_5_database_ke
         assert await conn.fetchval("SELECT max(version) FROM kiln_schema") == len(pg_schema.MIGRATIONS)
         assert await conn.fetchval("SELECT count(*) FROM usage_events") == ROWS + 1
 
-        # a settlement: its row in, its hold out, its cost added; no row of the table read to get there
-        assert await rows_read_by_scans(conn, "live", usage_row("gen-new", 0.5)) == 0
+        # a settlement: its row in, its hold out, its cost added, its per-minute entry settled to its
+        # tokens; no other row of the tables read to get there
+        assert await admit(conn, "live", "gen-new", org_rpm=1000000) == "ok"
+        assert await rows_read_by_scans(conn, "live", usage_row("gen-new", 0.5)) == {
+            "usage_events": 0, "kiln_holds": 0, "kiln_minute": 0}
+        assert await conn.fetchval("SELECT tokens FROM kiln_minute WHERE id = 'gen-new'") == 20
         spent = await conn.fetchval("SELECT spent FROM kiln_orgs WHERE org = 'acme'")
         assert spent == pytest.approx(ROWS * 0.001 + 0.25 + 0.5)
-        assert await conn.fetchval("SELECT count(*) FROM kiln_holds") == 0
+        assert await conn.fetchval("SELECT count(*) FROM kiln_holds WHERE org = 'acme'") == 0
         # the dead replica, back, still replaces its replica_lost row with the real one (charging the difference)
         assert await settle(conn, "dead", usage_row("gen-dead", 0.75)) == [
             ("acme", pytest.approx(ROWS * 0.001 + 0.25 + 0.5 + 0.5))]
