@@ -4,7 +4,8 @@
 PostgreSQL (``kilnproxy.testing.postgres``, ``pg_stat_statements`` loaded, ``track = all`` so
 that the statements inside ``kiln_admit`` and ``kiln_settle`` are counted too), sets up the
 schema of this tree (``--rows`` usage rows already in it, 5,000 by default: PG M1's
-database after its first seconds) and, with ``--before``, a second database with the schema of another tree
+database after its first seconds; ``--minute N``: per-minute limits on, N entries of another
+org's last minute there) and, with ``--before``, a second database with the schema of another tree
 (e.g. a ``git archive`` of main), then alternates rounds of N requests on each: one
 ``kiln_admit`` of one hold, then one ``kiln_settle`` of its row, as PG M1's load makes them
 (the same JSON the store sends, on one kept connection, as the admitter and the writer do).
@@ -63,7 +64,7 @@ def schema_of(tree: Path | None):
         sys.modules.update(saved)
 
 
-async def setup(url: str, migrate, rows: int) -> None:
+async def setup(url: str, migrate, rows: int, minute: int) -> None:
     import asyncpg
     conn = await asyncpg.connect(url)
     await migrate(conn)
@@ -71,25 +72,28 @@ async def setup(url: str, migrate, rows: int) -> None:
         "INSERT INTO usage_events (id, created_at, org, key_id, model, endpoint, stream, status, cost, replica)"
         " SELECT 'old-' || g, '2026-12-01T00:00:00.000+00:00', 'acme', 'key-1', 'bench-json', 'completions', 0,"
         " 200, 0.001, 'r0' FROM generate_series(1, $1) g", rows)
+    await conn.execute("INSERT INTO kiln_minute (id, org, key_id, at, tokens) SELECT 'minute-' || g, 'other',"
+                       " 'key-2', now() + interval '1 hour', 66 FROM generate_series(1, $1) g", minute)
     await conn.execute("ANALYZE usage_events")
     await conn.execute("INSERT INTO kiln_orgs (org) VALUES ('acme') ON CONFLICT DO NOTHING")
     await conn.execute("INSERT INTO kiln_replicas (id) VALUES ('r1') ON CONFLICT DO NOTHING")
     await conn.close()
 
 
-async def round_of(url: str, start: int, calls: int) -> list[float]:
+async def round_of(url: str, start: int, calls: int, bounds: dict | None = None) -> list[float]:
     import asyncpg
     conn = await asyncpg.connect(url)
     trips = []
     try:
         for i in range(start, start + calls):
             t = time.perf_counter()
-            await conn.fetch("SELECT * FROM kiln_admit($1::jsonb, $2, $3)", orjson.dumps([hold(i)]).decode(), "r1",
-                             15.0)
+            holds = orjson.dumps([{**hold(i), **(bounds or {})}]).decode()
+            await conn.fetch("SELECT * FROM kiln_admit($1::jsonb, $2, $3)", holds, "r1", 15.0)
             t1 = time.perf_counter()
             await conn.fetch("SELECT * FROM kiln_settle($1::jsonb, $2)", orjson.dumps([row(i)]).decode(), "r1")
             trips += [t1 - t, time.perf_counter() - t1]
-            await conn.execute("UPDATE kiln_replicas SET seen_at = now() WHERE id = 'r1'") if i % 500 == 0 else None
+            if i % 500 == 0:  # the replica stays live: its holds count
+                await conn.execute("UPDATE kiln_replicas SET seen_at = now() WHERE id = 'r1'")
     finally:
         await conn.close()
     return trips
@@ -113,6 +117,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--before", type=Path, help="a tree (git archive) whose schema to measure beside this one's")
     ap.add_argument("--rows", type=int, default=5000, help="usage rows already there (a gateway that has served some)")
+    ap.add_argument("--minute", type=int, default=0,
+                    help="per-minute limits on: the admissions carry one, and N entries of another org are there")
     ap.add_argument("--fsync", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="NAME=VALUE: a setting of the databases")
     args = ap.parse_args()
@@ -127,7 +133,7 @@ def main() -> None:
         urls = {}
         for name, tree in trees.items():
             urls[name] = pg.create_database(f"kiln_{name}")
-            asyncio.run(setup(urls[name], schema_of(tree), args.rows))
+            asyncio.run(setup(urls[name], schema_of(tree), args.rows, args.minute))
             pg.psql("CREATE EXTENSION pg_stat_statements;", database=f"kiln_{name}")
             pg.psql(f"ALTER DATABASE kiln_{name} SET pg_stat_statements.track = 'all';")
             pg.psql(f"ALTER DATABASE kiln_{name} SET pg_stat_statements.track_planning = 'on';")
@@ -140,10 +146,10 @@ def main() -> None:
         pg.psql("SELECT pg_stat_statements_reset();", database="kiln_after")
         pg.psql("SELECT pg_stat_reset();", database="kiln_after")
         trips: dict[str, list[float]] = {name: [] for name in urls}
-        fn_best: dict[str, dict[str, float]] = {name: {} for name in urls}
         for r in range(args.rounds):
             for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
-                trips[name] += asyncio.run(round_of(urls[name], r * args.calls, args.calls))
+                trips[name] += asyncio.run(round_of(urls[name], r * args.calls, args.calls,
+                                                   {"org_rpm": 10**9} if args.minute else None))
         for name in urls:
             print(f"\n== {name}: server time per call (µs), all {args.rounds} rounds, {args.calls} calls a round")
             print("    exec     plan   calls")
