@@ -25,10 +25,11 @@ for a whole batch of requests.
 Version 2 (``kilnproxy.store.postgres_v2``) adds runtime orgs, keys and grants,
 and makes ``kiln_admit`` hold keys' limits and check per-minute limits; version 3
 (``kilnproxy.store.postgres_v3``) the ``requested_model`` of fallbacks; version 4
-(``kilnproxy.store.postgres_v4``) takes admission's and settlement's batches as
-arrays instead of JSON; version 5 (``kilnproxy.store.postgres_v5``) lets a key's
+(``kilnproxy.store.postgres_v4``) settles the per-minute entries in ``kiln_settle`` itself
+instead of in triggers; version 5 (``kilnproxy.store.postgres_v5``) lets a key's
 per-minute entries go once out of the window; version 6 (``kilnproxy.store.postgres_v6``)
-indexes ``replica_lost`` rows, so that a settlement no longer reads the whole table.
+has ``kiln_settle`` read only the rows it settles (an index of ``replica_lost`` rows, the holds
+and per-minute entries looked up by id).
 """
 
 from __future__ import annotations
