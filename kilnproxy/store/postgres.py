@@ -339,7 +339,7 @@ class PostgresStore(GroupCommitted):
 
     def settled(self, hold: Hold | None, row: dict[str, Any]) -> None:
         """Nothing to keep here: ``kiln_admit`` reads a key's spending from its rows, and the rows'
-        insertion settles their per-minute tokens (a trigger)."""
+        settlement (``kiln_settle``) settles their per-minute tokens."""
 
     def count(self, org: str) -> int:
         return self.counts.count(org)

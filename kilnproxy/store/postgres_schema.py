@@ -25,9 +25,11 @@ for a whole batch of requests.
 Version 2 (``kilnproxy.store.postgres_v2``) adds runtime orgs, keys and grants,
 and makes ``kiln_admit`` hold keys' limits and check per-minute limits; version 3
 (``kilnproxy.store.postgres_v3``) the ``requested_model`` of fallbacks; version 4
-(``kilnproxy.store.postgres_v4``) takes admission's and settlement's batches as
-arrays instead of JSON; version 5 (``kilnproxy.store.postgres_v5``) lets a key's
-per-minute entries go once out of the window.
+(``kilnproxy.store.postgres_v4``) settles the per-minute entries in ``kiln_settle`` itself
+instead of in triggers; version 5 (``kilnproxy.store.postgres_v5``) lets a key's
+per-minute entries go once out of the window; version 6 (``kilnproxy.store.postgres_v6``)
+has ``kiln_settle`` read only the rows it settles (an index of ``replica_lost`` rows, the holds
+and per-minute entries looked up by id).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .postgres_v2 import V2
 from .postgres_v3 import V3
 from .postgres_v4 import V4
 from .postgres_v5 import V5
+from .postgres_v6 import V6
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -221,7 +224,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6)
 
 
 async def migrate(conn) -> int:
