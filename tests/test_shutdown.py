@@ -182,3 +182,34 @@ async def test_requests_still_waiting_for_an_upstream_when_the_grace_period_ends
         done.set()
         hanging.close()
         await hanging.wait_closed()
+
+
+async def test_a_connection_kept_idle_through_the_drain_is_still_served_once_nothing_listens(tmp_path, mock):
+    """A balancer may keep an idle connection through the whole drain and send a request on it just
+    as the listener closes: that request is answered (closing the connection after it), not cut."""
+    gw = await GatewayProcess(tmp_path, gateway_config([f"{mock.url}/v1"], server={"drain_seconds": 0.2})).start()
+    body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    port = int(gw.url.rsplit(":", 1)[1])
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        first = await reader.readuntil(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 200 ") and b"Connection: close" not in first
+        await reader.readexactly(int(first.split(b"Content-Length: ")[1].split(b"\r\n")[0]))
+
+        gw.send(signal.SIGTERM)  # the connection stays idle through the whole drain
+        await gw.wait_for("stderr", "stopped listening; connections still open are served")
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        second = await reader.readuntil(b"\r\n\r\n")
+        assert second.startswith(b"HTTP/1.1 200 ") and b"\r\nConnection: close\r\n" in second
+        answer = await reader.read()  # to the close: the gateway ends the connection after it
+        assert orjson.loads(answer)["object"] == "text_completion"
+        writer.close()
+        assert await gw.wait(timeout=30) == 0
+        assert [r["status"] for r in gw.rows()] == [200, 200]
+    finally:
+        await gw.stop()

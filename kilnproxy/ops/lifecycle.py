@@ -12,7 +12,11 @@ runs once the gateway listens:
   while idle then: a balancer may be sending a request on it at that very
   moment, and it does not retry a POST that may have reached the server.
 - Then (at once for SIGINT, the interactive stop) the listening socket is
-  closed, and the idle keep-alive connections; requests in flight may finish
+  closed. After a drain, the connections still open are served for up to
+  ``LINGER_SECONDS`` more, each closed after its response: a balancer that
+  kept one idle through the drain may send a request on it just as the
+  listener closes (its next new connection is refused, which takes the
+  replica out). Then the idle keep-alive connections are closed; requests in flight may finish
   for up to ``[server] shutdown_grace_seconds``. Streams still open then are ended
   with an error event (code ``shutting_down``) and ``data: [DONE]``, their
   rows committed like any other; a request still waiting for an upstream slot
@@ -42,6 +46,7 @@ from ..tasks import woken
 log = logging.getLogger("kilnproxy")
 
 END_SECONDS = 5.0  # after the grace period: time for ended streams to write their last events
+LINGER_SECONDS = 1.0  # after a drain: how long the connections still open are served once nothing listens
 
 
 class Shutdown:
@@ -66,15 +71,17 @@ class Shutdown:
             if not self.active and self._idle is not None:
                 self._idle.set()
 
-    async def drain_connections(self) -> None:
-        """Before the listening socket closes: not ready, still serving, one response per connection."""
+    async def drain_connections(self) -> bool:
+        """Before the listening socket closes: not ready, still serving, one response per connection.
+        False when ``drain_seconds`` is 0 (no drain: stop listening and close idle connections at once)."""
         seconds = self.gw.config.server.drain_seconds
         self.draining = self.gw.draining = True
         if not seconds:
-            return
+            return False
         log.info("draining: /healthz?ready answers 503; serving for %g s more, closing each connection "
                  "after its response", seconds)
         await woken(self.hurry, seconds)
+        return True
 
     async def drain(self, app: web.Application) -> None:
         """``on_shutdown``: wait for requests in flight, then end the streams still open."""
@@ -152,8 +159,10 @@ async def serve_until_stopped(running, shutdown: Shutdown, reload=None, ready=No
         if ready is not None:
             ready()
         await stop.wait()
-        if drain:
-            await shutdown.drain_connections()
+        if drain and await shutdown.drain_connections():
+            log.info("stopped listening; connections still open are served for up to %g s more, "
+                     "each closed after its response", LINGER_SECONDS)
+            await running.stop_listening(LINGER_SECONDS, shutdown.hurry)
     finally:
         try:
             await running.stop()

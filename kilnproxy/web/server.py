@@ -34,6 +34,7 @@ log = logging.getLogger("kilnproxy")
 
 # What is still running after the app's own grace period (kilnproxy.ops.lifecycle) is cancelled after this.
 SHUTDOWN_SECONDS = 2.0
+LINGER_POLL_SECONDS = 0.05  # how often stop_listening() looks whether a connection is still open
 
 
 class _MalformedRequestsAsOneLine(logging.Filter):
@@ -70,6 +71,18 @@ class Running:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+
+    async def stop_listening(self, linger: float, hurry: asyncio.Event) -> None:
+        """Close the listening socket; the connections still open are served for up to ``linger``
+        seconds more (or until ``hurry``), ending sooner once none is left. A balancer that kept an
+        idle connection may send one more request on it: closing it now could cut that request."""
+        for site in list(self.runner.sites):
+            await site.stop()
+        server = self.runner.server
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + linger
+        while server is not None and server.connections and loop.time() < deadline and not hurry.is_set():
+            await asyncio.sleep(LINGER_POLL_SECONDS)
 
 
 async def start_app(app: web.Application, host: str, port: int) -> Running:
