@@ -458,6 +458,13 @@ async def test_a_damaged_spool_stops_the_start_with_one_line_saying_what_to_do(
     assert spool.read_bytes() == damaged
 
 
+async def two_replicas_of_acme(tmp_path, mock_url: str, url: str):
+    """Replicas ``a`` and ``b`` on ``url``, one org ``acme`` (100 credits, 64 in flight) with the key ``k``."""
+    orgs = [{"id": "acme", "credits": 100.0, "max_in_flight": 64}]
+    keys = [{"key": KEY, "org": "acme", "id": "k"}]
+    return await asyncio.gather(*(replica(tmp_path, name, mock_url, url, orgs=orgs, keys=keys) for name in "ab"))
+
+
 async def test_sessions_terminated_under_load_on_two_replicas_leave_exact_rows_credits_and_slots(
         tmp_path, mock_url, own_postgres, eventually):
     """``pg_terminate_backend`` of every session of two replicas, again and again while both serve
@@ -468,9 +475,7 @@ async def test_sessions_terminated_under_load_on_two_replicas_leave_exact_rows_c
     once: it failed now and then, "cannot start a transaction within a transaction", ``test_spool``.)"""
     pg = own_postgres
     url = pg.url()
-    orgs = [{"id": "acme", "credits": 100.0, "max_in_flight": 64}]
-    keys = [{"key": KEY, "org": "acme", "id": "k"}]
-    a, b = await asyncio.gather(*(replica(tmp_path, name, mock_url, url, orgs=orgs, keys=keys) for name in "ab"))
+    a, b = await two_replicas_of_acme(tmp_path, mock_url, url)
     sent: dict[str, int] = {}
     terminated = 0
 
@@ -623,9 +628,7 @@ async def test_postgresql_stopped_and_started_under_load_ends_every_request_in_o
     row, no hold is left, spending is the sum of the rows and nothing is counted in flight."""
     pg = own_postgres
     url = pg.url()
-    orgs = [{"id": "acme", "credits": 100.0, "max_in_flight": 64}]
-    keys = [{"key": KEY, "org": "acme", "id": "k"}]
-    a, b = await asyncio.gather(*(replica(tmp_path, name, mock_url, url, orgs=orgs, keys=keys) for name in "ab"))
+    a, b = await two_replicas_of_acme(tmp_path, mock_url, url)
     sent: dict[str, int] = {}
     running = True
     served = asyncio.Condition()
