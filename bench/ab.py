@@ -4,7 +4,7 @@ Each variant is a kilnproxy tree (``git archive <rev> kilnproxy | tar -x -C DIR`
 with a change to measure; ``installed`` is the checkout this script runs from) with, optionally,
 ``[tracing]`` on (every trace kept, spans sent to ``otlp_sink.py``). Every variant is started
 once, pinned to CPU 0 like ``run.py``'s process under test; then each round runs wrk against
-each in turn (M2's non-streamed requests, 64 in flight; with ``--stream`` M3's 64-chunk
+each in turn, in reverse order every other round (M2's non-streamed requests, 64 in flight; with ``--stream`` M3's 64-chunk
 streams, 32 in flight; with ``--responses`` M8's Responses API streams, 32 in flight;
 ``--seconds`` long), so that what the machine does meanwhile falls
 on all of them alike. Prints, per variant, the CPU time per request of the whole process
@@ -96,8 +96,10 @@ def main() -> None:
         per_request: dict[str, list[float]] = {name: [] for name in gateways}
         latency: dict[str, list[tuple[float, float]]] = {name: [] for name in gateways}
         parts: dict[str, list[tuple[float, float, float]]] = {name: [] for name in gateways}
-        for _ in range(args.rounds):
-            for name, (pid, url) in gateways.items():
+        order = list(gateways.items())
+        for round_ in range(args.rounds):
+            # every other round in reverse: no variant always runs right after the same other one
+            for name, (pid, url) in (order if round_ % 2 == 0 else order[::-1]):
                 before = thread_cpu(pid)
                 result = wrk(url, body, KEY, connections, args.seconds, pid)
                 after = thread_cpu(pid)
