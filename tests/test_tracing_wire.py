@@ -145,16 +145,6 @@ def test_a_requests_export_is_what_the_encoder_before_wrote(case, monkeypatch):
         tracing.close()
 
 
-@pytest.mark.parametrize("sizes", [[], [10], [40] * 3, [100] * 200, [300] * 512, [0x3F00, 0x60], [20000, 700] * 9])
-def test_a_batch_is_framed_as_the_nested_fields_write_it(sizes):
-    """The one-join framing of a batch: the bytes of the resource and the scope's nested fields around the
-    spans, whatever length each of the three lengths' varints takes."""
-    framing = wire.Framing({"service.name": "kilnproxy", "deployment.environment": "e" * 90}, "kilnproxy", "1.0")
-    spans = [bytes([n % 251]) * size for n, size in enumerate(sizes)]
-    nested = wire.field(b"\n", framing.resource + wire.field(b"\x12", framing.scope + b"".join(spans)))
-    assert framing.request(spans) == nested
-
-
 class OneConnection:
     """A server taking one connection, answering each request on it with the next of ``answers`` (raw bytes);
     ``requests``: what it read (head and body)."""

@@ -304,11 +304,6 @@ class Framing:
         self.scope = field(b"\n", scope)
 
     def request(self, spans: list[bytes]) -> bytes:
-        """An ``ExportTraceServiceRequest`` of these spans (each from ``span``): the bytes of
-        ``field(b"\\n", resource + field(b"\\x12", scope + b"".join(spans)))``, the spans copied twice, not
-        five times (a batch is tens of kilobytes)."""
-        body = b"".join(spans)
-        scope_spans = len(self.scope) + len(body)
-        scope_head = b"\x12" + varint(scope_spans)
-        return b"".join((b"\n", varint(len(self.resource) + len(scope_head) + scope_spans), self.resource, scope_head,
-                         self.scope, body))
+        """An ``ExportTraceServiceRequest`` of these spans (each from ``span``)."""
+        scope_spans = field(b"\x12", self.scope + b"".join(spans))
+        return field(b"\n", self.resource + scope_spans)
