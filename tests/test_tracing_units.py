@@ -2,6 +2,7 @@
 messages (``otlp_receiver.decode``): the span tree, sampling, W3C trace context, the inspector's
 links, the bounded queue, the once-a-minute report of dropped spans and the OTLP/HTTP sender."""
 
+import asyncio
 import logging
 import os
 import threading
@@ -417,4 +418,37 @@ def test_an_upstreams_error_code_is_held_as_the_usage_row_holds_text(memory):
     assert [s["attributes"]["error.type"] for s in spans] == shown
     assert [s["status_message"] for s in spans] == shown
     assert max(len(v) for v in request_trace._ERROR_TYPE.seen) <= MAX_ROW_TEXT
+    t.close()
+
+
+def test_the_rows_of_each_commit_end_their_spans_once_committed_in_any_order(memory):
+    """A request's usage-commit span ends at its row's commit, and its spans are queued once its task has run:
+    commits of one row or several, in the order submitted or not."""
+    t = tracing_with(memory)
+    loop = asyncio.new_event_loop()
+    try:
+        async def traced(n: int) -> tuple:
+            trace = t.begin({}, "completions", call(n))
+            trace.model("m")
+            trace.end(row(n), committed := loop.create_future())
+            return trace, committed
+
+        async def run() -> None:
+            pending = [await traced(n) for n in range(6)]
+            order = [[0], [2, 1], [3, 4, 5]]  # the second commit writes a later row before an earlier one
+            for group in order:
+                for n in group:
+                    pending[n][1].set_result(None)
+                for _ in range(3):  # the commit's callback, then the encoding after the woken tasks
+                    await asyncio.sleep(0)
+                done = {m for g in order[:order.index(group) + 1] for m in g}
+                assert t.processor.queued() == 2 * len(done)  # the request's span and its usage commit's
+                assert all(pending[m][0].committed_at >= pending[m][0].ending for m in done)
+            assert t.waiting == [] and t.watched is None
+
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    spans = finished(t, memory)
+    assert sorted(s["name"] for s in spans) == ["kilnproxy.usage_commit"] * 6 + ["text_completion m"] * 6
     t.close()

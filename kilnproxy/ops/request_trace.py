@@ -9,7 +9,8 @@ encoded to OTLP protobuf (``otlp_wire``) together and handed to the export
 queue once the row is committed and the request has written what the commit
 let it write (its answer, or ``[DONE]``), but for an admission that raised and
 an upstream attempt followed by another, queued when they end. The requests
-whose rows one commit wrote are encoded in one loop callback
+whose rows one commit wrote end their usage-commit spans in one callback of
+that commit (``Tracing.commits``), are encoded in one loop callback
 (``Tracing.encode_ended``) and queued with one ``add_all``.
 
 Each traced request is on the gateway's hot path, so the encoding is written
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextvars
 import traceback
-from asyncio import get_running_loop
 from random import getrandbits
 from time import time_ns
 
@@ -119,7 +119,7 @@ class RequestTrace:
     __slots__ = ("tracing", "trace", "ids", "parent_id", "state", "start", "head", "generation_id", "name",
                  "requested", "events", "admitted", "admission_end", "attempt_id", "attempt_start",
                  "attempt_url", "attempt_end", "attempt_status", "attempt_problem", "stream_start", "row", "ending",
-                 "committed_at")
+                 "committed_at", "commit")
 
     def __init__(self, tracing, ids: bytes, trace_id: bytes, parent_id: bytes | None, state: str,
                  head: tuple[str, bytes], generation_id: str):
@@ -237,18 +237,13 @@ class RequestTrace:
             spans: list[bytes] = []
             self.encode(time_ns(), spans)
             self.tracing.add_all(spans)
-        else:
-            committed.add_done_callback(self._committed, context=_CALLBACKS)
-
-    def _committed(self, _future) -> None:
-        """The row is committed. The request's task, woken by the same commit, runs next and writes its
-        answer; the spans are encoded after it (``Tracing.encode_ended``, once for the requests whose rows
-        one commit wrote), so that tracing adds nothing to the answer's latency."""
-        self.committed_at = time_ns()
-        ended = self.tracing.ended
-        ended.append(self)
-        if len(ended) == 1:  # the first of its commit: the others' tasks are woken before this runs
-            get_running_loop().call_soon(self.tracing.encode_ended, context=_CALLBACKS)
+        else:  # Tracing.commits ends its usage-commit span: one loop callback for the rows one commit wrote
+            tracing = self.tracing
+            self.commit = committed
+            tracing.waiting.append(self)
+            if tracing.watched is None:
+                tracing.watched = committed
+                committed.add_done_callback(tracing.commits, context=_CALLBACKS)
 
     def encode(self, now: int, spans: list[bytes]) -> None:
         """The request's spans, appended to ``spans``; the request's own ends at ``now`` (its answer written).

@@ -64,7 +64,7 @@ from .. import __version__
 from ..config_types import TracingConfig
 from ..proxy.gateway import GATEWAY
 from . import otlp_wire as wire
-from .request_trace import RequestTrace, Unsampled
+from .request_trace import _CALLBACKS, RequestTrace, Unsampled
 from .trace_context import Sampler, parent
 from .trace_export import OtlpHttp, QuietExporter, SpanQueue
 
@@ -129,6 +129,8 @@ class Tracing:
         self.trace_ids: OrderedDict[str, str] | None = OrderedDict() if config.trace_url else None
         self.heads: dict[tuple[str, str], tuple[str, bytes]] = {}  # (endpoint, org) -> _head's
         self.ended: list[RequestTrace] = []  # committed, their answers being written: encode_ended's
+        self.waiting: list[RequestTrace] = []  # ended, their rows not yet committed, in the order submitted
+        self.watched = None  # the commit future of the first of them, with ``commits`` as its callback
 
     def begin(self, headers, endpoint: str, call) -> "RequestTrace | Unsampled":
         """The request's trace, a child of the client's ``traceparent`` when it sent a valid one."""
@@ -157,6 +159,33 @@ class Tracing:
             if len(ids) > KEEP_LINKS:
                 ids.popitem(last=False)
         return trace
+
+    def commits(self, future) -> None:
+        """The commit watched is done (rows commit in the order they are submitted): each request waiting
+        whose row is now committed ends its usage-commit span; their tasks, woken by the same commits, run
+        next and write their answers, and their spans are encoded after them (``encode_ended``, one loop
+        callback). The first request still waiting is watched next. One callback for the rows of a commit,
+        not one a row."""
+        now = time_ns()
+        ended = self.ended
+        scheduled = bool(ended)
+        still = []
+        for trace in self.waiting:
+            if trace.commit.done():
+                trace.committed_at = now
+                trace.commit = None
+                ended.append(trace)
+            else:
+                still.append(trace)
+        self.waiting = still
+        if still:
+            watched = self.watched = still[0].commit
+            watched.add_done_callback(self.commits, context=_CALLBACKS)
+        else:
+            self.watched = None
+        if ended and not scheduled:
+            # the future's loop: asyncio.get_running_loop() makes a getpid system call each time
+            future.get_loop().call_soon(self.encode_ended, context=_CALLBACKS)
 
     def encode_ended(self) -> None:
         """The spans of the requests committed since the last call, queued at once (their answers are
