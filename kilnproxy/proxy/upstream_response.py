@@ -68,6 +68,8 @@ class UpstreamResponse:
             await self._wait()
 
     async def read(self) -> bytes:
+        if self._done and self._exc is None:  # the whole body is here (a short answer came with its head)
+            return self._take() if self._chunks else b""
         parts = []
         while chunk := await self.readany():
             parts.append(chunk)
