@@ -110,8 +110,9 @@ class UpstreamResponse:
         return data
 
     async def _wait(self) -> None:
-        waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(self._idle, _idle_passed, waiter)
+        loop = self._loop
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_at(loop.time() + self._idle, _idle_passed, waiter)  # call_later's own work, in line
         try:
             await waiter
         finally:
