@@ -58,7 +58,7 @@ async def streams(port: int, count: int, concurrency: int, body: bytes, stream: 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-def wait_port(port: int, seconds: float = 120) -> None:
+def wait_port(port: int, seconds: float = 600) -> None:
     import socket
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
