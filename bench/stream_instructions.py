@@ -9,6 +9,8 @@ own, is not counted; valgrind runs the process about 50 times slower, so the tim
 ledger's group commits and of the keep-alive differ from a real run). Needs valgrind and nginx.
 
     python bench/stream_instructions.py before=/tmp/before after=installed [--streams 400] [--concurrency 8]
+
+``--json``: M2's non-streamed request instead (the canned JSON completion), instructions a request.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from upstreams import request_body, write_nginx_files
 HERE = Path(__file__).resolve().parent
 
 
-async def streams(port: int, count: int, concurrency: int, body: bytes) -> None:
-    """``count`` streams on ``concurrency`` kept-alive connections (as wrk sends them), each read to its end."""
+async def streams(port: int, count: int, concurrency: int, body: bytes, stream: bool = True) -> None:
+    """``count`` streams (or JSON answers) on ``concurrency`` kept-alive connections (as wrk sends them),
+    each read to its end."""
     data = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
             + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     left = iter(range(count))
@@ -42,6 +45,11 @@ async def streams(port: int, count: int, concurrency: int, body: bytes) -> None:
             for _ in left:
                 writer.write(data)
                 head = await reader.readuntil(b"\r\n\r\n")
+                if not stream:
+                    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                    assert head.startswith(b"HTTP/1.1 200"), head
+                    assert b'"cost"' in await reader.readexactly(length)
+                    continue
                 assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head, head
                 body = await reader.readuntil(b"\r\n0\r\n\r\n")
                 assert b"data: [DONE]" in body, body[-200:]
@@ -50,7 +58,7 @@ async def streams(port: int, count: int, concurrency: int, body: bytes) -> None:
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-def wait_port(port: int, seconds: float = 120) -> None:
+def wait_port(port: int, seconds: float = 600) -> None:
     import socket
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -68,11 +76,13 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--plugin", metavar="PATH")
+    parser.add_argument("--json", action="store_true", help="M2's non-streamed request instead of M3's stream")
     args = parser.parse_args()
     variants = dict(v.split("=", 1) for v in args.variants)
     work = Path(tempfile.mkdtemp(prefix="kilnproxy-ir-"))
     os.chdir(work)
-    body = request_body(True, model="bench-stream")
+    stream = not args.json
+    body = request_body(stream, model="bench-stream" if stream else "bench")
     plugin = str(Path(args.plugin).resolve()) if args.plugin else None
     with Procs(work) as procs:
         nginx_port = free_port()
@@ -81,7 +91,8 @@ def main() -> None:
         for name, tree in variants.items():
             port = free_port()
             config = gateway_config(work / f"{name}.toml", work / f"{name}.db", port,
-                                    {"bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1"}, plugin=plugin)
+                                    {"bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1",
+                                     "bench": f"http://127.0.0.1:{nginx_port}/json/v1"}, plugin=plugin)
             tree = str(HERE.parent) if tree == "installed" else str(Path(tree).resolve())
             out = work / f"{name}.callgrind"
             proc = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
@@ -90,16 +101,17 @@ def main() -> None:
                                     stdout=subprocess.DEVNULL, stderr=open(work / f"{name}.log", "w"))
             try:
                 wait_port(port)
-                asyncio.run(streams(port, args.warm, args.concurrency, body))
+                asyncio.run(streams(port, args.warm, args.concurrency, body, stream))
                 subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
-                asyncio.run(streams(port, args.streams, args.concurrency, body))
+                asyncio.run(streams(port, args.streams, args.concurrency, body, stream))
                 subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
             finally:
                 proc.terminate()
                 proc.wait()
             match = re.search(r"^summary: (\d+)", (work / f"{name}.callgrind.1").read_text(errors="replace"), re.M)
             totals = int(match.group(1))  # the counters' dump: from the zeroing to it
-            print(f"{name:12s} {totals / args.streams:12,.0f} instructions a stream ({args.streams} streams, "
+            what = "stream" if stream else "JSON request"
+            print(f"{name:12s} {totals / args.streams:12,.0f} instructions a {what} ({args.streams} {what}s, "
                   f"{args.concurrency} at a time)", flush=True)
 
 

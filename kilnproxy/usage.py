@@ -159,6 +159,11 @@ def prompt_token_bound(body: Mapping[str, Any] | None, context_window: int | Non
     tokens = TEMPLATE_TOKENS
     for field in _PROMPT_FIELDS:
         value = body.get(field)
+        if value is None:
+            continue
+        if type(value) is str:  # the usual prompt: no walk
+            tokens += len(value.encode("utf-8", "surrogatepass"))
+            continue
         if isinstance(value, list):  # messages, prompts or inputs; a list of token ids is one prompt
             tokens += TEMPLATE_TOKENS_PER_MESSAGE * sum(not isinstance(item, int) for item in value)
         stack = [value]

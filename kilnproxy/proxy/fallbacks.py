@@ -24,7 +24,7 @@ fallback's upstream gets the same body with its own ``upstream_model``.
 from __future__ import annotations
 
 import asyncio
-from typing import NamedTuple
+from typing import Awaitable, NamedTuple
 
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, plugin_failed
@@ -52,10 +52,17 @@ class Opened(NamedTuple):
     deadline: float | None  # loop time when request_timeout ends the answer
 
 
-async def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, record: RequestRecord,
-                        body: dict, headers: dict[str, str] | None = None, hold_of=Hold) -> Opened:
-    """The first model of the chain that takes the request, with its upstream's response.
+def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, record: RequestRecord,
+                  body: dict, headers: dict[str, str] | None = None, hold_of=Hold) -> Awaitable[Opened]:
+    """The first model of the chain that takes the request, with its upstream's response (to await).
     Raises what the last model tried answered (``GatewayError`` or ``UpstreamFailure``)."""
+    if not route.model.fallbacks:  # a chain of one: its model's answer or failure is the request's
+        return _open_model(gw, call, route, record, body, headers)
+    return _open_chain(gw, call, key, route, record, body, headers, hold_of)
+
+
+async def _open_chain(gw: Gateway, call: Call, key: KeyConfig, route: Route, record: RequestRecord,
+                      body: dict, headers: dict[str, str] | None, hold_of) -> Opened:
     chain = [route] + [gw.routes.get(f) for f in route.model.fallbacks]
     requested = call.model, call.upstream_model, call.pricing
     problem: Exception | None = None

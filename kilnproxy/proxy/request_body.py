@@ -69,11 +69,15 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
     """The body's bytes, decoded from its ``Content-Encoding``, or the 408, 413, 415 or 400
     ``GatewayError`` that refuses it (the rules above; nothing about JSON)."""
     max_bytes = server.max_request_bytes
-    encoding = ", ".join(request.headers.getall("Content-Encoding", ())).strip().lower()  # two lines: a list
-    if encoding not in ENCODINGS and encoding not in ("", "identity"):
-        raise GatewayError(415, "unsupported_content_encoding",
-                           f"Content-Encoding {encoding!r} is not supported; send the body as it is, "
-                           "or compressed with gzip or deflate.")
+    headers = request.headers
+    if "Content-Encoding" not in headers:  # the usual body
+        encoding = ""
+    else:
+        encoding = ", ".join(headers.getall("Content-Encoding")).strip().lower()  # two lines: a list
+        if encoding not in ENCODINGS and encoding not in ("", "identity"):
+            raise GatewayError(415, "unsupported_content_encoding",
+                               f"Content-Encoding {encoding!r} is not supported; send the body as it is, "
+                               "or compressed with gzip or deflate.")
     if request.content.is_eof():  # the whole body came with the headers (most do): nothing to wait for
         raw = _arrived(request, max_bytes)
     else:

@@ -7,6 +7,8 @@ the first that fails answers the request.
 
 from __future__ import annotations
 
+from typing import Awaitable
+
 from ..config import KeyConfig, MaintenanceConfig
 from ..errors import GatewayError, bad_request, forbidden, model_not_found
 from ..plugins.call import Call, set_stream
@@ -32,9 +34,9 @@ def check_account(key: KeyConfig, disabled_orgs: frozenset[str], credits: Credit
                            type="service_unavailable", headers={"Retry-After": maintenance.retry_after})
 
 
-async def take_slot(admission: Admission, hold: Hold, limit: int, key: KeyConfig,
-                    org_per_minute: tuple[int | None, int | None] | None = None) -> None:
-    """Step 5: the org's in-flight slot and the hold on its credits (and on the key's ``limit``),
+def take_slot(admission: Admission, hold: Hold, limit: int, key: KeyConfig,
+              org_per_minute: tuple[int | None, int | None] | None = None) -> Awaitable[None]:
+    """Step 5 (to await): the org's in-flight slot and the hold on its credits (and on the key's ``limit``),
     in one step: 429 when the org already has ``limit`` requests in flight (no rate-limit
     headers), 402 ``insufficient_credits`` when its credits minus its other holds are used up,
     402 ``key_limit_exceeded`` when the key's limit minus its usage in the period and its other
@@ -48,7 +50,7 @@ async def take_slot(admission: Admission, hold: Hold, limit: int, key: KeyConfig
         hold.per_minute.append((f"org:{key.org}", *org_per_minute))
     if key.requests_per_minute is not None or key.tokens_per_minute is not None:
         hold.per_minute.append((f"key:{key.id}", key.requests_per_minute, key.tokens_per_minute))
-    await admission.admit(hold, limit)
+    return admission.admit(hold, limit)
 
 
 def check_model(body: dict, key: KeyConfig, routes: dict[str, Route]) -> Route:

@@ -167,24 +167,33 @@ class Route:
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
-            candidates = [u for u in self.candidates() if u not in tried]
+            candidates = [u for u in self.candidates() if u not in tried] if tried else self.candidates()
             if not candidates:
                 raise problem or no_backend_available(self.id)
-            try:
-                pool = await take_slot([u.slots for u in candidates], queue_deadline, self._usable)
-            except UpstreamBusy:
-                raise problem or upstream_busy(self.id, self.model.queue_timeout) from None
-            except NoUpstreamUp:  # each marked down while it waited: no_backend_available, unless one is back
-                continue
+            pool = candidates[0].slots if len(candidates) == 1 else None
+            if pool is not None and pool.refusal is None and pool.free():  # what take_slot does first, in line
+                pool.take()
+            else:
+                try:
+                    pool = await take_slot([u.slots for u in candidates], queue_deadline, self._usable)
+                except UpstreamBusy:
+                    raise problem or upstream_busy(self.id, self.model.queue_timeout) from None
+                except NoUpstreamUp:  # each marked down while it waited: no_backend_available, unless one is back
+                    continue
             # (one of the candidates, or an upstream found up again while the request waited)
-            upstream = next(u for u in self.upstreams if u.slots is pool)
+            upstream = self.upstreams[0] if len(self.upstreams) == 1 else next(
+                u for u in self.upstreams if u.slots is pool)
             tried.append(upstream)
             upstream.in_flight += 1
             extra = headers if trace is None else trace.attempt(upstream.base_url, headers or {})
             if record is not None:
                 record.sent = True
             try:
-                resp, first = await self._attempt(client, self._target(upstream, endpoint), body, stream, extra)
+                target = self._target(upstream, endpoint)
+                if self.model.first_byte_timeout is None:
+                    resp, first = await client.post(target, extra, body), None
+                else:
+                    resp, first = await self._attempt(client, target, body, stream, extra)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, GatewayError) as exc:
                 upstream.failed()  # before the slot is given back: a waiter is not handed a server now down
                 upstream.release()
@@ -238,9 +247,8 @@ class Route:
 
     async def _attempt(self, client: UpstreamClient, target: RequestTarget, body: bytes, stream: bool,
                        headers: Mapping[str, str] | None) -> tuple[UpstreamResponse, bytes | None]:
+        """A POST within the model's ``first_byte_timeout`` (and a stream's first bytes read in it)."""
         seconds = self.model.first_byte_timeout
-        if seconds is None:
-            return await client.post(target, headers, body), None
         deadline = asyncio.timeout(seconds)
         try:
             async with deadline:

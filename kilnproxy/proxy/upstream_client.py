@@ -52,13 +52,14 @@ class RequestTarget:
 
     def request(self, extra: Mapping[str, str] | None, body: bytes) -> bytes:
         """The whole request: the head, ``extra`` headers (CR or LF in one drops it), the body."""
+        if not extra:
+            return b"".join((self.head, b"Content-Length: %d\r\n\r\n" % len(body), body))
         parts = [self.head]
-        if extra:
-            fixed = self.fixed
-            for name, value in extra.items():
-                if name.lower() in fixed or "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-                    continue
-                parts.append(f"{name}: {value}\r\n".encode("utf-8"))
+        fixed = self.fixed
+        for name, value in extra.items():
+            if name.lower() in fixed or "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                continue
+            parts.append(f"{name}: {value}\r\n".encode("utf-8"))
         parts.append(b"Content-Length: %d\r\n\r\n" % len(body))
         parts.append(body)
         return b"".join(parts)
@@ -93,15 +94,23 @@ class UpstreamClient:
         if self.refusal is not None:
             raise self.refusal()
         data = target.request(extra, body)
-        pool = self.pool(target.origin)
+        pool = self.pools.get(target.origin) or self.pool(target.origin)
         conn = pool.take()
         if conn is None:
             return await self._exchange(await pool.connect(), data)
+        # _exchange in line (a kept-alive connection is the usual case; take() gives none closed)
+        response = UpstreamResponse(conn, pool.loop, self.idle_timeout)
+        conn.send(data, response)
         try:
-            return await self._exchange(conn, data)
+            await response.wait_headers()
+            return response
         except UpstreamDisconnected as exc:
+            response.close()
             if exc.answered:
                 raise
+        except BaseException:
+            response.close()
+            raise
         return await self._exchange(await pool.connect(), data)  # the kept-alive one had been closed
 
     async def _exchange(self, conn: UpstreamConnection, data: bytes) -> UpstreamResponse:

@@ -82,7 +82,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
-        self.header_list: list[tuple[bytes, bytes]] = []
+        self.header_list: list[tuple[str, str]] = []  # the answer's headers, decoded as they arrive
         self.received = False  # a byte of the current answer arrived
         self.closed = False
         self.idle_since = 0.0
@@ -148,7 +148,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.hang_up()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_list.append((name, value))
+        self.header_list.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -160,8 +160,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.informational = True
             self.header_list = []
             return
-        headers = CIMultiDict((name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
-                              for name, value in self.header_list)
+        headers = CIMultiDict(self.header_list)
         # no length and not chunked: the body ends with the connection (RFC 9112 6.3)
         self.delimited_by_close = "Content-Length" not in headers \
             and "chunked" not in headers.get("Transfer-Encoding", "").lower()

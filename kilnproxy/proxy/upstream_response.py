@@ -68,6 +68,8 @@ class UpstreamResponse:
             await self._wait()
 
     async def read(self) -> bytes:
+        if self._done and self._exc is None:  # the whole body is here (a short answer came with its head)
+            return self._take() if self._chunks else b""
         parts = []
         while chunk := await self.readany():
             parts.append(chunk)
@@ -108,8 +110,9 @@ class UpstreamResponse:
         return data
 
     async def _wait(self) -> None:
-        waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(self._idle, _idle_passed, waiter)
+        loop = self._loop
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_at(loop.time() + self._idle, _idle_passed, waiter)  # call_later's own work, in line
         try:
             await waiter
         finally:

@@ -233,11 +233,13 @@ class LocalAdmission(Counts):
 
     async def admit(self, hold: Hold, limit: int) -> None:
         org = hold.org
-        if self.count(org) >= limit:
+        in_flight = self._counts.get(org, 0)
+        if in_flight >= limit:
             raise rate_limited(org, limit)
         if hold.per_minute and (window := self.minutes.full(hold.per_minute)) is not None:
             raise per_minute_exceeded(window)
-        if self.credits.remaining(org) - self._held.get(org, 0.0) <= 0:
+        held = self._held.get(org, 0.0)
+        if self.credits.remaining(org) - held <= 0:
             raise insufficient_credits(org, holding=True)
         if hold.key_limit is not None:
             spent = self.key_spending.spent(hold.key_id, hold.key_since)
@@ -246,8 +248,8 @@ class LocalAdmission(Counts):
             self._key_held[hold.key_id] = self._key_held.get(hold.key_id, 0.0) + hold.amount
         if hold.per_minute:
             self.minutes.take(hold.id, hold.tokens, [name for name, _, _ in hold.per_minute])
-        self.taken(org)
-        self._held[org] = self._held.get(org, 0.0) + hold.amount
+        self._counts[org] = in_flight + 1  # taken (Counts)
+        self._held[org] = held + hold.amount
 
     def release(self, hold: Hold) -> None:
         if self.given_back(hold.org):

@@ -58,11 +58,12 @@ class RouteTable:
         request.route = route
         return request
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        """The server's request handler."""
+    def handle(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        """The server's request handler: the awaitable of the request's own handler (the server awaits
+        it; a coroutine of ours around it would only pass its result on)."""
         if type(request) is HotRequest:
-            return await request.route(request)
-        return await self._app_handler(request)
+            return request.route(request)
+        return self._app_handler(request)
 
 
 def _with_middlewares(app: web.Application, handler: Handler) -> Handler:
