@@ -299,6 +299,7 @@ def _change_the_last_too(call, event):
 
 PLUGINS = {
     "no-op": [Impl("noop", "transform_event", lambda event: None, ("event",))],
+    "takes no argument": [Impl("nothing", "transform_event", lambda: None, ())],
     "a method, call first": [Impl("tagger", "transform_event", _Tagger().transform_event, ("call", "event"))],
     "changes the event before": [Impl("late", "transform_event", _change_the_last_too, ("call", "event"))],
     "two, the second dropping": [Impl("upper", "transform_event", _upper, ("event",)),

@@ -644,6 +644,12 @@ def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:
         return function
     if names == ("call", "event"):
         return MethodType(function, call)
+    if names == ("event", "call"):
+        return lambda event: function(event, call)
+    if names == ("call",):
+        return lambda event: function(call)
+    if not names:
+        return lambda event: function()
     return lambda event: call_impl(impl, {"call": call, "event": event})
 
 
