@@ -300,6 +300,7 @@ def _change_the_last_too(call, event):
 PLUGINS = {
     "no-op": [Impl("noop", "transform_event", lambda event: None, ("event",))],
     "takes no argument": [Impl("nothing", "transform_event", lambda: None, ())],
+    "returns another event": [Impl("other", "transform_event", lambda event: {"id": "other"}, ("event",))],
     "a method, call first": [Impl("tagger", "transform_event", _Tagger().transform_event, ("call", "event"))],
     "changes the event before": [Impl("late", "transform_event", _change_the_last_too, ("call", "event"))],
     "two, the second dropping": [Impl("upper", "transform_event", _upper, ("event",)),
@@ -402,3 +403,13 @@ def test_a_chunk_that_names_a_role_counts_as_a_token_only_on_text_completions(en
     for impls in ((), tuple(PLUGINS["no-op"])):
         for bulk in (True, False):
             assert run(relay_for("test-model", False, endpoint, impls), [stream], bulk)[1] == counted
+
+
+@pytest.mark.parametrize("chunked", ["whole", "a chunk per event"])
+def test_what_transform_event_returns_other_than_stop_or_drop_is_ignored(chunked):
+    """The event the plugin was given goes out, as it left it: a dict it returns is not sent."""
+    stream = mock_stream("vllm", False, words=12)
+    chunks = [stream] if chunked == "whole" else [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+    returned = run(relay_for("test-model", True, impls=tuple(PLUGINS["returns another event"])), chunks, True)
+    assert returned == run(relay_for("test-model", True, impls=tuple(PLUGINS["no-op"])), chunks, True)
+    assert b'"id":"other"' not in b"".join(returned[0]) and returned[1:3] == (13, "length")
