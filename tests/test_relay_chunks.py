@@ -238,6 +238,18 @@ def test_odd_streams_relay_the_same_in_bulk_with_a_plugin(name):
         assert runs[0] == runs[1], cut
 
 
+@pytest.mark.parametrize("plugins", ["changes text", "a method, call first", "changes the event before",
+                                     "drops every third", "raises alone", "two, the second dropping"])
+@pytest.mark.parametrize("name", list(ODD_STREAMS))
+def test_odd_streams_relay_the_same_in_bulk_with_plugins_that_act(name, plugins):
+    """The same with plugins that change, keep, drop or fail on events, alone and in order."""
+    stream = ODD_STREAMS[name] + b"data: [DONE]\n\n"
+    impls = tuple(PLUGINS[plugins])
+    for cut, chunks in cuts(stream, seed=list(ODD_STREAMS).index(name), random_cuts=3).items():
+        runs = [run(relay_for("test-model", True, impls=impls), chunks, bulk) for bulk in (True, False)]
+        assert runs[0] == runs[1], cut
+
+
 def _upper(event):
     for choice in event.get("choices") or ():
         if choice.get("text"):
@@ -266,8 +278,33 @@ def _not_json_late(call, event):
         event["x"] = {1, 2}
 
 
+class _Tagger:
+    """A plugin object: its hook a method, ``call`` first (bound to the stream's call as the method's
+    own ``self`` is bound to the object)."""
+
+    def transform_event(self, call, event):
+        event["gen"] = call.generation_id
+        event.setdefault("seen", []).append(type(self).__name__)
+
+
+def _change_the_last_too(call, event):
+    """Keeps each event and changes it again when the next comes: what goes out is the event as
+    it was when the plugin returned."""
+    last = call.state.get("last")
+    if last is not None:
+        last["late"] = True
+    event["late"] = False
+    call.state["last"] = event
+
+
 PLUGINS = {
     "no-op": [Impl("noop", "transform_event", lambda event: None, ("event",))],
+    "takes no argument": [Impl("nothing", "transform_event", lambda: None, ())],
+    "returns another event": [Impl("other", "transform_event", lambda event: {"id": "other"}, ("event",))],
+    "a method, call first": [Impl("tagger", "transform_event", _Tagger().transform_event, ("call", "event"))],
+    "changes the event before": [Impl("late", "transform_event", _change_the_last_too, ("call", "event"))],
+    "two, the second dropping": [Impl("upper", "transform_event", _upper, ("event",)),
+                                 Impl("drop", "transform_event", _drop_some, ("call", "event"))],
     "raises alone": [Impl("raise", "transform_event", _raise_late, ("call",))],
     "leaves the event not JSON": [Impl("set", "transform_event", _not_json_late, ("call", "event"))],
     "changes text": [Impl("upper", "transform_event", _upper, ("event",))],
@@ -294,7 +331,8 @@ def test_with_transform_event_plugins_the_stream_is_the_same(plugins, flavor, ch
     frames = b"".join(out).split(b"\n\n")
     assert (b"plugin_error" in frames[-3]) == (plugins in ("two, one raising", "raises alone", "leaves the event not JSON"))
     if flavor == "vllm":  # 31 events (30 words and the finish chunk), the usage chunk, [DONE], ""
-        assert len(frames) - 2 == {"drops every third": 22, "stops at the 20th": 20 + 1, "two, one raising": 8 + 1,
+        assert len(frames) - 2 == {"drops every third": 22, "two, the second dropping": 22, "stops at the 20th": 20 + 1,
+                                   "two, one raising": 8 + 1,
                                    "raises alone": 8 + 1, "leaves the event not JSON": 6 + 1}.get(plugins, 32)
         assert finish == (None if plugins in ("stops at the 20th", "two, one raising", "raises alone",
                                               "leaves the event not JSON") else "length")
@@ -365,3 +403,13 @@ def test_a_chunk_that_names_a_role_counts_as_a_token_only_on_text_completions(en
     for impls in ((), tuple(PLUGINS["no-op"])):
         for bulk in (True, False):
             assert run(relay_for("test-model", False, endpoint, impls), [stream], bulk)[1] == counted
+
+
+@pytest.mark.parametrize("chunked", ["whole", "a chunk per event"])
+def test_what_transform_event_returns_other_than_stop_or_drop_is_ignored(chunked):
+    """The event the plugin was given goes out, as it left it: a dict it returns is not sent."""
+    stream = mock_stream("vllm", False, words=12)
+    chunks = [stream] if chunked == "whole" else [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+    returned = run(relay_for("test-model", True, impls=tuple(PLUGINS["returns another event"])), chunks, True)
+    assert returned == run(relay_for("test-model", True, impls=tuple(PLUGINS["no-op"])), chunks, True)
+    assert b'"id":"other"' not in b"".join(returned[0]) and returned[1:3] == (13, "length")

@@ -32,7 +32,7 @@ a ``choices: []`` chunk per choice on chat. Then the reports are combined
 from __future__ import annotations
 
 import logging
-from functools import partial
+from types import MethodType
 from typing import Any, Callable
 
 import orjson
@@ -140,7 +140,7 @@ class EventRelay:
         if chunk.find(b"\n") == len(chunk) - 2 and chunk[:6] == b"data: ":
             return self.feed_data([chunk[6:-2]])  # one data line: a model server's token, as the parser reads it
         if self.parse_all:
-            return self._events(chunk)
+            return self._plugged_events(chunk)
         cut = self._tail_start(chunk)
         if cut:
             head = chunk if cut == len(chunk) else chunk[:cut]
@@ -295,15 +295,31 @@ class EventRelay:
             self._take_finish_reason(choices)  # what the client sees
         return data_frame(data)
 
+    def _plugged_events(self, events: bytes) -> bytes:
+        """``_events`` with ``transform_event`` plugins. Each event is one ``data:`` line (a model
+        server's, nginx's) when the events' data, split at the blank lines, holds no line end:
+        one join and one ``memchr`` (0.7 µs on M3's 13 KB), where ``_events`` counts the line ends
+        (``bytes.count`` of one byte walks the chunk a byte at a time: 7 µs, as long as parsing
+        and writing seven of its events)."""
+        if events[:6] == b"data: ":
+            payloads = events[6:-2].split(b"\n\ndata: ")
+            if b"\n" not in b"".join(payloads):
+                return self._plugged_data(payloads)
+        return self.feed(self.parser.feed(events))
+
     def _plugged_data(self, payloads: list[bytes]) -> bytes:
-        """``feed_data`` with ``transform_event`` plugins: the frames put together once. A stream's
-        usual event (an object with no usage object and no error, shown to one plugin) is taken
-        here in line, the same steps as ``_plugged`` without its calls: this loop is the cost of
-        every event of every stream that has a plugin."""
-        out = []
+        """``feed_data`` with ``transform_event`` plugins: the frames put together once. With one
+        plugin, a stream's usual event (an object with no usage object and no ``error`` key) is
+        taken here in line, the same steps as ``_plugged_event`` without its calls: this loop is
+        the cost of every event of every stream that has a plugin. The chunks it counts go to
+        the record once."""
+        if len(self.transforms) != 1:
+            return self._plugged_each(payloads)
+        out: list[bytes] = []
         append = out.append
-        one = self.transforms[0] if len(self.transforms) == 1 else None
+        one = self.transforms[0]
         model, record, chat, loads, dumps = self.call.model, self.record, self.chat, orjson.loads, orjson.dumps
+        counted = 0
         try:
             for payload in payloads:
                 try:
@@ -318,16 +334,16 @@ class EventRelay:
                     if self.ended:
                         break
                     continue
-                if one is None or type(event) is not dict or event.get("error") is not None \
-                        or event.get("usage") is not None or event.get("object") == "error":
+                if type(event) is not dict or "error" in event or event.get("usage") is not None \
+                        or event.get("object") == "error":
                     data = self._plugged_event(event, payload)
                     if data is not None:
                         append(data)
                     if self.ended:
                         break
                     continue
-                if event.get("choices"):
-                    record.streamed_chunks += not chat or ROLE not in payload or not _role_only(payload)
+                if event.get("choices") and (not chat or ROLE not in payload or not _role_only(payload)):
+                    counted += 1
                 if "model" in event:
                     event["model"] = model
                 self.last_event = event
@@ -335,11 +351,12 @@ class EventRelay:
                     verdict = one(event)
                 except BaseException as exc:
                     raise self._failed(self.impls[0], exc) from exc
-                if verdict is DROP:
-                    self._dropped(event)
-                    continue
-                if verdict is STOP:
-                    self.ended = True
+                if verdict is not None:
+                    if verdict is DROP:
+                        self._dropped(event)
+                        continue
+                    if verdict is STOP:
+                        self.ended = True
                 try:
                     append(dumps(event))
                 except TypeError:
@@ -353,12 +370,37 @@ class EventRelay:
                             reason = choice.get("finish_reason")
                             if reason:
                                 record.finish_reason = reason
+                if verdict is STOP:  # nothing else in line ends the stream (an unwritable event breaks above)
+                    break
+        except StreamPluginError as exc:
+            exc.before = _frames(out) + exc.before
+            raise
+        finally:
+            record.streamed_chunks += counted
+        return _frames(out)
+
+    def _plugged_each(self, payloads: list[bytes]) -> bytes:
+        """``_plugged_data`` with several plugins: each event as it is when it comes alone."""
+        out = []
+        try:
+            for payload in payloads:
+                try:
+                    event = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    if is_done(payload):
+                        self.ended = self.clean_end = True
+                        break
+                    data = self._plugged_stdlib(payload)
+                else:
+                    data = self._plugged_event(event, payload)
+                if data is not None:
+                    out.append(data)
                 if self.ended:
                     break
         except StreamPluginError as exc:
-            exc.before = (b"data: " + b"\n\ndata: ".join(out) + b"\n\n" if out else b"") + exc.before
+            exc.before = _frames(out) + exc.before
             raise
-        return b"data: " + b"\n\ndata: ".join(out) + b"\n\n" if out else b""
+        return _frames(out)
 
     def _plugged(self, payload: bytes) -> bytes | None:
         """With plugins, every event: one parse, the rules, the plugins, one serialisation; the
@@ -594,10 +636,24 @@ def _then(out: bytes, more: Callable[[bytes], bytes], events: bytes) -> bytes:
 
 def _event_only(impl: Impl, call: Call) -> Callable[[dict], Any]:
     """A ``transform_event`` implementation as a function of the event alone, its ``call`` bound
-    once per stream (pluggy passes arguments by name; these are its names in order)."""
+    once per stream (pluggy passes arguments by name; these are its names in order). ``call``
+    first is bound as a method's ``self`` is: the interpreter calls a bound method of a
+    function as the function itself, in the caller's loop, where a ``partial`` is a C call."""
     function, names = impl.function, impl.argnames
     if names == ("event",):
         return function
     if names == ("call", "event"):
-        return partial(function, call)
+        return MethodType(function, call)
+    if names == ("event", "call"):
+        return lambda event: function(event, call)
+    if names == ("call",):
+        return lambda event: function(call)
+    if not names:
+        return lambda event: function()
     return lambda event: call_impl(impl, {"call": call, "event": event})
+
+
+def _frames(datas: list[bytes]) -> bytes:
+    """The events of these data, one ``data:`` line each: the data copied twice (joined, then
+    framed), not three times."""
+    return b"".join((b"data: ", b"\n\ndata: ".join(datas), b"\n\n")) if datas else b""
