@@ -68,6 +68,9 @@ FINISH, FINISH_NULL = b'"finish_reason"', b'"finish_reason":null'
 MODEL_KEY = b'"model":'
 BACKSLASH = 92  # the byte before a quote that is in a string
 MAX_MISSES = 3
+# A bytes ``in`` first tries its operand as an int, at the cost of a raised error: ``find``, and an
+# int for a single byte (``10 in data``, a memchr), where a stream pays it.
+LF = 10
 
 
 class PlainRun:
@@ -104,7 +107,7 @@ class PlainRun:
         n = self.count(head)
         if not n:
             return 0, b"", 0
-        return n, self.renamed(head), head.count(ROLE) if ROLE in head else 0
+        return n, self.renamed(head), head.count(ROLE) if head.find(ROLE) >= 0 else 0
 
     def _by_frames(self, head: bytes) -> tuple[int, bytes, int] | None:
         """``take`` for a run whose events all start with the stream's ``prefix`` and end with its
@@ -133,7 +136,7 @@ class PlainRun:
                 continue
             middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
             joined = b",".join(middles)
-            if b"\n" not in joined and head.startswith(prefix, 6) and head.startswith(suffix, len(head) - 2 - len(suffix)) \
+            if LF not in joined and head.startswith(prefix, 6) and head.startswith(suffix, len(head) - 2 - len(suffix)) \
                     and len(head) == n * (edge + 8) + len(joined) - (n - 1) \
                     and head.startswith(self.needle.join(middles), 6 + len(prefix)):
                 return self._checked(head, middles, joined)
@@ -142,8 +145,9 @@ class PlainRun:
     def _checked(self, head: bytes, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
         if not self.frames_plain:
             return None
+        find = joined.find
         for marker in self.banned:
-            if marker in joined:
+            if find(marker) >= 0:
                 return None
         n = len(middles)
         roles = n if self.frame_roles else joined.count(ROLE)
@@ -155,7 +159,7 @@ class PlainRun:
         """The frames of two events: their common start up to its last ``,`` or ``{``, their common
         end from its first ``,`` or ``}``; with what they show once for all the runs they frame
         (``frames_plain``), and the markers to look for in the middles (``banned``)."""
-        if b"\n" in first or b"\n" in second:
+        if LF in first or LF in second:
             return False
         same = _common_start(first, second)
         cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
@@ -169,8 +173,9 @@ class PlainRun:
         self.needle = suffix + EVENT_SEP + prefix
         frames = prefix + b"\n" + suffix  # the newline: no marker seen across the two
         # a usage or a finish reason: each event holds the null, or none holds the key
-        plain = (ERROR not in frames and (USAGE_NULL in frames or USAGE not in frames)
-                 and (FINISH_NULL in frames or FINISH not in frames))
+        find = frames.find
+        plain = (find(ERROR) < 0 and (find(USAGE_NULL) >= 0 or find(USAGE) < 0)
+                 and (find(FINISH_NULL) >= 0 or find(FINISH) < 0))
         banned = BANNED  # in a middle: an error, a usage or finish reason of its own (another choice's)
         at = prefix.find(MODEL_KEY)  # each event's first "model": at its top level, the upstream's name (TOP)
         if at >= 0:
@@ -183,12 +188,12 @@ class PlainRun:
             plain = plain and frames.count(self.upstream) == 1
         else:  # the upstream's name once in every event: once in the frames, nowhere else
             upstream, catalog = self.upstream, self.catalog
-            plain = plain and catalog not in frames and frames.count(upstream) == 1
+            plain = plain and find(catalog) < 0 and frames.count(upstream) == 1
             banned += (upstream, catalog)
             prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
             self.out_start, self.out_end = b"data: " + prefix, suffix + b"\n\n"
             self.out_needle = suffix + EVENT_SEP + prefix
-        self.frames_plain, self.banned, self.frame_roles = plain, banned, ROLE in frames
+        self.frames_plain, self.banned, self.frame_roles = plain, banned, find(ROLE) >= 0
         return True
 
     def count(self, head: bytes) -> int:
@@ -218,9 +223,9 @@ class PlainRun:
                 return 0
         if not framed and head.count(EVENT) != n - 1:
             return 0
-        if ERROR in head:
+        if head.find(ERROR) >= 0:
             return 0
-        if USAGE in head:  # OpenAI's and SGLang's "usage":null on every chunk, or usage to read
+        if head.find(USAGE) >= 0:  # OpenAI's and SGLang's "usage":null on every chunk, or usage to read
             at = head.find(USAGE_NULL, 0, eol)
             if at >= 0 and self._framed(head, n, eol, at, at + len(USAGE_NULL), 2):
                 if head.count(USAGE) != n:

@@ -114,11 +114,11 @@ class EventRelay:
         rest = self.rest
         if rest:
             rest.append(chunk)
-            if b"\n" not in chunk and b"\r" not in chunk:
+            if LF not in chunk and CR not in chunk:
                 return b""
             chunk = b"".join(rest)
             rest.clear()
-        if b"\r" in chunk:  # CR or CRLF line ends: the parser's business
+        if CR in chunk:  # CR or CRLF line ends: the parser's business
             self.by_parser = self.crlf = True
             return self.feed(self.parser.feed(chunk))
         end = chunk.rfind(b"\n\n") + 2
@@ -126,7 +126,7 @@ class EventRelay:
             end = 0
         if end < len(chunk):
             tail = chunk[end:]
-            if tail[:1] == b":" or b"\n:" in tail:  # a comment goes out when its line ends: the parser's way
+            if tail[:1] == b":" or tail.find(b"\n:") >= 0:  # a comment goes out when its line ends: the parser's way
                 out = self._events(chunk[:end]) if end else b""
                 if self.ended:
                     return out
@@ -170,8 +170,9 @@ class EventRelay:
             if start < 2:
                 return cut
             event = events[start:cut]  # marked: [DONE], an error, usage or a finish reason (what ends or is read)
-            if not (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
-                    or FINISH in event and FINISH_NULL not in event):
+            find = event.find  # find, not ``in``: a bytes ``in`` first tries its operand as an int, an exception
+            if not (event[:12] == DONE_LINE or find(ERROR) >= 0 or find(USAGE) >= 0 and find(USAGE_NULL) < 0
+                    or find(FINISH) >= 0 and find(FINISH_NULL) < 0):
                 return cut
             cut = start
         return cut
@@ -199,7 +200,7 @@ class EventRelay:
                     break
                 frame = self._event(payload)
                 if frame is not None:
-                    out.append(frame if b"\n" not in payload else lines_frame(frame))
+                    out.append(frame if LF not in payload else lines_frame(frame))
                 if self.ended:
                     break
         except StreamPluginError as exc:
@@ -229,9 +230,10 @@ class EventRelay:
         if self.parse_all:
             data = self._plugged(payload)
             return None if data is None else data_frame(data)
-        finish = payload.find(FINISH)  # none, or one and null (several: another choice's may be a reason)
-        if ((USAGE not in payload or USAGE_NULL in payload)
-                and ERROR not in payload
+        find = payload.find
+        finish = find(FINISH)  # none, or one and null (several: another choice's may be a reason)
+        if ((find(USAGE) < 0 or find(USAGE_NULL) >= 0)
+                and find(ERROR) < 0
                 and (finish < 0 or payload.startswith(FINISH_NULL, finish)
                      and payload.find(FINISH, finish + FINISH_LEN) < 0)):
             if payload.startswith(self.own_start) or (payload.endswith(self.own_end)
@@ -241,7 +243,7 @@ class EventRelay:
                 renamed = self._own_model(payload)
                 if renamed is None:
                     return self._parsed_event(payload)
-            self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
+            self.record.streamed_chunks += not self.chat or find(ROLE) < 0 or not _role_only(payload)
             # the event's own model is its first "model": (TOP), so replace's
             return data_frame(payload.replace(self.upstream_key, self.catalog_key, 1) if renamed else payload)
         return self._parsed_event(payload)
@@ -551,6 +553,7 @@ UNWRITABLE = orjson.dumps({"error": {
 # at one by one before the rest is checked as a whole.
 TAIL_EVENTS = 4
 DONE_LINE = b"data: [DONE]"
+LF, CR = 10, 13  # ``10 in data`` is a memchr; ``b"\n" in data`` tries b"\n" as an int first, a raised error's cost
 
 
 FINISH_LEN = len(FINISH)
