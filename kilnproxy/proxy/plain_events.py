@@ -99,17 +99,29 @@ class PlainRun:
         if head[:7] != b"data: {":
             return 0, b"", 0
         if self.framable and head.find(b"\n\n") != len(head) - 2:  # more than one event
-            framed = self._by_frames(head)
+            return self.take_split(head, len(head), head[6:-2].split(EVENT_SEP))
+        return self._counted(head)
+
+    def take_split(self, data: bytes, end: int, events: list[bytes]) -> tuple[int, bytes, int]:
+        """``take(data[:end])`` for a run already split: ``data`` starts with ``data: {``, holds no CR,
+        and ``events`` is ``data[6:end - 2].split(EVENT_SEP)``, ``data[end - 2:end]`` a blank line
+        (the relay splits a whole chunk once, for its last events too)."""
+        if self.framable and len(events) > 1:
+            framed = self._by_frames(data, end, events)
             if framed is not None:
                 return framed
             self.misses += 1
             self.framable = self.misses < MAX_MISSES
+        return self._counted(data if end == len(data) else data[:end])
+
+    def _counted(self, head: bytes) -> tuple[int, bytes, int]:
         n = self.count(head)
         if not n:
             return 0, b"", 0
         return n, self.renamed(head), head.count(ROLE) if head.find(ROLE) >= 0 else 0
 
-    def _by_frames(self, head: bytes) -> tuple[int, bytes, int] | None:
+    def _by_frames(self, head: bytes, end: int | None = None,
+                   events: list[bytes] | None = None) -> tuple[int, bytes, int] | None:
         """``take`` for a run whose events all start with the stream's ``prefix`` and end with its
         ``suffix``, shown by one split at the blank lines: each event's middle (what differs from
         event to event, a token's text) is taken as what its frames would leave, and ``head`` is
@@ -122,8 +134,10 @@ class PlainRun:
         frames end and begin at one of ``,{}``, no marker holds one of those, and the middles are
         joined with ``,``: so no marker is cut by an edge, and each is in the frames (then in
         every event) or in one event's middle. The frames are taken from the first two events of
-        a run where the stream's do not fit, and kept for the next runs. None when not shown."""
-        events = head[6:-2].split(EVENT_SEP)
+        a run where the stream's do not fit, and kept for the next runs. None when not shown.
+        The run is ``head[:end]`` when ``end`` is given, split into ``events`` (``take_split``)."""
+        if end is None:
+            end, events = len(head), head[6:-2].split(EVENT_SEP)
         n = len(events)
         if n < 2:  # a comment or a line of another field between the events
             return None
@@ -136,13 +150,13 @@ class PlainRun:
                 continue
             middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
             joined = b",".join(middles)
-            if LF not in joined and head.startswith(prefix, 6) and head.startswith(suffix, len(head) - 2 - len(suffix)) \
-                    and len(head) == n * (edge + 8) + len(joined) - (n - 1) \
+            if LF not in joined and head.startswith(prefix, 6) and head.startswith(suffix, end - 2 - len(suffix)) \
+                    and end == n * (edge + 8) + len(joined) - (n - 1) \
                     and head.startswith(self.needle.join(middles), 6 + len(prefix)):
-                return self._checked(head, middles, joined)
+                return self._checked(head, end, middles, joined)
         return None
 
-    def _checked(self, head: bytes, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
+    def _checked(self, head: bytes, end: int, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
         if not self.frames_plain:
             return None
         find = joined.find
@@ -152,7 +166,7 @@ class PlainRun:
         n = len(middles)
         roles = n if self.frame_roles else joined.count(ROLE)
         if not self.rename:
-            return n, head, roles
+            return n, head if end == len(head) else head[:end], roles
         return n, b"".join((self.out_start, self.out_needle.join(middles), self.out_end)), roles
 
     def _frames_from(self, first: bytes, second: bytes) -> bool:

@@ -42,8 +42,8 @@ from ..plugins.manager import Impl, call_impl
 from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
 from .event_json import read_stdlib, writable, write
-from .plain_events import (ERROR, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun, closes_top,
-                           opens_top)
+from .plain_events import (ERROR, EVENT_SEP, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun,
+                           closes_top, opens_top)
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
 from .upstream import Route
@@ -141,14 +141,9 @@ class EventRelay:
             return self.feed_data([chunk[6:-2]])  # one data line: a model server's token, as the parser reads it
         if self.parse_all:
             return self._events(chunk)
-        cut = self._tail_start(chunk)
-        if cut:
-            head = chunk if cut == len(chunk) else chunk[:cut]
-            n, out, roles = self.plain.take(head)
-            if n:  # n events unchanged (renamed), counted as ``_event`` counts them
-                self.record.streamed_chunks += n - _role_only_events(head) if roles and self.chat else n
-                return out if head is chunk else _then(out, self._events, chunk[cut:])
-        return self._events(chunk)
+        if chunk[:7] == b"data: {":
+            return self._split_run(chunk)
+        return self._cut_run(chunk)
 
     def close(self) -> bytes:
         """The upstream's body has ended: what is left, and a last event with no blank line when it is
@@ -159,6 +154,43 @@ class EventRelay:
         if last and last[-1][0] == DATA and not _whole(last[-1][1]):
             last.pop()
         return self.feed(items + last)
+
+    def _split_run(self, chunk: bytes) -> bytes:
+        """``feed_chunk``'s whole events (``chunk``, opening with ``data: {``) split once at the blank
+        lines: the last few that carry a marker (``_marked``, as ``_tail_start`` sets them apart) read one
+        by one, those before checked together by ``PlainRun``. Else as ``_tail_start`` cuts the chunk
+        (an event of several lines among the last ones)."""
+        events = chunk[6:-2].split(EVENT_SEP)
+        k = len(events)
+        last = max(k - TAIL_EVENTS, 1)  # the first event is never set apart (``_tail_start``)
+        while k > last and _marked(events[k - 1]):
+            k -= 1
+        if k == len(events):
+            tail = None
+            end = len(chunk)
+        else:
+            tail = events[k:]
+            for payload in tail:
+                if LF in payload:  # not a one-line event: the blank lines cut the chunk elsewhere
+                    return self._cut_run(chunk)
+            del events[k:]
+            end = len(chunk) - sum(map(len, tail)) - 8 * len(tail)
+        n, out, roles = self.plain.take_split(chunk, end, events)
+        if not n:
+            return self._events(chunk)
+        self.record.streamed_chunks += n - _role_only_count(events) if roles and self.chat else n
+        return out if tail is None else _then(out, self.feed_data, tail)
+
+    def _cut_run(self, chunk: bytes) -> bytes:
+        """``feed_chunk``'s whole events, cut by ``_tail_start``."""
+        cut = self._tail_start(chunk)
+        if cut:
+            head = chunk if cut == len(chunk) else chunk[:cut]
+            n, out, roles = self.plain.take(head)
+            if n:  # n events unchanged (renamed), counted as ``_event`` counts them
+                self.record.streamed_chunks += n - _role_only_events(head) if roles and self.chat else n
+                return out if head is chunk else _then(out, self._events, chunk[cut:])
+        return self._events(chunk)
 
     def _tail_start(self, events: bytes) -> int:
         """Where the last events begin that carry a marker (at most ``TAIL_EVENTS`` of them; the
@@ -572,6 +604,19 @@ def _role_only_events(events: bytes) -> int:
     return sum(1 for payload in events[6:-2].split(b"\n\ndata: ") if ROLE in payload and _role_only(payload))
 
 
+def _role_only_count(payloads: list[bytes]) -> int:
+    """How many of ``payloads`` (one-line events, some naming the role) are ``_role_only``."""
+    return sum(1 for payload in payloads if payload.find(ROLE) >= 0 and _role_only(payload))
+
+
+def _marked(payload: bytes) -> bool:
+    """A one-line event ``_tail_start`` sets apart: ``[DONE]``, an error, usage or a finish reason (what
+    ends the stream or is read). ``find``, not ``in``: a bytes ``in`` tries its operand as an int first."""
+    find = payload.find
+    return (payload[:6] == b"[DONE]" or find(ERROR) >= 0 or find(USAGE) >= 0 and find(USAGE_NULL) < 0
+            or find(FINISH) >= 0 and find(FINISH_NULL) < 0)
+
+
 def _whole(payload: bytes) -> bool:
     """A last event the body's end closed, not cut: ``[DONE]`` or JSON."""
     if is_done(payload):
@@ -586,7 +631,7 @@ def _whole(payload: bytes) -> bool:
     return True
 
 
-def _then(out: bytes, more: Callable[[bytes], bytes], events: bytes) -> bytes:
+def _then(out: bytes, more: Callable[[Any], bytes], events: Any) -> bytes:
     """``out`` + ``more(events)``; ``out`` also goes ahead of a plugin's error raised by ``more``."""
     try:
         return out + more(events)
