@@ -53,6 +53,7 @@ conclusive, ``count`` decides as above.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 from itertools import repeat
 from operator import getitem
 
@@ -102,17 +103,20 @@ class PlainRun:
             return self.take_split(head, len(head), head[6:-2].split(EVENT_SEP))
         return self._counted(head)
 
-    def take_split(self, data: bytes, end: int, events: list[bytes]) -> tuple[int, bytes, int]:
+    def take_split(self, data: bytes, end: int, events: list[bytes],
+                   more: Callable[[], bytes] | None = None) -> tuple[int, bytes, int]:
         """``take(data[:end])`` for a run already split: ``data`` starts with ``data: {``, holds no CR,
         and ``events`` is ``data[6:end - 2].split(EVENT_SEP)``, ``data[end - 2:end]`` a blank line
-        (the relay splits a whole chunk once, for its last events too)."""
+        (the relay splits a whole chunk once, for its last events too). ``more``, called once the run
+        is shown plain (n > 0), gives what follows it, joined to ``out`` with no other copy of the run."""
         if self.framable and len(events) > 1:
-            framed = self._by_frames(data, end, events)
+            framed = self._by_frames(data, end, events, more)
             if framed is not None:
                 return framed
             self.misses += 1
             self.framable = self.misses < MAX_MISSES
-        return self._counted(data if end == len(data) else data[:end])
+        n, out, roles = self._counted(data if end == len(data) else data[:end])
+        return (n, out + more(), roles) if n and more is not None else (n, out, roles)
 
     def _counted(self, head: bytes) -> tuple[int, bytes, int]:
         n = self.count(head)
@@ -120,8 +124,8 @@ class PlainRun:
             return 0, b"", 0
         return n, self.renamed(head), head.count(ROLE) if head.find(ROLE) >= 0 else 0
 
-    def _by_frames(self, head: bytes, end: int | None = None,
-                   events: list[bytes] | None = None) -> tuple[int, bytes, int] | None:
+    def _by_frames(self, head: bytes, end: int | None = None, events: list[bytes] | None = None,
+                   more: Callable[[], bytes] | None = None) -> tuple[int, bytes, int] | None:
         """``take`` for a run whose events all start with the stream's ``prefix`` and end with its
         ``suffix``, shown by one split at the blank lines: each event's middle (what differs from
         event to event, a token's text) is taken as what its frames would leave, and ``head`` is
@@ -153,10 +157,11 @@ class PlainRun:
             if LF not in joined and head.startswith(prefix, 6) and head.startswith(suffix, end - 2 - len(suffix)) \
                     and end == n * (edge + 8) + len(joined) - (n - 1) \
                     and head.startswith(self.needle.join(middles), 6 + len(prefix)):
-                return self._checked(head, end, middles, joined)
+                return self._checked(head, end, middles, joined, more)
         return None
 
-    def _checked(self, head: bytes, end: int, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
+    def _checked(self, head: bytes, end: int, middles: list[bytes], joined: bytes,
+                 more: Callable[[], bytes] | None) -> tuple[int, bytes, int] | None:
         if not self.frames_plain:
             return None
         find = joined.find
@@ -165,9 +170,12 @@ class PlainRun:
                 return None
         n = len(middles)
         roles = n if self.frame_roles else joined.count(ROLE)
+        after = more() if more is not None else b""
         if not self.rename:
-            return n, head if end == len(head) else head[:end], roles
-        return n, b"".join((self.out_start, self.out_needle.join(middles), self.out_end)), roles
+            return n, head if end == len(head) and not after else b"".join((memoryview(head)[:end], after)), roles
+        middles[0] = self.out_start + middles[0]  # the run's ends on its first and last middle: one join, one copy
+        middles[-1] = b"".join((middles[-1], self.out_end, after))
+        return n, self.out_needle.join(middles), roles
 
     def _frames_from(self, first: bytes, second: bytes) -> bool:
         """The frames of two events: their common start up to its last ``,`` or ``{``, their common

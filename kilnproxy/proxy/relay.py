@@ -175,11 +175,11 @@ class EventRelay:
                     return self._cut_run(chunk)
             del events[k:]
             end = len(chunk) - sum(map(len, tail)) - 8 * len(tail)
-        n, out, roles = self.plain.take_split(chunk, end, events)
+        n, out, roles = self.plain.take_split(chunk, end, events, tail and partial(self.feed_data, tail))
         if not n:
             return self._events(chunk)
         self.record.streamed_chunks += n - _role_only_count(events) if roles and self.chat else n
-        return out if tail is None else _then(out, self.feed_data, tail)
+        return out
 
     def _cut_run(self, chunk: bytes) -> bytes:
         """``feed_chunk``'s whole events, cut by ``_tail_start``."""
