@@ -211,7 +211,8 @@ class PlainRun:
         else:  # the upstream's name once in every event: once in the frames, nowhere else
             upstream, catalog = self.upstream, self.catalog
             plain = plain and find(catalog) < 0 and frames.count(upstream) == 1
-            banned += (upstream, catalog)
+            if MODEL_KEY not in banned:  # both names start with the key: one search shows neither is there
+                banned += (MODEL_KEY,)
             prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
             self.out_start, self.out_end = b"data: " + prefix, suffix + b"\n\n"
             self.out_needle = suffix + EVENT_SEP + prefix
