@@ -484,9 +484,11 @@ class EventRelay:
         if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
         self.usage_raw, self.raw_counts = usage, counts
-        if not self.several:  # one choice: the latest report replaces the one before
+        if not self.several:  # one choice: the latest report replaces the one before (combined: itself)
             self.request_usage = [counts]
-        elif isinstance(choices, list) and choices:  # on a choice's chunk: that choice's latest count
+            self.record.usage = counts
+            return
+        if isinstance(choices, list) and choices:  # on a choice's chunk: that choice's latest count
             index = choices[0].get("index") if isinstance(choices[0], dict) else None
             self.choice_usage[index if type(index) is int else 0] = counts
         else:  # a choices: [] chunk: the whole request's (vLLM), or one choice's of several (llama.cpp chat)
