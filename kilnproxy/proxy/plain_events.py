@@ -40,7 +40,8 @@ after it); when they do not, the check falls back to counting every
 ``"finish_reason"`` (``"usage"``) against every ``"finish_reason":null``
 (``"usage":null``), and to a split at the model's name. The frame checks also show the structure.
 
-``PlainRun.take(run)``, which the relay calls, tries a cheaper proof first: the
+``PlainRun.take(run)`` (``take_split`` when the relay has split the chunk already, as it does
+for a chunk of one-line events, its last marked events too) tries a cheaper proof first: the
 stream's own frames, the bytes every event starts with (``{"id":...,"model":...,``)
 and ends with (``,"logprobs":null,"finish_reason":null}]}``), taken once from two
 events and checked once against the rules. One split at the blank lines and one

@@ -5,7 +5,9 @@ events of a chunk are checked together by ``PlainRun`` (``plain_events.py``) wit
 handful of bytes operations; when no rule changes any of them they go out as
 the upstream's own bytes, the model's name replaced. The last events of a
 chunk, where a stream's finish reason, usage and ``[DONE]`` are, are set apart
-and read one by one, with the same substring tests per event. The model's
+(from the chunk's one split at the blank lines, ``_split_run``) and read one by
+one, with the same substring tests per event (``find``: a bytes ``in`` tries its
+operand as an int first, a raised error's cost). The model's
 name is the event's own ``model``, never one of an object nested in it; where
 the bytes do not show which is the event's own (``plain_events``: ``TOP``) the
 event is parsed. An event is parsed only then, when it carries usage, an error
