@@ -38,13 +38,14 @@ class Usage:
     @classmethod
     def from_upstream(cls, usage: Mapping[str, Any]) -> "Usage":
         """Read an OpenAI-style ``usage`` object; missing or odd fields count as 0."""
-        details = usage.get("prompt_tokens_details")
+        get = usage.get  # _count in line: read on every stream's usage
+        details = get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        prompt = _count(usage.get("prompt_tokens"))
-        completion = _count(usage.get("completion_tokens"))
-        total = usage.get("total_tokens")  # as reported; odd or missing: prompt + completion
-        total = total if type(total) is int and 0 <= total <= MAX_TOKENS else None
-        return cls(prompt, completion, _count(cached), total)
+        prompt, completion, total = get("prompt_tokens"), get("completion_tokens"), get("total_tokens")
+        return cls(prompt if type(prompt) is int and 0 < prompt <= MAX_TOKENS else 0,
+                   completion if type(completion) is int and 0 < completion <= MAX_TOKENS else 0,
+                   cached if type(cached) is int and 0 < cached <= MAX_TOKENS else 0,
+                   total if type(total) is int and 0 <= total <= MAX_TOKENS else None)  # as reported; else p + c
 
     @classmethod
     def of_endpoint(cls, endpoint: str, usage: Mapping[str, Any]) -> "Usage":

@@ -413,3 +413,39 @@ def test_what_transform_event_returns_other_than_stop_or_drop_is_ignored(chunked
     returned = run(relay_for("test-model", True, impls=tuple(PLUGINS["returns another event"])), chunks, True)
     assert returned == run(relay_for("test-model", True, impls=tuple(PLUGINS["no-op"])), chunks, True)
     assert b'"id":"other"' not in b"".join(returned[0]) and returned[1:3] == (13, "length")
+
+
+WORDS = b"".join(event(model=UPSTREAM_MODEL, choices=[{"index": 0, "text": f" w{i}", "finish_reason": None}])
+                 for i in range(12))
+FINISH_EVENT = event(model=UPSTREAM_MODEL, choices=[{"index": 0, "text": "", "finish_reason": "stop"}])
+USAGE_EVENT = event(model=UPSTREAM_MODEL, choices=[], usage={"prompt_tokens": 3, "completion_tokens": 13,
+                                                              "total_tokens": 16})
+LAST_EVENTS = {  # what follows the framed run: read one by one, from the chunk's one split or else
+    "finish, usage, [DONE]": FINISH_EVENT + USAGE_EVENT + b"data: [DONE]\n\n",
+    "a finish event that fits no frame": b'data: {"choices":[{"index":0,"text":"","finish_reason":"stop"}],"model":"'
+        + UPSTREAM_MODEL.encode() + b'","id":"x","object":"text_completion"}\n\n' + USAGE_EVENT + b"data: [DONE]\n\n",
+    "usage on two data lines": FINISH_EVENT + USAGE_EVENT.replace(b'"choices":[],', b'"choices":[],\ndata: ')
+        + b"data: [DONE]\n\n",
+    "a comment before [DONE]": FINISH_EVENT + USAGE_EVENT + b": done soon\n\ndata: [DONE]\n\n",
+    "[DONE] with spaces, then more": FINISH_EVENT + b"data: [DONE]  \n\n" + USAGE_EVENT,
+    "an error event last": FINISH_EVENT + b'data: {"error":{"message":"boom","code":"x"}}\n\n',
+    "two finish events (two choices)": FINISH_EVENT + FINISH_EVENT.replace(b'"index":0', b'"index":1')
+        + USAGE_EVENT + b"data: [DONE]\n\n",
+    "usage null, then usage": FINISH_EVENT.replace(b'"choices"', b'"usage":null,"choices"') + USAGE_EVENT
+        + b"data: [DONE]\n\n",
+    "five marked events": FINISH_EVENT * 4 + USAGE_EVENT + b"data: [DONE]\n\n",
+    "only marked events": b"",
+}
+
+
+@pytest.mark.parametrize("catalog_id", ["test-model", UPSTREAM_MODEL])
+@pytest.mark.parametrize("name", list(LAST_EVENTS))
+def test_the_last_events_of_a_chunk_are_read_the_same_however_they_are_framed(name, catalog_id):
+    """A chunk of whole events is split once: its last marked events (finish, usage, [DONE], an error)
+    are read one by one and the rest checked by its frames; events of several lines, comments and
+    events that fit no frame among the last ones give the same bytes and record as parsing each."""
+    stream = (WORDS if LAST_EVENTS[name] else FINISH_EVENT * 2) + LAST_EVENTS[name]
+    for include_usage in (True, False):
+        assert_same(stream, catalog_id, include_usage)
+        bulk = run(relay_for(catalog_id, include_usage), [stream], bulk=True)
+        assert bulk == run(relay_for(catalog_id, include_usage), [stream], bulk=False)

@@ -40,7 +40,8 @@ after it); when they do not, the check falls back to counting every
 ``"finish_reason"`` (``"usage"``) against every ``"finish_reason":null``
 (``"usage":null``), and to a split at the model's name. The frame checks also show the structure.
 
-``PlainRun.take(run)``, which the relay calls, tries a cheaper proof first: the
+``PlainRun.take(run)`` (``take_split`` when the relay has split the chunk already, as it does
+for a chunk of one-line events, its last marked events too) tries a cheaper proof first: the
 stream's own frames, the bytes every event starts with (``{"id":...,"model":...,``)
 and ends with (``,"logprobs":null,"finish_reason":null}]}``), taken once from two
 events and checked once against the rules. One split at the blank lines and one
@@ -53,6 +54,7 @@ conclusive, ``count`` decides as above.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 from itertools import repeat
 from operator import getitem
 
@@ -68,6 +70,9 @@ FINISH, FINISH_NULL = b'"finish_reason"', b'"finish_reason":null'
 MODEL_KEY = b'"model":'
 BACKSLASH = 92  # the byte before a quote that is in a string
 MAX_MISSES = 3
+# A bytes ``in`` first tries its operand as an int, at the cost of a raised error: ``find``, and an
+# int for a single byte (``10 in data``, a memchr), where a stream pays it.
+LF = 10
 
 
 class PlainRun:
@@ -96,17 +101,32 @@ class PlainRun:
         if head[:7] != b"data: {":
             return 0, b"", 0
         if self.framable and head.find(b"\n\n") != len(head) - 2:  # more than one event
-            framed = self._by_frames(head)
+            return self.take_split(head, len(head), head[6:-2].split(EVENT_SEP))
+        return self._counted(head)
+
+    def take_split(self, data: bytes, end: int, events: list[bytes],
+                   more: Callable[[], bytes] | None = None) -> tuple[int, bytes, int]:
+        """``take(data[:end])`` for a run already split: ``data`` starts with ``data: {``, holds no CR,
+        and ``events`` is ``data[6:end - 2].split(EVENT_SEP)``, ``data[end - 2:end]`` a blank line
+        (the relay splits a whole chunk once, for its last events too). ``more``, called once the run
+        is shown plain (n > 0), gives what follows it, joined to ``out`` with no other copy of the run."""
+        if self.framable and len(events) > 1:
+            framed = self._by_frames(data, end, events, more)
             if framed is not None:
                 return framed
             self.misses += 1
             self.framable = self.misses < MAX_MISSES
+        n, out, roles = self._counted(data if end == len(data) else data[:end])
+        return (n, out + more(), roles) if n and more is not None else (n, out, roles)
+
+    def _counted(self, head: bytes) -> tuple[int, bytes, int]:
         n = self.count(head)
         if not n:
             return 0, b"", 0
-        return n, self.renamed(head), head.count(ROLE) if ROLE in head else 0
+        return n, self.renamed(head), head.count(ROLE) if head.find(ROLE) >= 0 else 0
 
-    def _by_frames(self, head: bytes) -> tuple[int, bytes, int] | None:
+    def _by_frames(self, head: bytes, end: int | None = None, events: list[bytes] | None = None,
+                   more: Callable[[], bytes] | None = None) -> tuple[int, bytes, int] | None:
         """``take`` for a run whose events all start with the stream's ``prefix`` and end with its
         ``suffix``, shown by one split at the blank lines: each event's middle (what differs from
         event to event, a token's text) is taken as what its frames would leave, and ``head`` is
@@ -119,8 +139,10 @@ class PlainRun:
         frames end and begin at one of ``,{}``, no marker holds one of those, and the middles are
         joined with ``,``: so no marker is cut by an edge, and each is in the frames (then in
         every event) or in one event's middle. The frames are taken from the first two events of
-        a run where the stream's do not fit, and kept for the next runs. None when not shown."""
-        events = head[6:-2].split(EVENT_SEP)
+        a run where the stream's do not fit, and kept for the next runs. None when not shown.
+        The run is ``head[:end]`` when ``end`` is given, split into ``events`` (``take_split``)."""
+        if end is None:
+            end, events = len(head), head[6:-2].split(EVENT_SEP)
         n = len(events)
         if n < 2:  # a comment or a line of another field between the events
             return None
@@ -133,29 +155,34 @@ class PlainRun:
                 continue
             middles = list(map(getitem, events, repeat(slice(len(prefix), -len(suffix)))))
             joined = b",".join(middles)
-            if b"\n" not in joined and head.startswith(prefix, 6) and head.startswith(suffix, len(head) - 2 - len(suffix)) \
-                    and len(head) == n * (edge + 8) + len(joined) - (n - 1) \
+            if LF not in joined and head.startswith(prefix, 6) and head.startswith(suffix, end - 2 - len(suffix)) \
+                    and end == n * (edge + 8) + len(joined) - (n - 1) \
                     and head.startswith(self.needle.join(middles), 6 + len(prefix)):
-                return self._checked(head, middles, joined)
+                return self._checked(head, end, middles, joined, more)
         return None
 
-    def _checked(self, head: bytes, middles: list[bytes], joined: bytes) -> tuple[int, bytes, int] | None:
+    def _checked(self, head: bytes, end: int, middles: list[bytes], joined: bytes,
+                 more: Callable[[], bytes] | None) -> tuple[int, bytes, int] | None:
         if not self.frames_plain:
             return None
+        find = joined.find
         for marker in self.banned:
-            if marker in joined:
+            if find(marker) >= 0:
                 return None
         n = len(middles)
         roles = n if self.frame_roles else joined.count(ROLE)
+        after = more() if more is not None else b""
         if not self.rename:
-            return n, head, roles
-        return n, b"".join((self.out_start, self.out_needle.join(middles), self.out_end)), roles
+            return n, head if end == len(head) and not after else b"".join((memoryview(head)[:end], after)), roles
+        middles[0] = self.out_start + middles[0]  # the run's ends on its first and last middle: one join, one copy
+        middles[-1] = b"".join((middles[-1], self.out_end, after))
+        return n, self.out_needle.join(middles), roles
 
     def _frames_from(self, first: bytes, second: bytes) -> bool:
         """The frames of two events: their common start up to its last ``,`` or ``{``, their common
         end from its first ``,`` or ``}``; with what they show once for all the runs they frame
         (``frames_plain``), and the markers to look for in the middles (``banned``)."""
-        if b"\n" in first or b"\n" in second:
+        if LF in first or LF in second:
             return False
         same = _common_start(first, second)
         cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
@@ -169,8 +196,9 @@ class PlainRun:
         self.needle = suffix + EVENT_SEP + prefix
         frames = prefix + b"\n" + suffix  # the newline: no marker seen across the two
         # a usage or a finish reason: each event holds the null, or none holds the key
-        plain = (ERROR not in frames and (USAGE_NULL in frames or USAGE not in frames)
-                 and (FINISH_NULL in frames or FINISH not in frames))
+        find = frames.find
+        plain = (find(ERROR) < 0 and (find(USAGE_NULL) >= 0 or find(USAGE) < 0)
+                 and (find(FINISH_NULL) >= 0 or find(FINISH) < 0))
         banned = BANNED  # in a middle: an error, a usage or finish reason of its own (another choice's)
         at = prefix.find(MODEL_KEY)  # each event's first "model": at its top level, the upstream's name (TOP)
         if at >= 0:
@@ -183,12 +211,13 @@ class PlainRun:
             plain = plain and frames.count(self.upstream) == 1
         else:  # the upstream's name once in every event: once in the frames, nowhere else
             upstream, catalog = self.upstream, self.catalog
-            plain = plain and catalog not in frames and frames.count(upstream) == 1
-            banned += (upstream, catalog)
+            plain = plain and find(catalog) < 0 and frames.count(upstream) == 1
+            if MODEL_KEY not in banned:  # both names start with the key: one search shows neither is there
+                banned += (MODEL_KEY,)
             prefix, suffix = prefix.replace(upstream, catalog), suffix.replace(upstream, catalog)
             self.out_start, self.out_end = b"data: " + prefix, suffix + b"\n\n"
             self.out_needle = suffix + EVENT_SEP + prefix
-        self.frames_plain, self.banned, self.frame_roles = plain, banned, ROLE in frames
+        self.frames_plain, self.banned, self.frame_roles = plain, banned, find(ROLE) >= 0
         return True
 
     def count(self, head: bytes) -> int:
@@ -218,9 +247,9 @@ class PlainRun:
                 return 0
         if not framed and head.count(EVENT) != n - 1:
             return 0
-        if ERROR in head:
+        if head.find(ERROR) >= 0:
             return 0
-        if USAGE in head:  # OpenAI's and SGLang's "usage":null on every chunk, or usage to read
+        if head.find(USAGE) >= 0:  # OpenAI's and SGLang's "usage":null on every chunk, or usage to read
             at = head.find(USAGE_NULL, 0, eol)
             if at >= 0 and self._framed(head, n, eol, at, at + len(USAGE_NULL), 2):
                 if head.count(USAGE) != n:

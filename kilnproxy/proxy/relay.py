@@ -5,7 +5,9 @@ events of a chunk are checked together by ``PlainRun`` (``plain_events.py``) wit
 handful of bytes operations; when no rule changes any of them they go out as
 the upstream's own bytes, the model's name replaced. The last events of a
 chunk, where a stream's finish reason, usage and ``[DONE]`` are, are set apart
-and read one by one, with the same substring tests per event. The model's
+(from the chunk's one split at the blank lines, ``_split_run``) and read one by
+one, with the same substring tests per event (``find``: a bytes ``in`` tries its
+operand as an int first, a raised error's cost). The model's
 name is the event's own ``model``, never one of an object nested in it; where
 the bytes do not show which is the event's own (``plain_events``: ``TOP``) the
 event is parsed. An event is parsed only then, when it carries usage, an error
@@ -32,6 +34,7 @@ a ``choices: []`` chunk per choice on chat. Then the reports are combined
 from __future__ import annotations
 
 import logging
+from functools import partial
 from types import MethodType
 from typing import Any, Callable
 
@@ -42,8 +45,8 @@ from ..plugins.manager import Impl, call_impl
 from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
 from .event_json import read_stdlib, writable, write
-from .plain_events import (ERROR, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun, closes_top,
-                           opens_top)
+from .plain_events import (ERROR, EVENT_SEP, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun,
+                           closes_top, opens_top)
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
 from .upstream import Route
@@ -114,11 +117,11 @@ class EventRelay:
         rest = self.rest
         if rest:
             rest.append(chunk)
-            if b"\n" not in chunk and b"\r" not in chunk:
+            if LF not in chunk and CR not in chunk:
                 return b""
             chunk = b"".join(rest)
             rest.clear()
-        if b"\r" in chunk:  # CR or CRLF line ends: the parser's business
+        if CR in chunk:  # CR or CRLF line ends: the parser's business
             self.by_parser = self.crlf = True
             return self.feed(self.parser.feed(chunk))
         end = chunk.rfind(b"\n\n") + 2
@@ -126,7 +129,7 @@ class EventRelay:
             end = 0
         if end < len(chunk):
             tail = chunk[end:]
-            if tail[:1] == b":" or b"\n:" in tail:  # a comment goes out when its line ends: the parser's way
+            if tail[:1] == b":" or tail.find(b"\n:") >= 0:  # a comment goes out when its line ends: the parser's way
                 out = self._events(chunk[:end]) if end else b""
                 if self.ended:
                     return out
@@ -141,14 +144,9 @@ class EventRelay:
             return self.feed_data([chunk[6:-2]])  # one data line: a model server's token, as the parser reads it
         if self.parse_all:
             return self._plugged_events(chunk)
-        cut = self._tail_start(chunk)
-        if cut:
-            head = chunk if cut == len(chunk) else chunk[:cut]
-            n, out, roles = self.plain.take(head)
-            if n:  # n events unchanged (renamed), counted as ``_event`` counts them
-                self.record.streamed_chunks += n - _role_only_events(head) if roles and self.chat else n
-                return out if head is chunk else _then(out, self._events, chunk[cut:])
-        return self._events(chunk)
+        if chunk[:7] == b"data: {":
+            return self._split_run(chunk)
+        return self._cut_run(chunk)
 
     def close(self) -> bytes:
         """The upstream's body has ended: what is left, and a last event with no blank line when it is
@@ -160,6 +158,43 @@ class EventRelay:
             last.pop()
         return self.feed(items + last)
 
+    def _split_run(self, chunk: bytes) -> bytes:
+        """``feed_chunk``'s whole events (``chunk``, opening with ``data: {``) split once at the blank
+        lines: the last few that carry a marker (``_marked``, as ``_tail_start`` sets them apart) read one
+        by one, those before checked together by ``PlainRun``. Else as ``_tail_start`` cuts the chunk
+        (an event of several lines among the last ones)."""
+        events = chunk[6:-2].split(EVENT_SEP)
+        k = len(events)
+        last = max(k - TAIL_EVENTS, 1)  # the first event is never set apart (``_tail_start``)
+        while k > last and _marked(events[k - 1]):
+            k -= 1
+        if k == len(events):
+            tail = None
+            end = len(chunk)
+        else:
+            tail = events[k:]
+            for payload in tail:
+                if LF in payload:  # not a one-line event: the blank lines cut the chunk elsewhere
+                    return self._cut_run(chunk)
+            del events[k:]
+            end = len(chunk) - sum(map(len, tail)) - 8 * len(tail)
+        n, out, roles = self.plain.take_split(chunk, end, events, tail and partial(self.feed_data, tail))
+        if not n:
+            return self._events(chunk)
+        self.record.streamed_chunks += n - _role_only_count(events) if roles and self.chat else n
+        return out
+
+    def _cut_run(self, chunk: bytes) -> bytes:
+        """``feed_chunk``'s whole events, cut by ``_tail_start``."""
+        cut = self._tail_start(chunk)
+        if cut:
+            head = chunk if cut == len(chunk) else chunk[:cut]
+            n, out, roles = self.plain.take(head)
+            if n:  # n events unchanged (renamed), counted as ``_event`` counts them
+                self.record.streamed_chunks += n - _role_only_events(head) if roles and self.chat else n
+                return out if head is chunk else _then(out, self._events, chunk[cut:])
+        return self._events(chunk)
+
     def _tail_start(self, events: bytes) -> int:
         """Where the last events begin that carry a marker (at most ``TAIL_EVENTS`` of them; the
         whole length when the last one carries none). Only a guess of where to cut: what comes
@@ -170,8 +205,9 @@ class EventRelay:
             if start < 2:
                 return cut
             event = events[start:cut]  # marked: [DONE], an error, usage or a finish reason (what ends or is read)
-            if not (event[:12] == DONE_LINE or ERROR in event or USAGE in event and USAGE_NULL not in event
-                    or FINISH in event and FINISH_NULL not in event):
+            find = event.find  # find, not ``in``: a bytes ``in`` first tries its operand as an int, an exception
+            if not (event[:12] == DONE_LINE or find(ERROR) >= 0 or find(USAGE) >= 0 and find(USAGE_NULL) < 0
+                    or find(FINISH) >= 0 and find(FINISH_NULL) < 0):
                 return cut
             cut = start
         return cut
@@ -199,7 +235,7 @@ class EventRelay:
                     break
                 frame = self._event(payload)
                 if frame is not None:
-                    out.append(frame if b"\n" not in payload else lines_frame(frame))
+                    out.append(frame if LF not in payload else lines_frame(frame))
                 if self.ended:
                     break
         except StreamPluginError as exc:
@@ -229,9 +265,10 @@ class EventRelay:
         if self.parse_all:
             data = self._plugged(payload)
             return None if data is None else data_frame(data)
-        finish = payload.find(FINISH)  # none, or one and null (several: another choice's may be a reason)
-        if ((USAGE not in payload or USAGE_NULL in payload)
-                and ERROR not in payload
+        find = payload.find
+        finish = find(FINISH)  # none, or one and null (several: another choice's may be a reason)
+        if ((find(USAGE) < 0 or find(USAGE_NULL) >= 0)
+                and find(ERROR) < 0
                 and (finish < 0 or payload.startswith(FINISH_NULL, finish)
                      and payload.find(FINISH, finish + FINISH_LEN) < 0)):
             if payload.startswith(self.own_start) or (payload.endswith(self.own_end)
@@ -241,7 +278,7 @@ class EventRelay:
                 renamed = self._own_model(payload)
                 if renamed is None:
                     return self._parsed_event(payload)
-            self.record.streamed_chunks += not self.chat or ROLE not in payload or not _role_only(payload)
+            self.record.streamed_chunks += not self.chat or find(ROLE) < 0 or not _role_only(payload)
             # the event's own model is its first "model": (TOP), so replace's
             return data_frame(payload.replace(self.upstream_key, self.catalog_key, 1) if renamed else payload)
         return self._parsed_event(payload)
@@ -492,9 +529,11 @@ class EventRelay:
         if counts.is_zero():  # Ollama's placeholder zeros: not a report
             return
         self.usage_raw, self.raw_counts = usage, counts
-        if not self.several:  # one choice: the latest report replaces the one before
+        if not self.several:  # one choice: the latest report replaces the one before (combined: itself)
             self.request_usage = [counts]
-        elif isinstance(choices, list) and choices:  # on a choice's chunk: that choice's latest count
+            self.record.usage = counts
+            return
+        if isinstance(choices, list) and choices:  # on a choice's chunk: that choice's latest count
             index = choices[0].get("index") if isinstance(choices[0], dict) else None
             self.choice_usage[index if type(index) is int else 0] = counts
         else:  # a choices: [] chunk: the whole request's (vLLM), or one choice's of several (llama.cpp chat)
@@ -593,6 +632,7 @@ UNWRITABLE = orjson.dumps({"error": {
 # at one by one before the rest is checked as a whole.
 TAIL_EVENTS = 4
 DONE_LINE = b"data: [DONE]"
+LF, CR = 10, 13  # ``10 in data`` is a memchr; ``b"\n" in data`` tries b"\n" as an int first, a raised error's cost
 
 
 FINISH_LEN = len(FINISH)
@@ -611,6 +651,19 @@ def _role_only_events(events: bytes) -> int:
     return sum(1 for payload in events[6:-2].split(b"\n\ndata: ") if ROLE in payload and _role_only(payload))
 
 
+def _role_only_count(payloads: list[bytes]) -> int:
+    """How many of ``payloads`` (one-line events, some naming the role) are ``_role_only``."""
+    return sum(1 for payload in payloads if payload.find(ROLE) >= 0 and _role_only(payload))
+
+
+def _marked(payload: bytes) -> bool:
+    """A one-line event ``_tail_start`` sets apart: ``[DONE]``, an error, usage or a finish reason (what
+    ends the stream or is read). ``find``, not ``in``: a bytes ``in`` tries its operand as an int first."""
+    find = payload.find
+    return (payload[:6] == b"[DONE]" or find(ERROR) >= 0 or find(USAGE) >= 0 and find(USAGE_NULL) < 0
+            or find(FINISH) >= 0 and find(FINISH_NULL) < 0)
+
+
 def _whole(payload: bytes) -> bool:
     """A last event the body's end closed, not cut: ``[DONE]`` or JSON."""
     if is_done(payload):
@@ -625,7 +678,7 @@ def _whole(payload: bytes) -> bool:
     return True
 
 
-def _then(out: bytes, more: Callable[[bytes], bytes], events: bytes) -> bytes:
+def _then(out: bytes, more: Callable[[Any], bytes], events: Any) -> bytes:
     """``out`` + ``more(events)``; ``out`` also goes ahead of a plugin's error raised by ``more``."""
     try:
         return out + more(events)
