@@ -59,7 +59,7 @@ class SSEResponse(web.StreamResponse):
         self._status, self._reason = 200, "OK"
         self._extra = headers
         self._multidict: CIMultiDict | None = None
-        self._date: str | None = None  # the head's Date, once sent from the dict
+        self._sent: dict | None = None  # the head's headers, once sent from the dict
         if hold:
             self._send_headers_immediately = False
 
@@ -73,16 +73,8 @@ class SSEResponse(web.StreamResponse):
         """The headers as ``StreamResponse`` has them (rarely asked for): before ``prepare``, asking
         makes the response ``StreamResponse``'s, so that a change to them is sent."""
         if self._multidict is None:
-            self._multidict = CIMultiDict(self._sent if self._date is not None else {**SSE_HEADERS, **self._extra})
+            self._multidict = CIMultiDict(self._sent if self._sent is not None else {**SSE_HEADERS, **self._extra})
         return self._multidict
-
-    @property
-    def _sent(self) -> dict | None:
-        """The head's headers, once sent from the dict (made again when asked: rarely)."""
-        if self._date is None:
-            return None
-        return {**SSE_HEADERS, **self._extra, "Transfer-Encoding": "chunked", "Date": self._date,
-                "Server": SERVER_SOFTWARE}
 
     async def prepare(self, request: web.BaseRequest):
         if self._payload_writer is None and not self._eof_sent and self._multidict is None and self._usual(request):
@@ -91,13 +83,9 @@ class SSEResponse(web.StreamResponse):
             self._keep_alive = True
             self._must_be_empty_body = False
             writer.enable_chunking()
-            date = self._date = rfc822_formatted_time()
-            head = _head(self._extra, date) if writer._on_headers_sent is None else None
-            if head is None:
-                await writer.write_headers(STATUS_LINE, self._sent)
-            else:  # what write_headers leaves, the bytes made here
-                writer._headers_written = False
-                writer._headers_buf = head
+            self._sent = {**SSE_HEADERS, **self._extra, "Transfer-Encoding": "chunked",
+                          "Date": rfc822_formatted_time(), "Server": SERVER_SOFTWARE}
+            await writer.write_headers(STATUS_LINE, self._sent)
             if self._send_headers_immediately:
                 writer.send_headers()
             return writer
@@ -114,20 +102,3 @@ class SSEResponse(web.StreamResponse):
         # a plain BaseRequest (the hot routes) sends no signal; a Request, its apps' on_response_prepare
         return not isinstance(request, web.Request) or not any(app.on_response_prepare
                                                                for app in request.match_info.apps)
-
-
-_HEAD_START = (STATUS_LINE + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in SSE_HEADERS.items())).encode()
-_head_end: list = [None, b""]  # the last Date and the head's end with it
-
-
-def _head(extra: dict, date: str) -> bytes | None:
-    """The head's bytes as ``_serialize_headers`` makes them for ``{**SSE_HEADERS, **extra, ...}``, for
-    ASCII headers of no line break that do not replace a stream header; else None."""
-    text = "".join([f"{name}: {value}\r\n" for name, value in extra.items()])
-    if (not text.isascii() or text.count("\r") != len(extra) or text.count("\n") != len(extra)
-            or any(name in SSE_HEADERS for name in extra)):
-        return None
-    if _head_end[0] != date:
-        _head_end[0], _head_end[1] = date, (f"Transfer-Encoding: chunked\r\nDate: {date}\r\n"
-                                             f"Server: {SERVER_SOFTWARE}\r\n\r\n").encode()
-    return _HEAD_START + text.encode() + _head_end[1]
