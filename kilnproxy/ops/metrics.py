@@ -68,7 +68,7 @@ class RequestStats:
     """
 
     def __init__(self) -> None:
-        self.requests: dict[tuple, int] = {}      # (org, model, endpoint, status)
+        self.requests: dict[tuple, _Series] = {}  # (org, model, endpoint, status)
         self.errors: dict[tuple, int] = {}        # (org, model, endpoint, code)
         self.disconnects: dict[tuple, int] = {}   # (org, model, endpoint)
         self.tokens: dict[tuple, list] = {}       # (org, model) -> [prompt, completion, cached, cost]
@@ -79,33 +79,48 @@ class RequestStats:
 
     def observe(self, row: dict, record: RequestRecord) -> None:
         org, model, endpoint = row["org"], record.call.model or "", row["endpoint"]
-        key = (org, model, endpoint, row["status"])
-        self.requests[key] = self.requests.get(key, 0) + 1
+        series = self.requests.get((org, model, endpoint, row["status"]))
+        if series is None:
+            series = self._series(org, model, endpoint, row["status"])
+        series.n += 1
         if row["error_code"] is not None:
             key = (org, model, endpoint, self._code(row["error_code"]))
             self.errors[key] = self.errors.get(key, 0) + 1
         if row["disconnected"]:
             key = (org, model, endpoint)
             self.disconnects[key] = self.disconnects.get(key, 0) + 1
-        if model:
-            sums = self.tokens.get((org, model))
-            if sums is None:
-                sums = self.tokens[(org, model)] = [0, 0, 0, 0.0]
+        sums = series.sums
+        if sums is not None:
             sums[0] += row["prompt_tokens"]
             sums[1] += row["completion_tokens"]
             sums[2] += row["cached_tokens"]
             sums[3] += row["cost"]
-        key = (model, endpoint)
-        hist = self.duration.get(key)
-        if hist is None:
-            hist = self.duration[key] = Histogram(DURATION_BUCKETS)
-        hist.observe(row["duration_ms"] / 1000)
-        if row["ttft_ms"] is not None:
-            hist = self.ttft.get(key)
-            if hist is None:
-                hist = self.ttft[key] = Histogram(TTFT_BUCKETS)
-            hist.observe(row["ttft_ms"] / 1000)
+        series.duration.observe(row["duration_ms"] / 1000)
+        ttft = row["ttft_ms"]
+        if ttft is not None:
+            hist = series.ttft
+            if hist is None:  # made at the first time to first token of its (model, endpoint), as listed
+                key = (model, endpoint)
+                hist = self.ttft.get(key)
+                if hist is None:
+                    hist = self.ttft[key] = Histogram(TTFT_BUCKETS)
+                series.ttft = hist
+            hist.observe(ttft / 1000)
 
+    def _series(self, org: str, model: str, endpoint: str, status: int) -> "_Series":
+        """The first request of these labels: its count, and the sums and histograms it adds to (made
+        now if no request made them, so that each table lists its labels in the order first seen)."""
+        sums = None
+        if model:
+            sums = self.tokens.get((org, model))
+            if sums is None:
+                sums = self.tokens[(org, model)] = [0, 0, 0, 0.0]
+        duration = self.duration.get((model, endpoint))
+        if duration is None:
+            duration = self.duration[(model, endpoint)] = Histogram(DURATION_BUCKETS)
+        series = _Series(sums, duration, self.ttft.get((model, endpoint)))
+        self.requests[(org, model, endpoint, status)] = series
+        return series
 
     def _code(self, code: str) -> str:
         """``code`` as a label value: itself, or ``OTHER_CODE``."""
@@ -116,6 +131,18 @@ class RequestStats:
             return OTHER_CODE
         codes.add(code)
         return code
+
+
+class _Series:
+    """One (org, model, endpoint, status)'s request count, with what its requests add to, found once."""
+
+    __slots__ = ("n", "sums", "duration", "ttft")
+
+    def __init__(self, sums: list | None, duration: Histogram, ttft: Histogram | None):
+        self.n = 0
+        self.sums = sums  # its (org, model)'s token and cost sums; None without a model
+        self.duration = duration  # its (model, endpoint)'s
+        self.ttft = ttft  # the same, once there is one
 
 
 class ReloadStats:
@@ -148,8 +175,8 @@ class GatewayCollector:
         s = self.stats
         m = CounterMetricFamily("kilnproxy_requests", "Requests to the completion endpoints, by HTTP status sent.",
                                 labels=("org", "model", "endpoint", "status"))
-        for (org, model, endpoint, status), n in list(s.requests.items()):
-            m.add_metric((org, model, endpoint, str(status)), n)
+        for (org, model, endpoint, status), series in list(s.requests.items()):
+            m.add_metric((org, model, endpoint, str(status)), series.n)
         yield m
         m = CounterMetricFamily("kilnproxy_request_errors", "Requests that ended with an error code "
                                 "(mid-stream errors included).", labels=("org", "model", "endpoint", "code"))
