@@ -39,6 +39,7 @@ http {{
         least_conn;
 {servers}
         keepalive 64;
+        keepalive_timeout 2s;
     }}
     server {{
         listen 127.0.0.1:{port};

@@ -87,7 +87,7 @@ async def test_sigterm_and_restart_of_one_replica_under_load_fails_nothing(tmp_p
             load.stop.set()
             await asyncio.gather(*clients)
 
-        assert load.failures == [], nginx.errors()
+        assert load.failures == [], nginx.errors() + "\n".join(a.lines["stderr"][-30:])
         assert load.streams > 0 and len(load.ids) - load.streams > 0
         async with Ledger(pg_url) as ledger:
             rows = await ledger.rows()

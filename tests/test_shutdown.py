@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+import socket
 
 import aiohttp
 import orjson
@@ -213,3 +214,22 @@ async def test_a_connection_kept_idle_through_the_drain_is_still_served_once_not
         assert [r["status"] for r in gw.rows()] == [200, 200]
     finally:
         await gw.stop()
+
+
+async def test_a_connection_still_in_the_listeners_queue_is_served_when_the_listener_closes():
+    """A connection the kernel has completed but the server has not taken yet (a balancer's new one, its
+    request already sent, as the drain ends) is served when the listener closes: not reset."""
+    running = await start_mock()
+    client = socket.create_connection(("127.0.0.1", running.port))  # the loop has not run since: queued
+    try:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await running.stop_listening(5.0, asyncio.Event())
+        client.setblocking(False)
+        loop = asyncio.get_running_loop()
+        answer = b""
+        while chunk := await loop.sock_recv(client, 65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 ")
+    finally:
+        client.close()
+        await running.stop()

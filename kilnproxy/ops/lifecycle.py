@@ -12,11 +12,15 @@ runs once the gateway listens:
   while idle then: a balancer may be sending a request on it at that very
   moment, and it does not retry a POST that may have reached the server.
 - Then (at once for SIGINT, the interactive stop) the listening socket is
-  closed. After a drain, the connections still open are served for up to
+  closed, once the connections waiting in its queue are taken (closing it
+  would reset them, and a balancer may have sent a request on one). After a drain, the connections still open are served for up to
   ``LINGER_SECONDS`` more, each closed after its response: a balancer that
   kept one idle through the drain may send a request on it just as the
   listener closes (its next new connection is refused, which takes the
-  replica out). Then the idle keep-alive connections are closed; requests in flight may finish
+  replica out). The wait ends once no connection is left: a balancer whose
+  idle timeout for its connections is shorter than ``LINGER_SECONDS`` closes
+  the ones it does not use, so none is closed under a request on its way.
+  Then the idle keep-alive connections still open are closed; requests in flight may finish
   for up to ``[server] shutdown_grace_seconds``. Streams still open then are ended
   with an error event (code ``shutting_down``) and ``data: [DONE]``, their
   rows committed like any other; a request still waiting for an upstream slot
@@ -46,7 +50,9 @@ from ..tasks import woken
 log = logging.getLogger("kilnproxy")
 
 END_SECONDS = 5.0  # after the grace period: time for ended streams to write their last events
-LINGER_SECONDS = 1.0  # after a drain: how long the connections still open are served once nothing listens
+# after a drain: how long the connections still open are served once nothing listens, longer than a balancer
+# keeps one idle (README: nginx's keepalive_timeout 2s), so that it, not the gateway, closes the idle ones
+LINGER_SECONDS = 3.0
 
 
 class Shutdown:

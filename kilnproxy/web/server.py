@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from typing import Callable
 
 from aiohttp import web
@@ -60,6 +62,7 @@ class Running:
     runner: web.AppRunner
     host: str
     port: int
+    _accepting: set[asyncio.Task] = field(default_factory=set)  # connections taken at a stop, being set up
 
     @property
     def url(self) -> str:
@@ -77,12 +80,37 @@ class Running:
         seconds more (or until ``hurry``), ending sooner once none is left. A balancer that kept an
         idle connection may send one more request on it: closing it now could cut that request."""
         for site in list(self.runner.sites):
-            await site.stop()
+            self._accept_waiting(site)
+            await site.stop()  # (closes its listener before it first awaits: nothing is queued between the two)
         server = self.runner.server
         loop = asyncio.get_running_loop()
         deadline = loop.time() + linger
         while server is not None and server.connections and loop.time() < deadline and not hurry.is_set():
             await asyncio.sleep(LINGER_POLL_SECONDS)
+
+
+    def _accept_waiting(self, site: web.BaseSite) -> None:
+        """Accept the connections the kernel has completed on ``site``'s listener that the server has not
+        taken yet, and serve them like the others. Closing a listener resets them, and a balancer may
+        already have sent a request on one: it does not retry a POST that may have reached the server.
+        (aiohttp gives no public way to the listener: ``site._server`` is asyncio's ``Server``.)"""
+        listening = getattr(getattr(site, "_server", None), "sockets", None) or ()
+        loop = asyncio.get_running_loop()
+        for listener in listening:
+            if listener.type != socket.SOCK_STREAM:
+                continue
+            with socket.socket(fileno=os.dup(listener.fileno())) as waiting:  # the same queue, non-blocking
+                while True:
+                    try:
+                        conn, _ = waiting.accept()
+                    except OSError:  # BlockingIOError: none left
+                        break
+                    conn.setblocking(False)
+                    if conn.family in (socket.AF_INET, socket.AF_INET6):
+                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    task = loop.create_task(loop.connect_accepted_socket(self.runner.server, conn))
+                    self._accepting.add(task)
+                    task.add_done_callback(self._accepting.discard)
 
 
 async def start_app(app: web.Application, host: str, port: int) -> Running:
