@@ -93,10 +93,11 @@ async def test_sigterm_and_restart_of_one_replica_under_load_fails_nothing(tmp_p
             rows = await ledger.rows()
         assert sorted(r["id"] for r in rows) == sorted(load.ids)  # exactly one row per request
         assert all(r["status"] == 200 and r["error_code"] is None for r in rows)
-        # what nginx saw of the restart: connections refused while nothing listened (it sent those
-        # requests to the other replica), never a connection closed under a request
+        # what nginx saw of the restart: at most connections refused while nothing listened (it sent
+        # those requests to the other replica; a new connection tried as the listener closes is held
+        # off, and its retry may reach the replica started again), never a connection closed under a request
         problems = [line for line in nginx.errors().splitlines() if "upstream" in line]
-        assert problems and all("connect() failed (111: Connection refused)" in line
+        assert all("connect() failed (111: Connection refused)" in line
                                 or "upstream server temporarily disabled while connecting" in line
                                 for line in problems), problems
     finally:

@@ -11,7 +11,7 @@ from processes import GatewayProcess, gateway_config
 
 from kilnproxy.fixtures.mock_upstream import STATS
 from kilnproxy.testing import KEY, MODEL
-from kilnproxy.web.server import start_mock
+from kilnproxy.web.server import hold_off_new_connections, start_mock
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GEN = "X-Neocloud-Generation-Id"
@@ -223,7 +223,8 @@ async def test_a_connection_still_in_the_listeners_queue_is_served_when_the_list
     client = socket.create_connection(("127.0.0.1", running.port))  # the loop has not run since: queued
     try:
         client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        await running.stop_listening(5.0, asyncio.Event())
+        await running.stop_listening()
+        await running.linger(5.0, asyncio.Event())
         client.setblocking(False)
         loop = asyncio.get_running_loop()
         answer = b""
@@ -233,3 +234,31 @@ async def test_a_connection_still_in_the_listeners_queue_is_served_when_the_list
     finally:
         client.close()
         await running.stop()
+
+
+
+def test_a_listener_being_closed_holds_new_connections_off_and_keeps_those_made():
+    """Before the gateway closes a listener, new connections' first packets go unanswered (their clients
+    try again about a second later, find nothing listening, and are refused: a balancer retries that
+    on another server), while a connection made and one waiting in the queue go on: closing the
+    listener then resets no connection whose handshake ended just before."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    made = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    waiting = socket.create_connection(("127.0.0.1", port))
+    waiting.sendall(b"POST")
+    late = socket.socket()
+    try:
+        assert hold_off_new_connections(listener)
+        made.sendall(b"ping")
+        assert served.recv(4) == b"ping"
+        queued, _ = listener.accept()
+        assert queued.recv(4) == b"POST"
+        queued.close()
+        late.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            late.connect(("127.0.0.1", port))
+    finally:
+        for s in (made, served, waiting, late, listener):
+            s.close()

@@ -12,8 +12,9 @@ runs once the gateway listens:
   while idle then: a balancer may be sending a request on it at that very
   moment, and it does not retry a POST that may have reached the server.
 - Then (at once for SIGINT, the interactive stop) the listening socket is
-  closed, once the connections waiting in its queue are taken (closing it
-  would reset them, and a balancer may have sent a request on one). After a drain, the connections still open are served for up to
+  closed: new connections are held off it for a moment first, then the
+  ones waiting in its queue are taken (closing it would reset them, and a
+  balancer may have sent a request on one; ``Running.stop_listening``). After a drain, the connections still open are served for up to
   ``LINGER_SECONDS`` more, each closed after its response: a balancer that
   kept one idle through the drain may send a request on it just as the
   listener closes (its next new connection is refused, which takes the
@@ -166,9 +167,10 @@ async def serve_until_stopped(running, shutdown: Shutdown, reload=None, ready=No
             ready()
         await stop.wait()
         if drain and await shutdown.drain_connections():
+            await running.stop_listening()
             log.info("stopped listening; connections still open are served for up to %g s more, "
                      "each closed after its response", LINGER_SECONDS)
-            await running.stop_listening(LINGER_SECONDS, shutdown.hurry)
+            await running.linger(LINGER_SECONDS, shutdown.hurry)
     finally:
         try:
             await running.stop()

@@ -16,11 +16,14 @@ would log, so that garbage from clients cannot flood the log.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import os
 import signal
 import socket
+import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,7 +39,8 @@ log = logging.getLogger("kilnproxy")
 
 # What is still running after the app's own grace period (kilnproxy.ops.lifecycle) is cancelled after this.
 SHUTDOWN_SECONDS = 2.0
-LINGER_POLL_SECONDS = 0.05  # how often stop_listening() looks whether a connection is still open
+LINGER_POLL_SECONDS = 0.05  # how often linger() looks whether a connection is still open
+HANDSHAKE_SECONDS = 0.1  # for a handshake under way to end (a round trip, in a data center well under this)
 
 
 class _MalformedRequestsAsOneLine(logging.Filter):
@@ -75,16 +79,23 @@ class Running:
     async def stop(self) -> None:
         await self.runner.cleanup()
 
-    async def stop_listening(self, linger: float, hurry: asyncio.Event) -> None:
-        """Close the listening socket; the connections still open are served for up to ``linger``
-        seconds more (or until ``hurry``), ending sooner once none is left. A balancer that kept an
-        idle connection may send one more request on it: closing it now could cut that request."""
-        for site in list(self.runner.sites):
+    async def stop_listening(self) -> None:
+        """Close the listening sockets, holding new connections off them first (``HANDSHAKE_SECONDS``)
+        and taking those waiting in their queues: no connection made is reset."""
+        sites = list(self.runner.sites)
+        if sum(hold_off_new_connections(listener) for site in sites for listener in _listeners(site)):
+            await asyncio.sleep(HANDSHAKE_SECONDS)  # the handshakes under way end in the listeners' queues
+        for site in sites:
             self._accept_waiting(site)
             await site.stop()  # (closes its listener before it first awaits: nothing is queued between the two)
+
+    async def linger(self, seconds: float, hurry: asyncio.Event) -> None:
+        """Once nothing listens: the connections still open are served for up to ``seconds`` more (or
+        until ``hurry``), ending sooner once none is left. A balancer that kept an idle connection may
+        send one more request on it: closing it now could cut that request."""
         server = self.runner.server
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + linger
+        deadline = loop.time() + seconds
         while server is not None and server.connections and loop.time() < deadline and not hurry.is_set():
             await asyncio.sleep(LINGER_POLL_SECONDS)
 
@@ -93,12 +104,9 @@ class Running:
         """Accept the connections the kernel has completed on ``site``'s listener that the server has not
         taken yet, and serve them like the others. Closing a listener resets them, and a balancer may
         already have sent a request on one: it does not retry a POST that may have reached the server.
-        (aiohttp gives no public way to the listener: ``site._server`` is asyncio's ``Server``.)"""
-        listening = getattr(getattr(site, "_server", None), "sockets", None) or ()
+        """
         loop = asyncio.get_running_loop()
-        for listener in listening:
-            if listener.type != socket.SOCK_STREAM:
-                continue
+        for listener in _listeners(site):
             with socket.socket(fileno=os.dup(listener.fileno())) as waiting:  # the same queue, non-blocking
                 while True:
                     try:
@@ -111,6 +119,41 @@ class Running:
                     task = loop.create_task(loop.connect_accepted_socket(self.runner.server, conn))
                     self._accepting.add(task)
                     task.add_done_callback(self._accepting.discard)
+
+
+def _listeners(site: web.BaseSite) -> list:
+    """``site``'s listening TCP sockets (aiohttp gives no public way to them: ``site._server`` is
+    asyncio's ``Server``)."""
+    sockets = getattr(getattr(site, "_server", None), "sockets", None) or ()
+    return [s for s in sockets if s.type == socket.SOCK_STREAM]
+
+
+# A classic BPF socket filter (Linux): a packet that opens a connection (SYN set) is dropped, any other
+# kept. On a listener, new connections then get no answer, while the handshakes under way (their last
+# packet carries no SYN) and the connections already made go on.
+_DROP_SYN = ((0x30, 0, 0, 13),           # load the TCP header's flags byte
+             (0x45, 0, 1, 0x02),         # SYN set: next instruction, else skip it
+             (0x06, 0, 0, 0),            # drop
+             (0x06, 0, 0, 0xFFFFFFFF))   # keep
+_SO_ATTACH_FILTER = 26
+
+
+def hold_off_new_connections(listener) -> bool:
+    """From now on ``listener`` drops new connections' first packets (Linux; False elsewhere). Their
+    clients send it again about a second later and find nothing listening then: a refusal, which a
+    balancer retries on another server (nothing was sent), where closing the listener now would
+    reset a connection whose handshake had just ended, its request perhaps sent."""
+    if not sys.platform.startswith("linux"):
+        return False
+    program = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *step) for step in _DROP_SYN))
+    try:
+        with socket.socket(fileno=os.dup(listener.fileno())) as same:  # uvloop's own stands for it, with fewer methods
+            same.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
+                            struct.pack("HP", len(_DROP_SYN), ctypes.addressof(program)))
+    except OSError as exc:
+        log.debug("could not hold new connections off the listener: %s", exc)
+        return False
+    return True
 
 
 async def start_app(app: web.Application, host: str, port: int) -> Running:
