@@ -243,7 +243,7 @@ class RequestTrace:
             tracing.waiting.append(self)
             if tracing.watched is None:
                 tracing.watched = committed
-                committed.add_done_callback(tracing.commits, context=_CALLBACKS)
+                committed.add_done_callback(tracing.commits, context=CALLBACK_CONTEXT)
 
     def encode(self, now: int, spans: list[bytes]) -> None:
         """The request's spans, appended to ``spans``; the request's own ends at ``now`` (its answer written).
@@ -337,7 +337,7 @@ def _ended(prefix_len: int) -> tuple:
 
 
 # the context the commit callbacks run in: they read no context variable, and one context a request would be copied
-_CALLBACKS = contextvars.Context()
+CALLBACK_CONTEXT = contextvars.Context()
 _MODELS: dict[tuple[str, str], tuple[str, bytes]] = {}  # (operation, requested model) -> span name, attribute
 
 

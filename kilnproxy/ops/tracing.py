@@ -64,7 +64,7 @@ from .. import __version__
 from ..config_types import TracingConfig
 from ..proxy.gateway import GATEWAY
 from . import otlp_wire as wire
-from .request_trace import _CALLBACKS, RequestTrace, Unsampled
+from .request_trace import CALLBACK_CONTEXT, RequestTrace, Unsampled
 from .trace_context import Sampler, parent
 from .trace_export import OtlpHttp, QuietExporter, SpanQueue
 
@@ -180,12 +180,12 @@ class Tracing:
         self.waiting = still
         if still:
             watched = self.watched = still[0].commit
-            watched.add_done_callback(self.commits, context=_CALLBACKS)
+            watched.add_done_callback(self.commits, context=CALLBACK_CONTEXT)
         else:
             self.watched = None
         if ended and not scheduled:
             # the future's loop: asyncio.get_running_loop() makes a getpid system call each time
-            future.get_loop().call_soon(self.encode_ended, context=_CALLBACKS)
+            future.get_loop().call_soon(self.encode_ended, context=CALLBACK_CONTEXT)
 
     def encode_ended(self) -> None:
         """The spans of the requests committed since the last call, queued at once (their answers are
