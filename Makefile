@@ -44,7 +44,7 @@ prometheus:  ## Debian's Prometheus and promtool: a test runs its own Prometheus
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends prometheus && \
 		  { ! [ -d /run/systemd/system ] || $(SUDO) systemctl disable --now prometheus; }; }  # no Debian service: the test starts its own
 
-bench: $(STAMP) postgres  ## what the gateway adds over a bare pass-through, beside Portkey and LiteLLM, and on PostgreSQL (M1-M8, PG; ~15 min): bench/results/<date>-<time>.md
+bench: $(STAMP) postgres  ## what the gateway adds over a bare pass-through, beside Portkey and LiteLLM, and on PostgreSQL (M1-M8, PG; ~22 min): bench/results/<date>-<time>.md
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || { \
 		command -v apt-get >/dev/null || { echo "make bench needs wrk and nginx"; exit 1; }; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq wrk nginx >/dev/null; }

@@ -1,4 +1,8 @@
-"""M1-M8: each runs its targets in rounds, the order rotated every round (A B C, B C A, ...)."""
+"""M1-M8: each runs its targets in rounds, in their order and reversed every other round (A B C, C B A, ...).
+
+A target is listed beside the one its ratio is taken to (the gateway beside the pass-through, a
+variant beside the gateway), so that the two runs of a ratio are always back to back, and which
+of them goes first alternates: a machine whose speed drifts over seconds moves both alike."""
 
 from __future__ import annotations
 
@@ -89,7 +93,7 @@ class Bench:
             (warm or run)(targets[name])
         out = {name: [] for name in names}
         for r in range(self.args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in (names if r % 2 == 0 else names[::-1]):
                 out[name].append(run(targets[name]))
         return out
 
@@ -308,8 +312,8 @@ class Bench:
 
     def m2(self) -> None:
         targets = {UP: f"{self.nginx}/json/v1/completions", PT: f"{self.pt_nginx}/json/v1/completions",
-                   GW: f"{self.gw}/v1/completions", PER_MINUTE: f"{self.gw_per_minute}/v1/completions",
-                   RUNTIME_KEYS: self.gw_runtime_keys, TRACING: f"{self.gw_tracing}/v1/completions",
+                   GW: f"{self.gw}/v1/completions", TRACING: f"{self.gw_tracing}/v1/completions",
+                   PER_MINUTE: f"{self.gw_per_minute}/v1/completions", RUNTIME_KEYS: self.gw_runtime_keys,
                    **self.peer_targets(f"{self.nginx}/json/v1")}
         res = self.wrk_rounds(targets, request_body(False), 64)
         rows, measured, by_core = self.throughput_table(res, 1, "requests")
@@ -333,8 +337,8 @@ class Bench:
 
     def m3(self) -> None:
         body = request_body(True, model="bench-stream")
-        targets = {UP: f"{self.nginx}/sse/v1/completions", PT: f"{self.pt_nginx}/sse/v1/completions",
-                   PT_LINES: f"{self._pt_lines()}/sse/v1/completions", GW: f"{self.gw}/v1/completions",
+        targets = {UP: f"{self.nginx}/sse/v1/completions", PT_LINES: f"{self._pt_lines()}/sse/v1/completions",
+                   PT: f"{self.pt_nginx}/sse/v1/completions", GW: f"{self.gw}/v1/completions",
                    GW_EVENT: f"{self._gw_event()}/v1/completions", **self.peer_targets(f"{self.nginx}/sse/v1")}
         res = self.wrk_rounds(targets, body, 32)
         rows, measured, by_core = self.throughput_table(res, CHUNKS, "chunks")
@@ -527,8 +531,8 @@ class Bench:
         self.goal("M8", "embeddings: requests/s, % of the pass-through's (per full core; measured)",
                   f"{spread(by_core, '{:.0f}%')}; {spread(measured, '{:.0f}%')}", None)
         streams = {UP: f"{self.nginx}/sse/v1/responses", PT: f"{self.pt_nginx}/sse/v1/responses",
-                   GW: f"{self.gw}/v1/responses", PT_COMPLETIONS: f"{self.pt_nginx}/sse/v1/completions",
-                   GW_COMPLETIONS: f"{self.gw}/v1/completions"}
+                   GW: f"{self.gw}/v1/responses", GW_COMPLETIONS: f"{self.gw}/v1/completions",
+                   PT_COMPLETIONS: f"{self.pt_nginx}/sse/v1/completions"}
         completions = request_body(True, model="bench-stream")
         res = self.wrk_rounds(streams, responses_body(), 32,
                               bodies={PT_COMPLETIONS: completions, GW_COMPLETIONS: completions})

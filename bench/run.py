@@ -11,7 +11,7 @@ so never replaces the last full table). Every process it started is stopped on
 the way out. The gateway, the pass-through and the peers run on CPU 0; load
 generators and upstreams on CPU 1.
 
-    python bench/run.py [--rounds 3] [--seconds 3] [--streams 10000] [--only M1,M5] [--peers portkey]
+    python bench/run.py [--rounds 5] [--seconds 3] [--streams 10000] [--only M1,M5] [--peers portkey]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ entry_points = false
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of A/B alternation per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per measurement, the order reversed every other round")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one wrk run")
     parser.add_argument("--streams", type=int, default=10000, help="M5: streams held open at once")
     parser.add_argument("--only", default=",".join(ALL), help="comma-separated measurements")
