@@ -103,10 +103,14 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             else:
                 chunk, first = first, None
         except asyncio.TimeoutError:
+            if relay.answered():
+                return _answered(relay, record)
             return _failed(record, "upstream_timeout", "The upstream sent nothing for too long.")
         except (ShuttingDown, DeadlinePassed) as exc:
             return _failed(record, exc.code, str(exc))
         except aiohttp.ClientError as exc:
+            if relay.answered():
+                return _answered(relay, record)
             return _failed(record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
         if not chunk:
             try:
@@ -133,6 +137,21 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
         keepalive.touch()  # the stream goes on: the next silence is timed from here
         if out:
             await response.write(out)
+
+
+def _answered(relay: EventRelay, record: RequestRecord) -> bytes:
+    """The end of a stream whose upstream failed (its connection lost, or silent) once every choice had
+    its finish reason: the answer is whole, only what follows it is missing. The client gets what was
+    left of the body, the usage chunk if asked for (the upstream's counts if they came, else the
+    estimate) and ``[DONE]``, no error event (the openai SDK raises on one, and a client would retry a
+    whole answer); the row is a success."""
+    try:
+        out = relay.close()
+    except StreamPluginError as exc:
+        return _plugin_failed(record, exc)
+    except Exception:
+        return _bug(record)
+    return out + _tail(relay, record)
 
 
 def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
