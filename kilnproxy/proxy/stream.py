@@ -15,7 +15,8 @@ import asyncio
 import logging
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 
 from ..plugins.call import Call
 from ..sse import DONE_FRAME, KEEPALIVE_FRAME
@@ -35,7 +36,8 @@ def stream_response(headers: dict, upstream, first: bytes | None) -> SSEResponse
 
     No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
     response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
-    and a load balancer would send its next request on a connection being closed."""
+    and a load balancer would send its next request on a connection being closed (HTTP/1.0 apart:
+    ``start_stream``)."""
     return SSEResponse(headers, first is not None or upstream.content.has_data())
 
 
@@ -71,7 +73,14 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
 async def start_stream(request: web.BaseRequest, gw: Gateway, record: RequestRecord,
                        response: web.StreamResponse) -> "KeepAlive":
     """Send the status line and headers (from here an error can only be an event); the keepalive, its
-    timer started at once unless the stream's first events are here already (the head waits for them)."""
+    timer started at once unless the stream's first events are here already (the head waits for them).
+
+    To an HTTP/1.0 request (no chunked encoding) the body is framed by the connection's end: ``Connection:
+    close`` is sent and the connection closed after the body, even when the request asked to keep it
+    alive (aiohttp would keep it, and the client could not tell where the body ends)."""
+    if request.version < HttpVersion11:
+        response.force_close()
+        response.headers[hdrs.CONNECTION] = "close"
     await response.prepare(request)
     record.responded = True
     if record.trace is not None:
