@@ -6,6 +6,7 @@ import openai
 import orjson
 import pytest
 
+from kilnproxy import DROP, hookimpl
 from kilnproxy.testing import MODEL
 from kilnproxy.usage import estimate_prompt_tokens, round_usd
 
@@ -134,3 +135,31 @@ async def test_a_drop_before_every_choice_finished_is_still_an_error(gw):
     assert orjson.loads(error[6:])["error"]["code"] == "upstream_error" and done == b"data: [DONE]"
     row = await gw.row(gen)
     assert (row["status"], row["error_code"]) == (200, "upstream_error")
+
+
+class Marker:
+    """Marks each choice chunk it sees, or drops the one with the finish reason (``drop_finish``)."""
+
+    def __init__(self, drop_finish: bool):
+        self.drop_finish = drop_finish
+
+    @hookimpl
+    def transform_event(self, event):
+        if event["choices"] and event["choices"][0].get("finish_reason"):
+            if self.drop_finish:
+                return DROP
+            event["marked"] = True
+        return None
+
+
+@pytest.mark.parametrize("drop_finish", [False, True], ids=["a plugin sees every event", "a plugin drops the last"])
+async def test_with_a_transform_event_plugin_a_drop_before_done_ends_with_usage_and_done(harness, drop_finish):
+    """The finish reason the plugins' loop reads, or that of an event a plugin dropped (the client does
+    not see it, the answer is whole all the same)."""
+    async with harness(plugins=[Marker(drop_finish)]) as h:
+        gen, raw = await stream_bytes(h, chat_body({"fail": "drop", "after": "done"}))
+        chunk = await upstream_usage_chunk(h)
+        assert last_events(raw, 2) == b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+        assert (b'"marked":true' in raw) != drop_finish and b'"error"' not in raw
+        row = await h.row(gen)
+        assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, None, WORDS)
