@@ -123,11 +123,12 @@ async def test_the_sdk_text_completion_stream_ends_without_an_exception_when_onl
     assert [(r["status"], r["error_code"]) for r in rows] == [(200, None)]
 
 
-async def test_a_drop_before_every_choice_finished_is_still_an_error(gw):
+@pytest.mark.parametrize("fail", ["drop", "eof"])
+async def test_a_drop_or_an_end_before_every_choice_finished_is_still_an_error(gw, fail):
     """llama.cpp, ``n`` = 2 on /v1/completions: choice 1 (two words) finishes before choice 0 (three
-    words); a drop before choice 0's last chunk cuts the answer."""
+    words); a drop, or the body's end, before choice 0's last chunk cuts the answer."""
     body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "n": 2, "stream": True,
-            "stream_options": {"include_usage": True}, "mock": {"flavor": "llamacpp", "fail": "drop", "after": 6}}
+            "stream_options": {"include_usage": True}, "mock": {"flavor": "llamacpp", "fail": fail, "after": 6}}
     async with gw.post("/v1/completions", body) as resp:
         gen, raw = resp.headers[GEN], await resp.read()
     assert b'"finish_reason":"length"' in raw

@@ -62,7 +62,7 @@ class EventRelay:
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
                  "upstream_key", "own_start", "own_end", "own_end_key", "ended", "error",
                  "usage_raw", "raw_counts", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
-                 "choice_usage", "request_usage", "chat", "several", "finished",
+                 "choice_usage", "request_usage", "chat", "several",
                  "finished_choices")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
@@ -86,7 +86,6 @@ class EventRelay:
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream finished its answer ([DONE], an error event): read it to its end
-        self.finished = False  # a finish reason came in an event a plugin dropped
         self.parser = SSEParser()
         self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
         self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
@@ -501,12 +500,11 @@ class EventRelay:
 
     def _dropped(self, event: dict) -> None:
         """A plugin left ``event`` out: its finish reason, which the client does not see, still says
-        the upstream finished (``finished``)."""
+        the upstream finished that choice (``answered``)."""
         choices = event.get("choices")
         if isinstance(choices, list):
             for choice in choices:
                 if isinstance(choice, dict) and choice.get("finish_reason"):
-                    self.finished = True
                     self._choice_finished(choice)
 
     def _take_finish_reason(self, choices: Any) -> None:

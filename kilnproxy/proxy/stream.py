@@ -130,7 +130,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                 return _bug(record)
             if out:
                 await response.write(out)
-            if relay.ended or record.finish_reason is not None or relay.finished:
+            if relay.ended or relay.answered():
                 return _tail(relay, record)
             return _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
         if record.ttft_ms is None:
