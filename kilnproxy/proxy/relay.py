@@ -62,7 +62,8 @@ class EventRelay:
     __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
                  "upstream_key", "own_start", "own_end", "own_end_key", "ended", "error",
                  "usage_raw", "raw_counts", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
-                 "choice_usage", "request_usage", "chat", "several", "finished")
+                 "choice_usage", "request_usage", "chat", "several",
+                 "finished_choices")
 
     def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
@@ -85,7 +86,6 @@ class EventRelay:
         self.usage_event: dict | None = None
         self.last_event: dict | None = None
         self.clean_end = False  # the upstream finished its answer ([DONE], an error event): read it to its end
-        self.finished = False  # a finish reason came in an event a plugin dropped
         self.parser = SSEParser()
         self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
         self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
@@ -95,6 +95,7 @@ class EventRelay:
         self.request_usage: list[Usage] = []  # the reports of choices: [] chunks
         n = record.body.get("n") if isinstance(record.body, dict) else None
         self.several = type(n) is int and n > 1  # several choices: their reports are added up
+        self.finished_choices: set = set()  # the indexes of the choices that had their finish reason
 
     # -- per chunk ----------------------------------------------------------
 
@@ -407,6 +408,7 @@ class EventRelay:
                             reason = choice.get("finish_reason")
                             if reason:
                                 record.finish_reason = reason
+                                self._choice_finished(choice)
                 if verdict is STOP:  # nothing else in line ends the stream (an unwritable event breaks above)
                     break
         except StreamPluginError as exc:
@@ -498,10 +500,12 @@ class EventRelay:
 
     def _dropped(self, event: dict) -> None:
         """A plugin left ``event`` out: its finish reason, which the client does not see, still says
-        the upstream finished (``finished``)."""
+        the upstream finished that choice (``answered``)."""
         choices = event.get("choices")
-        if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
-            self.finished = True
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    self._choice_finished(choice)
 
     def _take_finish_reason(self, choices: Any) -> None:
         if not isinstance(choices, list):  # not OpenAI's form: no finish reason to read
@@ -510,6 +514,11 @@ class EventRelay:
             reason = choice.get("finish_reason") if isinstance(choice, dict) else None
             if reason:
                 self.record.finish_reason = reason
+                self._choice_finished(choice)
+
+    def _choice_finished(self, choice: dict) -> None:
+        index = choice.get("index")
+        self.finished_choices.add(index if type(index) is int else 0)
 
     def _usage_taken(self, event: dict, choices: Any) -> bool:
         """An event with a ``usage`` that is not null: its counts read (an object), the usage removed from
@@ -602,6 +611,13 @@ class EventRelay:
         return StreamPluginError(impl.plugin, exc)
 
     # -- the end --------------------------------------------------------------
+
+    def answered(self) -> bool:
+        """Every choice the request asked for (``n``, else one) has had its finish reason, whether the
+        client saw it or a plugin dropped its event: the answer is whole, though ``[DONE]`` (and perhaps
+        the usage chunk) may not have come."""
+        n = self.record.body.get("n") if isinstance(self.record.body, dict) else None
+        return len(self.finished_choices) >= (n if type(n) is int and n > 1 else 1)
 
     def tail(self) -> bytes:
         """What follows the last event: the usage chunk if asked for, then ``[DONE]``."""

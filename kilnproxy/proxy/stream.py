@@ -15,7 +15,8 @@ import asyncio
 import logging
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 
 from ..plugins.call import Call
 from ..sse import DONE_FRAME, KEEPALIVE_FRAME
@@ -35,7 +36,8 @@ def stream_response(headers: dict, upstream, first: bytes | None) -> SSEResponse
 
     No ``Connection`` header: aiohttp writes ``Connection: close`` when the connection ends after the
     response (a draining gateway, a client that asked for it); a fixed ``keep-alive`` would then lie,
-    and a load balancer would send its next request on a connection being closed."""
+    and a load balancer would send its next request on a connection being closed (HTTP/1.0 apart:
+    ``start_stream``)."""
     return SSEResponse(headers, first is not None or upstream.content.has_data())
 
 
@@ -71,7 +73,14 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
 async def start_stream(request: web.BaseRequest, gw: Gateway, record: RequestRecord,
                        response: web.StreamResponse) -> "KeepAlive":
     """Send the status line and headers (from here an error can only be an event); the keepalive, its
-    timer started at once unless the stream's first events are here already (the head waits for them)."""
+    timer started at once unless the stream's first events are here already (the head waits for them).
+
+    To an HTTP/1.0 request (no chunked encoding) the body is framed by the connection's end: ``Connection:
+    close`` is sent and the connection closed after the body, even when the request asked to keep it
+    alive (aiohttp would keep it, and the client could not tell where the body ends)."""
+    if request.version < HttpVersion11:
+        response.force_close()
+        response.headers[hdrs.CONNECTION] = "close"
     await response.prepare(request)
     record.responded = True
     if record.trace is not None:
@@ -103,10 +112,14 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             else:
                 chunk, first = first, None
         except asyncio.TimeoutError:
+            if relay.answered():
+                return _answered(relay, record)
             return _failed(record, "upstream_timeout", "The upstream sent nothing for too long.")
         except (ShuttingDown, DeadlinePassed) as exc:
             return _failed(record, exc.code, str(exc))
         except aiohttp.ClientError as exc:
+            if relay.answered():
+                return _answered(relay, record)
             return _failed(record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
         if not chunk:
             try:
@@ -117,7 +130,7 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                 return _bug(record)
             if out:
                 await response.write(out)
-            if relay.ended or record.finish_reason is not None or relay.finished:
+            if relay.ended or relay.answered():
                 return _tail(relay, record)
             return _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
         if record.ttft_ms is None:
@@ -133,6 +146,21 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
         keepalive.touch()  # the stream goes on: the next silence is timed from here
         if out:
             await response.write(out)
+
+
+def _answered(relay: EventRelay, record: RequestRecord) -> bytes:
+    """The end of a stream whose upstream failed (its connection lost, or silent) once every choice had
+    its finish reason: the answer is whole, only what follows it is missing. The client gets what was
+    left of the body, the usage chunk if asked for (the upstream's counts if they came, else the
+    estimate) and ``[DONE]``, no error event (the openai SDK raises on one, and a client would retry a
+    whole answer); the row is a success."""
+    try:
+        out = relay.close()
+    except StreamPluginError as exc:
+        return _plugin_failed(record, exc)
+    except Exception:
+        return _bug(record)
+    return out + _tail(relay, record)
 
 
 def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
