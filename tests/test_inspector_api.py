@@ -396,3 +396,19 @@ async def test_detail_of_a_streamed_request_the_upstream_rejected(harness):
     assert cap["upstream_answer"] == cap["client_answer"]
     assert json.loads(cap["client_answer"])["error"]["message"] == "temperature must be in [0, 2], got 9."
     assert cap["upstream_events"] == cap["client_events"] == []
+
+
+async def test_live_feed_to_an_http10_client_says_its_connection_ends_with_the_body(gw):
+    """HTTP/1.0 has no chunked encoding: the feed's body can only end with the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+    try:
+        writer.write(b"GET /ui/api/events HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: keep-alive\r\n\r\n")
+        async with asyncio.timeout(30):  # a guard against a hang, no timing asserted
+            head = await reader.readuntil(b"\r\n\r\n")
+            hello = await reader.readuntil(b"\n\n")
+    finally:
+        writer.close()
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "HTTP/1.0 200 OK"
+    assert "Connection: close" in lines and "Transfer-Encoding: chunked" not in lines
+    assert json.loads(hello[6:]) == {"type": "hello", "capture": False}

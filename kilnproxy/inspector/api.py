@@ -34,7 +34,7 @@ from ..access import bearer_token, local_request, token_digest, token_matches
 from ..errors import GatewayError
 from ..proxy.gateway import Gateway
 from ..proxy.json_routes import expect_handler
-from ..proxy.stream import SSE_HEADERS
+from ..proxy.stream import SSE_HEADERS, close_after_body
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
 from .queries import MAX_LIMIT, InspectorStore, QueryError, digits
@@ -204,6 +204,7 @@ class InspectorAPI:
         self.access(request)
         sub = self.hub.subscribe()
         response = web.StreamResponse(headers={**SSE_HEADERS, **SECURITY_HEADERS})
+        close_after_body(request, response)
         try:
             await response.prepare(request)
             await response.write(event_frame({"type": "hello", "capture": self.gateway.capture is not None}))

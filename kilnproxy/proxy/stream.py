@@ -70,17 +70,21 @@ async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Rou
     return response
 
 
+def close_after_body(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Before ``prepare``: to an HTTP/1.0 request, whose body with no length can only be framed by the
+    connection's end, ``Connection: close`` and the connection closed after the body, whatever the
+    request asked (aiohttp would keep it alive, and the client could not tell where the body ends)."""
+    if request.version < HttpVersion11:
+        response.force_close()
+        response.headers[hdrs.CONNECTION] = "close"
+
+
 async def start_stream(request: web.BaseRequest, gw: Gateway, record: RequestRecord,
                        response: web.StreamResponse) -> "KeepAlive":
     """Send the status line and headers (from here an error can only be an event); the keepalive, its
     timer started at once unless the stream's first events are here already (the head waits for them).
-
-    To an HTTP/1.0 request (no chunked encoding) the body is framed by the connection's end: ``Connection:
-    close`` is sent and the connection closed after the body, even when the request asked to keep it
-    alive (aiohttp would keep it, and the client could not tell where the body ends)."""
-    if request.version < HttpVersion11:
-        response.force_close()
-        response.headers[hdrs.CONNECTION] = "close"
+    An HTTP/1.0 request's connection ends with the body (``close_after_body``)."""
+    close_after_body(request, response)
     await response.prepare(request)
     record.responded = True
     if record.trace is not None:
