@@ -360,7 +360,11 @@ class PostgresStore(GroupCommitted):
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Rows are durable once settled in PostgreSQL, or else in the spool (those of an org set
         aside, ``org_locks``, go there at once)."""
-        aside = await self._settle_around(rows, self.writer.run) if self.available else None
+        if self.available and not self.org_locks.orgs and await self._settle(rows, self.writer.run):
+            return  # (the common case: one statement, no sorting of rows)
+        # an org set aside before, or found locked just now: the other orgs' rows are settled
+        aside = (await self._settle_around(rows, self.writer.run)
+                 if self.available and self.org_locks.orgs else None)
         if aside is None:
             await self._spool(rows)
         elif aside:
