@@ -189,7 +189,9 @@ class Locker:
 
 LOCKS = {
     "holds table": "LOCK TABLE kiln_holds IN ACCESS EXCLUSIVE MODE",  # admission and settlement wait
-    "org row": "SELECT * FROM kiln_orgs WHERE org = 'acme' FOR UPDATE",  # settlement waits
+    # settlement waits, and so does the probe of which orgs' rows are locked (one org's row locked alone is
+    # that org's matter, not the store's: test_pg_org_lock)
+    "orgs table": "LOCK TABLE kiln_orgs IN EXCLUSIVE MODE",
 }
 
 

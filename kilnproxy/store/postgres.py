@@ -25,9 +25,11 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
   A database that answers but refuses the gateway's statements (read-only, a
   full disk, a lock held past ``LOCK_TIMEOUT``, a dropped table) is down the
   same way (``down_error``); only an error of the batch itself (its data, a
-  deadlock) leaves the store up. The store is up again once a heartbeat and a
-  settlement of spooled rows have both passed (``Heartbeat.beat``): a database
-  that answers reads but still refuses rows does not make it flap.
+  deadlock) leaves the store up, and so does a lock on one org's row of
+  ``kiln_orgs``: that org alone is set aside (``kilnproxy.store.org_locks``).
+  The store is up again once a heartbeat and a settlement of spooled rows have
+  both passed (``Heartbeat.beat``): a database that answers reads but still
+  refuses rows does not make it flap.
 * Every statement is bounded on both sides: PostgreSQL ends one that waits for
   a lock past ``LOCK_TIMEOUT`` or runs past ``SERVER_STATEMENT_TIMEOUT`` (the
   session's settings), before the client gives up at ``STATEMENT_TIMEOUT``. A
@@ -59,6 +61,7 @@ from ..usage import COLUMNS
 from . import spool_flush
 from .batches import Batches, GroupCommitted
 from .limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, per_minute_exceeded, rate_limited
+from .org_locks import OrgLocks, org_locked
 from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
@@ -191,6 +194,8 @@ class PostgresStore(GroupCommitted):
         self.spooled = 0  # rows in the spool
         self.stuck: set[str] = set()  # ids of spooled rows PostgreSQL refused, set aside (spool_flush)
         self.settle_error: BaseException | None = None  # why the last failed settlement failed, the store up
+        self.org_locks = OrgLocks(LOCK_TIMEOUT)  # orgs whose row another session keeps locked: set aside
+        self.locked_now = False  # the last failed settlement found an org's row locked (``org_locks``)
         self.commit_failures = 0
         self._down_since: float | None = None  # loop time the store went down (None: up)
         self._said_at = 0.0  # loop time the log last said the store is down
@@ -280,6 +285,9 @@ class PostgresStore(GroupCommitted):
         while waiting may still get its hold; its row, submitted as always, deletes it."""
         if not self.available:
             raise store_unavailable()
+        # an org set aside: its rows cannot be charged, and served it would keep its slot and hold
+        if self.org_locks.orgs and hold.org in self.org_locks.orgs:
+            raise org_locked(hold.org)
         verdict, spent = await self.admissions.add({
             "id": hold.id, "org": hold.org, "limit": limit, "granted": self.credits.granted.get(hold.org, 0.0),
             "amount": hold.amount, "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
@@ -350,15 +358,37 @@ class PostgresStore(GroupCommitted):
     # -- settlement ---------------------------------------------------------------
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
-        """Rows are durable once settled in PostgreSQL, or else in the spool."""
-        if not (self.available and await self._settle(rows, self.writer.run)):
+        """Rows are durable once settled in PostgreSQL, or else in the spool (those of an org set
+        aside, ``org_locks``, go there at once)."""
+        if self.available and not self.org_locks.orgs and await self._settle(rows, self.writer.run):
+            return  # (the common case: one statement, no sorting of rows)
+        # an org set aside before, or found locked just now: the other orgs' rows are settled
+        aside = (await self._settle_around(rows, self.writer.run)
+                 if self.available and self.org_locks.orgs else None)
+        if aside is None:
             await self._spool(rows)
+        elif aside:
+            await self._spool(aside)
+
+    async def _settle_around(self, rows: list[dict[str, Any]], run=None,
+                             say: bool = True) -> list[dict[str, Any]] | None:
+        """Settle ``rows`` but those of orgs set aside (``org_locks``), including any found locked on the
+        way: the rows left out (``[]``: all committed), or ``None`` when none committed (``_settle``)."""
+        aside: list[dict[str, Any]] = []
+        while True:
+            rows, held = self.org_locks.split(rows)
+            aside += held
+            if not rows or await self._settle(rows, run, say):
+                return aside
+            if not self.locked_now:  # each round sets aside at least one more org of ``rows``
+                return None
 
     async def _settle(self, rows: list[dict[str, Any]], run=None, say: bool = True) -> bool:
         """One ``kiln_settle`` transaction (sent with ``run``, by default ``self.run``); False when it
-        did not commit (the rows must be kept): ``settle_error`` says why, unless the store is down. A
-        refusal is logged if ``say``."""
+        did not commit (the rows must be kept): ``settle_error`` says why, unless the store is down or
+        an org's row is locked (``locked_now``: that org is set aside). A refusal is logged if ``say``."""
         run = run or self.run
+        self.locked_now = False
         try:
             body = orjson.dumps(rows).decode()
             if self.tell_rows:
@@ -369,6 +399,8 @@ class PostgresStore(GroupCommitted):
         except (*UNREACHABLE, asyncpg.PostgresError) as exc:
             self.commit_failures += 1
             self.settle_error = None
+            if isinstance(exc, asyncpg.LockNotAvailableError) and await self._orgs_locked(rows, run):
+                return False
             if not self.lost(exc):  # a deadlock, a value refused: kept in the spool and retried
                 self.settle_error = exc
                 if say:
@@ -380,7 +412,17 @@ class PostgresStore(GroupCommitted):
             log.exception("usage settlement of %d rows failed, spooled for a retry", len(rows))
             return False
         self._load_spent(spent)
+        self.org_locks.settled(rows)
         return True
+
+    async def _orgs_locked(self, rows: list[dict[str, Any]], run) -> bool:
+        """After a lock timeout: whether some org of ``rows`` has its row locked (set aside, ``locked_now``)
+        rather than the store refusing statements. A probe that fails says nothing."""
+        try:
+            self.locked_now = bool(await self.org_locks.probe(run, rows))
+        except (*UNREACHABLE, asyncpg.PostgresError):
+            self.locked_now = False
+        return self.locked_now
 
     async def _spool(self, rows: list[dict[str, Any]]) -> None:
         """Keep ``rows`` in the spool. While it cannot be written (a full disk), the responses waiting
@@ -413,9 +455,13 @@ class PostgresStore(GroupCommitted):
                     self.not_committed += rows
                     return
                 await asyncio.sleep(SPOOL_RETRY_SECONDS)
-                if self.available and await self._settle(rows, self.writer.run):
-                    log.warning("%d usage rows the spool could not take are settled in PostgreSQL", len(rows))
-                    return
+                aside = await self._settle_around(rows, self.writer.run) if self.available else None
+                if aside is not None and len(aside) < len(rows):
+                    log.warning("%d usage rows the spool could not take are settled in PostgreSQL",
+                                len(rows) - len(aside))
+                    if not aside:
+                        return
+                    rows = aside
                 continue
             self.spooled += len(rows)
             if failing_since is not None:

@@ -29,7 +29,9 @@ and makes ``kiln_admit`` hold keys' limits and check per-minute limits; version 
 instead of in triggers; version 5 (``kilnproxy.store.postgres_v5``) lets a key's
 per-minute entries go once out of the window; version 6 (``kilnproxy.store.postgres_v6``)
 has ``kiln_settle`` read only the rows it settles (an index of ``replica_lost`` rows, the holds
-and per-minute entries looked up by id).
+and per-minute entries looked up by id); version 7 (``kilnproxy.store.postgres_v7``) has
+``kiln_reap`` skip the holds another transaction has locked, so that a reap and a settlement
+never wait for each other.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .postgres_v3 import V3
 from .postgres_v4 import V4
 from .postgres_v5 import V5
 from .postgres_v6 import V6
+from .postgres_v7 import V7
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -224,7 +227,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7)
 
 
 async def migrate(conn) -> int:

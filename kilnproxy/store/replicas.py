@@ -9,6 +9,10 @@ timeout become ``replica_lost`` rows (several replicas (docs/reference.md)).
 A replica reaps only once it has itself been in touch with the database for
 a whole timeout: right after an outage every replica's heartbeat is stale,
 and the first one back must not take the others, still reconnecting, for dead.
+A reap that PostgreSQL ends for a deadlock (with a settlement, or another
+replica's reap) or a lock held past the lock timeout (an org's row locked by
+another session) is tried again at the next beat: one log line, not the
+store down, nor a traceback.
 
 While the store is down the beat is tried every ``RETRY_SECONDS``, on new
 connections (the old ones may keep a session's state, such as read-only); the
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import asyncpg
 
 from ..tasks import cancelled, woken
 
@@ -45,6 +51,7 @@ class Heartbeat:
         self.interval = min(store.timeout / 3, 5.0)
         self.in_touch_since: float | None = None  # loop time of the first beat since the last failure
         self.reaped = 0
+        self.reap_failed: str | None = None  # why the last reap failed (deadlock, lock), said once
         self._task: asyncio.Task | None = None
         self._flush: asyncio.Task | None = None
         self._poke = asyncio.Event()
@@ -77,8 +84,22 @@ class Heartbeat:
 
     async def reap(self) -> None:
         store, lost_before = self.store, self.reaped
-        for org, spent, lost in await store.attempt("fetch", "SELECT * FROM kiln_reap($1)",
-                                                    store.timeout) or ():
+        try:
+            reaped = await store.run("fetch", "SELECT * FROM kiln_reap($1)", store.timeout)
+        except (asyncpg.DeadlockDetectedError, asyncpg.LockNotAvailableError) as exc:
+            if self.reap_failed != type(exc).__name__:
+                self.reap_failed = type(exc).__name__
+                log.warning("reaping the requests of silent replicas failed (%s: %s); tried again at each "
+                            "heartbeat", type(exc).__name__, str(exc).splitlines()[0])
+            return
+        except (*store.UNREACHABLE, asyncpg.PostgresError) as exc:
+            if not store.lost(exc):
+                raise
+            return
+        if self.reap_failed is not None:
+            self.reap_failed = None
+            log.warning("reaping the requests of silent replicas passes again")
+        for org, spent, lost in reaped:
             store.credits.spent[org] = spent
             self.reaped += lost
             log.warning("%d requests of org %s were in flight on a replica silent for %g s: recorded as"
