@@ -12,6 +12,7 @@ gateway on a real port, what the upstream received read from its raw bytes.
 from __future__ import annotations
 
 import json
+import math
 from contextlib import asynccontextmanager
 
 import orjson
@@ -19,7 +20,7 @@ import pytest
 from rawhttp import exchange, raw_server, read_request, request
 
 from kilnproxy.proxy import event_json
-from kilnproxy.testing import KEY, MODEL, UPSTREAM_MODEL
+from kilnproxy.testing import KEY, MODEL, UPSTREAM_MODEL, completion_body
 
 BOM = b"\xef\xbb\xbf"
 ANSWER = orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "up",
@@ -133,3 +134,31 @@ def test_the_sample_finds_every_run_of_19_digits():
     for start in range(2 * SAMPLE):
         raw = b" " * start + b"1" * LONG_RUN + b" " * 20
         assert b"00" in raw[::SAMPLE].translate(DIGITS), start
+
+
+
+def no_window(config: dict) -> None:
+    """The test model without a context window (its hold then counts ``max_tokens`` as sent), its completion
+    tokens at a million USD per million."""
+    model = config["models"][0]
+    del model["context_window"]
+    model["pricing"]["completion"] = 1e6
+
+
+async def test_a_huge_max_tokens_is_held_as_a_finite_amount(harness):
+    """An integer ``max_tokens`` just below a double's limit, for two prompts: its hold is the most tokens a
+    count may be (``usage.MAX_TOKENS``) for each, not ``inf``, which once taken from the org's holds while
+    another request holds some made them ``nan`` (and ``nan`` refuses nothing)."""
+    huge = b'{"model": "test-model", "prompt": ["hi", "hi"], "max_tokens": 1' + b"0" * 307 + b"}"
+    async with harness(configure=no_window) as h:
+        gate = h.gw.admission
+        async with h.post("/v1/completions", completion_body(stream=True, prompt="hi", max_tokens=2,
+                                                             mock={"delay": 30})) as slow:
+            assert slow.status == 200  # admitted, its hold placed
+            alone = gate.held("acme")
+            answer = await exchange(h.url, request("POST", "/v1/completions", {"Authorization": f"Bearer {KEY}"},
+                                                   huge))
+            assert answer.status == 400  # the mock, like vLLM, refuses such a max_tokens
+            after = gate.held("acme")
+            # a number again, the slow request's hold, but for what a sum with 1.8e16 rounds off (its ulp: 2)
+            assert math.isfinite(after) and abs(after - alone) <= 4, (after, alone)
