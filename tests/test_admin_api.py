@@ -139,6 +139,16 @@ async def test_a_key_works_at_once_and_a_revoked_key_at_once_no_more(any_gw, eve
     assert kinds == ["key.revoked", "key.updated", "key.created"]  # the second DELETE changed nothing
 
 
+async def test_a_body_after_a_byte_order_mark_is_read_as_the_model_apis_read_one(gw):
+    a = api(gw)
+    status, grant = await a("POST", "/admin/v1/orgs/acme/grants",
+                            raw=b'\xef\xbb\xbf{"amount": 2, "reference": "bom"}')
+    assert status == 201 and (grant["amount"], grant["reference"]) == (2.0, "bom")
+    assert await a("POST", "/admin/v1/orgs/acme/grants", raw=b"\xef\xbb\xbf") == (400, {"error": {
+        "message": "The body is not valid JSON.", "type": "invalid_request_error", "param": None,
+        "code": "invalid_request"}})
+
+
 async def test_get_v1_key_answers_a_config_key(gw):
     assert await api(gw)("GET", "/v1/key", headers=gw.headers(KEY)) == (200, {
         "id": "acme-key", "name": "acme-key", "org": "acme", "prefix": KEY[:8], "models": None,
