@@ -132,9 +132,7 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
     pricing_r = Reader(source, r.key("pricing"), r.get("pricing", dict, {}))
     rates = {}
     for name in ("prompt", "completion", "cached_prompt"):
-        value = pricing_r.get(name, NUMBER, None)
-        if value is not None and value < 0:
-            pricing_r.fail(pricing_r.key(name), "must not be negative")
+        value = pricing_r.usd(name, None)
         rates[name] = None if value is None else float(value)
     pricing_r.done()
     model = ModelConfig(
@@ -210,7 +208,7 @@ def _org(source: str, i: int, table: Any) -> OrgConfig:
     r = Reader(source, f"orgs[{i}]", table)
     org = OrgConfig(
         id=r.get("id", str, required=True),
-        credits=float(r.get("credits", NUMBER, 0.0)),
+        credits=float(r.usd("credits", 0.0)),
         max_in_flight=r.get("max_in_flight", int, None),
         requests_per_minute=_per_minute(r, "requests_per_minute"),
         tokens_per_minute=_per_minute(r, "tokens_per_minute"),

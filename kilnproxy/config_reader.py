@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from .answers import FORBIDDEN
+from .config_types import MAX_USD
 from .errors import ConfigError
 
 NUMBER = (int, float)
@@ -50,6 +51,15 @@ class Reader:
         value = self.get(name, int if integer else NUMBER, default)
         if value <= 0:
             self.fail(self.key(name), f"must be greater than 0, got {value!r}")
+        return value
+
+    def usd(self, name: str, default: Any) -> Any:
+        """An amount of USD (a price, credits): a number from 0 to ``MAX_USD``."""
+        value = self.get(name, NUMBER, default)
+        if value is not None and value < 0:
+            self.fail(self.key(name), f"must not be negative, got {value!r}")
+        if value is not None and value > MAX_USD:
+            self.fail(self.key(name), f"must be at most {MAX_USD:,.0f} USD, got {value!r}")
         return value
 
     def url(self, key: str, url: str, *, port: bool = True, quote: bool = True) -> SplitResult:

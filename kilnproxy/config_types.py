@@ -53,9 +53,14 @@ class MaintenanceConfig:
     retry_after: str = "Mon, 30 Nov 2026 06:00:00 GMT"
 
 
+# The most a price (USD per million tokens), an org's credits or a grant may be, either way: with token
+# counts of 64 bits, no cost, and no sum of credits and grants, can then overflow a double to ``inf``.
+MAX_USD = 1e12
+
+
 @dataclass(frozen=True)
 class Pricing:
-    """USD per million tokens."""
+    """USD per million tokens, each from 0 to ``MAX_USD`` (the config's reader checks it)."""
 
     prompt: float = 0.0
     completion: float = 0.0

@@ -139,6 +139,16 @@ async def test_a_key_works_at_once_and_a_revoked_key_at_once_no_more(any_gw, eve
     assert kinds == ["key.revoked", "key.updated", "key.created"]  # the second DELETE changed nothing
 
 
+async def test_a_body_after_a_byte_order_mark_is_read_as_the_model_apis_read_one(gw):
+    a = api(gw)
+    status, grant = await a("POST", "/admin/v1/orgs/acme/grants",
+                            raw=b'\xef\xbb\xbf{"amount": 2, "reference": "bom"}')
+    assert status == 201 and (grant["amount"], grant["reference"]) == (2.0, "bom")
+    assert await a("POST", "/admin/v1/orgs/acme/grants", raw=b"\xef\xbb\xbf") == (400, {"error": {
+        "message": "The body is not valid JSON.", "type": "invalid_request_error", "param": None,
+        "code": "invalid_request"}})
+
+
 async def test_get_v1_key_answers_a_config_key(gw):
     assert await api(gw)("GET", "/v1/key", headers=gw.headers(KEY)) == (200, {
         "id": "acme-key", "name": "acme-key", "org": "acme", "prefix": KEY[:8], "models": None,
@@ -186,6 +196,14 @@ BAD_BODIES = [  # (method, path, body or raw bytes, status, code, param)
     ("POST", "/admin/v1/orgs/beta/grants", {"amount": 1e308, "reference": "r"}, 400, "invalid_request", "amount"),
     ("POST", "/admin/v1/orgs/beta/grants", {"amount": -1e12 - 1, "reference": "r"}, 400, "invalid_request",
      "amount"),
+    # Numbers orjson refuses (beyond a double) are still named by their field
+    ("POST", "/admin/v1/orgs/beta/grants", b'{"amount": 1e309, "reference": "r"}', 400, "invalid_request", "amount"),
+    ("POST", "/admin/v1/orgs/beta/grants", b'{"amount": -1' + b"0" * 400 + b', "reference": "r"}', 400,
+     "invalid_request", "amount"),
+    ("POST", "/admin/v1/orgs/beta/grants", b'{"amount": NaN, "reference": "r"}', 400, "invalid_request", None),
+    ("PATCH", "/admin/v1/keys/{key}", b'{"limit": 1e999}', 400, "invalid_request", "limit"),
+    ("PATCH", "/admin/v1/orgs/beta", b'{"max_in_flight": 1' + b"0" * 30 + b"}", 400, "invalid_request",
+     "max_in_flight"),
     ("POST", "/admin/v1/orgs/beta/grants", {"reference": "r"}, 400, "invalid_request", "amount"),
     ("POST", "/admin/v1/orgs/beta/grants", {"amount": 5}, 400, "invalid_request", "reference"),
     ("POST", "/admin/v1/orgs/beta/grants", {"amount": 5, "reference": ""}, 400, "invalid_request", "reference"),

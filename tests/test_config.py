@@ -65,6 +65,13 @@ def test_defaults_fill_every_key(tmp_path):
     (GOOD.replace('key = "sk-1"', 'key_sha256 = "abc"'), "keys[0].key_sha256: must be 64 hex digits"),
     (GOOD + "[[models]]\nid = \"m\"\nupstreams = [\"http://x/v1\"]\n", "models.id: 'm' is defined twice"),
     (GOOD + "[models.pricing]\nprompt = -1\n", "pricing.prompt: must not be negative"),
+    # A finite price or credit so large that a cost or a sum with grants overflows a double to inf
+    (GOOD + "[models.pricing]\ncompletion = 1e308\n",
+     "models[0] (m).pricing.completion: must be at most 1,000,000,000,000 USD, got 1e+308"),
+    (GOOD + "[models.pricing]\ncached_prompt = 1e13\n", "pricing.cached_prompt: must be at most 1,000,000,000,000 USD"),
+    (GOOD.replace('id = "acme"', 'id = "acme"\ncredits = -5'), "orgs[0].credits: must not be negative, got -5"),
+    (GOOD.replace('id = "acme"', 'id = "acme"\ncredits = 1.7e308'),
+     "orgs[0].credits: must be at most 1,000,000,000,000 USD, got 1.7e+308"),
     ("[[models]]\nupstreams = [\"http://x/v1\"]\n", "models[0].id: is required"),
     ("this is = not toml =", "not valid TOML"),
     ('[storage]\nurl = "postgresql://a@b/c"\nurl_env = "X"\n' + GOOD, "storage.url: give url or url_env, not both"),

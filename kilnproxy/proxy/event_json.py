@@ -14,6 +14,7 @@ event orjson reads and writes.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import orjson
@@ -28,7 +29,7 @@ STDLIB_ONLY = ("surrogates not allowed", "exceeds 64-bit range")
 def read_stdlib(payload: bytes) -> Any:
     """``payload`` read by the json module (orjson refused it); ValueError when it is not JSON."""
     try:
-        return json.loads(payload.decode(), parse_constant=_not_json, parse_float=_finite)
+        return json.loads(payload.decode(), parse_constant=_not_json, parse_float=_finite, parse_int=_integer)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -68,6 +69,14 @@ def writable(payload: bytes) -> bool:
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
+
+
+def _integer(number: str) -> int:
+    """An integer, whole; one beyond a double (over 308 digits) is refused, as orjson refuses it."""
+    value = int(number)
+    if len(number) > 300 and not -sys.float_info.max <= value <= sys.float_info.max:
+        raise ValueError(f"{number[:20]}... is beyond a double")
+    return value
 
 
 def _finite(number: str) -> float:

@@ -18,7 +18,10 @@
   orjson, and by the json module only where orjson refuses (``event_json``), so
   that a string escaping a lone surrogate (half an emoji an answer ended with,
   sent back in a chat's next turn) is read; it is written upstream with the
-  escape as sent. A body orjson reads never reaches the json module.
+  escape as sent. So is a body that begins with a UTF-8 byte order mark (sent
+  on without it), and one with an integer beyond 64 bits, which orjson reads
+  as a float: the json module reads it whole, and it goes upstream as sent.
+  A usual body orjson reads never reaches the json module.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ from .event_json import read_stdlib
 # schemas included) stay far below 128, which leaves room for what wraps a body (plugins, the
 # inspector's capture) before it is written again.
 MAX_DEPTH = 128
+# An integer orjson reads as a float (beyond 64 bits) has at least 19 digits (below -2**63; 20 above
+# 2**64 - 1). A run of 19 digits covers two successive multiples of 9, so every 9th byte of the body
+# shows two digits in a row: the usual body is looked at in that slice (a ninth of it) and no further.
+LONG_RUN = 19
+SAMPLE = 9
+DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # each digit as "0", all else " "
+BOM = b"\xef\xbb\xbf"
 ENCODINGS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
 
 
@@ -48,12 +58,10 @@ async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        if b"\\u" not in raw:  # orjson refuses only the escape of a lone surrogate that the json module reads
-            raise bad_request(f"The request body is not valid JSON: {exc}") from None
-        try:
-            body = read_stdlib(raw)
-        except ValueError:
-            raise bad_request(f"The request body is not valid JSON: {exc}") from None
+        body = _refused_by_orjson(raw, exc)
+    else:
+        if b"00" in raw[::SAMPLE].translate(DIGITS):  # two digits 9 bytes apart: perhaps a long integer
+            body = _exact_integers(raw, body)
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # enough brackets to be too deep: look closer
@@ -63,6 +71,36 @@ async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str
     if not isinstance(body["model"], str):
         raise bad_request("`model` must be a string.", param="model")
     return body
+
+
+def _refused_by_orjson(raw: bytes, exc: orjson.JSONDecodeError) -> Any:
+    """What orjson refuses that the json module reads: a string escaping a lone surrogate, and a UTF-8
+    byte order mark before the JSON (vLLM's Python reads bytes so, llama.cpp's JSON reader skips it too;
+    it is not written upstream). Anything else: 400."""
+    if raw.startswith(BOM):
+        raw = raw[len(BOM):]
+        try:
+            return _exact_integers(raw, orjson.loads(raw))
+        except orjson.JSONDecodeError as inner:
+            exc = inner
+    if b"\\u" not in raw:  # orjson refuses only the escape of a lone surrogate that the json module reads
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    try:
+        return read_stdlib(raw)
+    except ValueError:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+
+
+def _exact_integers(raw: bytes, body: Any) -> Any:
+    """``body`` (orjson's reading of ``raw``) read again by the json module when ``raw`` holds a run of
+    ``LONG_RUN`` digits: orjson reads an integer beyond 64 bits as a float, which would go upstream as
+    another number (``1.8446744073709552e+19``); vLLM's Python reads it whole, and so is it sent on."""
+    if b"0" * LONG_RUN not in raw.translate(DIGITS):
+        return body
+    try:
+        return read_stdlib(raw)
+    except ValueError:  # JSON orjson reads that the json module does not (nested too deeply): orjson's
+        return body
 
 
 async def read_body(request: web.Request, server: ServerConfig) -> bytes:

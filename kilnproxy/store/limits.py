@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from ..errors import GatewayError
-from ..usage import choice_count, prompt_count, prompt_token_bound
+from ..usage import MAX_TOKENS, choice_count, prompt_count, prompt_token_bound
 from .minute_windows import MinuteWindows
 
 
@@ -71,10 +71,12 @@ def output_bound(limit: int | None, context_window: int | None) -> int:
     """The most tokens one answer can have: the ``limit`` it asks for (``max_tokens`` and the like), at most
     the model's ``context_window`` (vLLM and llama.cpp fit prompt and output in the window: they refuse or cut
     an answer beyond it), the window itself without a limit; 0 knowing neither. The window is not lessened
-    by the prompt's bound: the prompt may be shorter than its bound, which would leave room for more output."""
+    by the prompt's bound: the prompt may be shorter than its bound, which would leave room for more output.
+    At most ``MAX_TOKENS``: a body's integer is read whole, and a limit near a double's own would make the
+    hold's amount ``inf`` (and the org's holds ``nan`` once it is given back)."""
     if context_window and (limit is None or limit > context_window):
         return context_window
-    return limit or 0
+    return min(limit, MAX_TOKENS) if limit else 0
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:

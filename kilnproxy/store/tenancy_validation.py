@@ -18,19 +18,19 @@ required field, then each field (in a fixed order, the first fault answers).
 
 from __future__ import annotations
 
-import math
+import json
 import re
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 import orjson
 
+from ..config_types import MAX_USD
 from ..errors import GatewayError
 
 LIMIT_RESETS = ("daily", "weekly", "monthly")
 ORG_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 MAX_TEXT = 200  # characters of a name or a reference
-MAX_USD = 1e12  # the absolute value of a grant or a key limit, so that no sum of them overflows
 MAX_INT = 2**63 - 1  # a per-minute limit: what a BIGINT (and SQLite's INTEGER) holds
 MAX_IN_FLIGHT = 2**31 - 1  # what PostgreSQL's INTEGER column of max_in_flight holds
 
@@ -46,12 +46,22 @@ def invalid(message: str, param: str | None) -> GatewayError:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, or 400 (not JSON, not an object)."""
+    """The JSON object of a request body, or 400 (not JSON, not an object). What orjson refuses is
+    read again by the json module, as a model server reads a body: a number beyond a double (read as
+    ``inf``, an integer beyond 64 bits as itself) so that its field's check names the field, and a
+    leading UTF-8 byte order mark."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise invalid("The body is not valid JSON.", None) from None
+        try:
+            body = json.loads(raw.decode("utf-8-sig"), parse_constant=_not_json)
+        except (ValueError, RecursionError):
+            raise invalid("The body is not valid JSON.", None) from None
     return _object(body)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def iso_utc(moment: datetime) -> str:
@@ -102,9 +112,9 @@ def _flag(value: Any, field: str) -> bool:
 
 
 def _usd(value: Any, field: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if type(value) not in (int, float):
         raise invalid(f"`{field}` must be a JSON number of USD (not a string).", field)
-    if abs(value) > MAX_USD:
+    if not -MAX_USD <= value <= MAX_USD:  # also inf, nan and an integer no double holds
         raise invalid(f"`{field}` must be at most {MAX_USD:,.0f} USD, either way.", field)
     return float(value)
 
