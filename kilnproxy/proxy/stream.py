@@ -117,26 +117,16 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
                 chunk, first = first, None
         except asyncio.TimeoutError:
             if relay.answered():
-                return _answered(relay, record)
+                return _closed(relay, record)
             return _failed(record, "upstream_timeout", "The upstream sent nothing for too long.")
         except (ShuttingDown, DeadlinePassed) as exc:
             return _failed(record, exc.code, str(exc))
         except aiohttp.ClientError as exc:
             if relay.answered():
-                return _answered(relay, record)
+                return _closed(relay, record)
             return _failed(record, "upstream_error", f"The upstream connection failed: {type(exc).__name__}.")
         if not chunk:
-            try:
-                out = relay.close()
-            except StreamPluginError as exc:
-                return _plugin_failed(record, exc)
-            except Exception:
-                return _bug(record)
-            if out:
-                await response.write(out)
-            if relay.ended or relay.answered():
-                return _tail(relay, record)
-            return _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
+            return _closed(relay, record)
         if record.ttft_ms is None:
             record.first_byte()
         try:
@@ -152,19 +142,21 @@ async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, 
             await response.write(out)
 
 
-def _answered(relay: EventRelay, record: RequestRecord) -> bytes:
-    """The end of a stream whose upstream failed (its connection lost, or silent) once every choice had
-    its finish reason: the answer is whole, only what follows it is missing. The client gets what was
-    left of the body, the usage chunk if asked for (the upstream's counts if they came, else the
-    estimate) and ``[DONE]``, no error event (the openai SDK raises on one, and a client would retry a
-    whole answer); the row is a success."""
+def _closed(relay: EventRelay, record: RequestRecord) -> bytes:
+    """The upstream's body has ended (closed; or its connection lost, or silent, once the answer was
+    whole): what was left of it, then the tail if ``[DONE]`` came or every choice had its finish reason
+    (the usage chunk if asked for, the upstream's counts if they came, else the estimate; and ``[DONE]``:
+    no error event after a whole answer, on which the openai SDK raises and a client would retry it),
+    else an ``upstream_error`` event."""
     try:
         out = relay.close()
     except StreamPluginError as exc:
         return _plugin_failed(record, exc)
     except Exception:
         return _bug(record)
-    return out + _tail(relay, record)
+    if relay.ended or relay.answered():
+        return out + _tail(relay, record)
+    return out + _failed(record, "upstream_error", "The upstream closed the stream before it finished.")
 
 
 def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
