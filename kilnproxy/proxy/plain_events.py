@@ -184,9 +184,9 @@ class PlainRun:
         (``frames_plain``), and the markers to look for in the middles (``banned``)."""
         if LF in first or LF in second:
             return False
-        same = _common_start(first, second)
+        same, end = _common_ends(first, second)
         cut = max(first.rfind(b",", 0, same), first.rfind(b"{", 0, same)) + 1
-        start = len(first) - _common_end(first, second)
+        start = len(first) - end
         comma, brace = first.find(b",", start), first.find(b"}", start)
         end = comma if brace < 0 or 0 <= comma < brace else brace  # the first of the two (-1: neither)
         if not cut or end < cut:
@@ -324,20 +324,22 @@ def _framable(upstream: bytes, catalog: bytes) -> bool:
     return not (upstream != catalog and any(c in name for c in b",{}" for name in (upstream, catalog)))
 
 
-def _common_start(a: bytes, b: bytes) -> int:
-    """The length of the longest common start of ``a`` and ``b``: the first byte that differs holds
-    the highest bit set in the two read as big-endian numbers and xor-ed."""
-    size = min(len(a), len(b))
-    differ = int.from_bytes(a[:size]) ^ int.from_bytes(b[:size])
-    return size - 1 - (differ.bit_length() - 1) // 8 if differ else size
-
-
-def _common_end(a: bytes, b: bytes) -> int:
-    """The length of the longest common end of ``a`` and ``b``: the last byte that differs holds
-    the lowest bit set in the two read as big-endian numbers and xor-ed."""
-    size = min(len(a), len(b))
-    differ = int.from_bytes(a[len(a) - size:]) ^ int.from_bytes(b[len(b) - size:])
-    return ((differ & -differ).bit_length() - 1) // 8 if differ else size
+def _common_ends(a: bytes, b: bytes) -> tuple[int, int]:
+    """The lengths of the longest common start and of the longest common end of ``a`` and ``b``, from
+    the two read once as big-endian numbers. Xor-ed as they are (aligned at their ends), the lowest
+    bit set is in the last byte that differs; xor-ed once the longer one's extra last bytes are shifted
+    out (aligned at their starts), the highest bit set is in the first byte that differs. Two
+    conversions, not one per question and operand."""
+    x, y = int.from_bytes(a), int.from_bytes(b)
+    extra = len(a) - len(b)
+    size = len(b) if extra > 0 else len(a)
+    differ = x ^ y
+    first = (x >> 8 * extra) ^ y if extra > 0 else x ^ (y >> -8 * extra) if extra else differ
+    start = size - 1 - (first.bit_length() - 1) // 8 if first else size
+    if not differ:
+        return start, size
+    end = ((differ & -differ).bit_length() - 1) // 8
+    return start, end if end < size else size
 
 
 def opens_top(start: bytes, at: int) -> bool:

@@ -179,7 +179,7 @@ class EventRelay:
                     return self._cut_run(chunk)
             del events[k:]
             end = len(chunk) - sum(map(len, tail)) - 8 * len(tail)
-        n, out, roles = self.plain.take_split(chunk, end, events, tail and partial(self.feed_data, tail))
+        n, out, roles = self.plain.take_split(chunk, end, events, tail and partial(self._feed_marked, tail))
         if not n:
             return self._events(chunk)
         self.record.streamed_chunks += n - _role_only_count(events) if roles and self.chat else n
@@ -262,6 +262,22 @@ class EventRelay:
             raise
         return b"".join(out)
 
+    def _feed_marked(self, payloads: list[bytes]) -> bytes:
+        """``feed_data`` for one-line events that ``_marked`` set apart (no plugin loaded): each is
+        ``[DONE]`` or fails ``_event``'s tests of an event sent as it came (an error, usage that is not
+        null, a finish reason that is not null), so it is parsed without them."""
+        out = []
+        for payload in payloads:
+            if is_done(payload):
+                self.ended = self.clean_end = True
+                break
+            frame = self._parsed_event(payload)
+            if frame is not None:
+                out.append(frame)
+            if self.ended:
+                break
+        return b"".join(out)
+
     def _event(self, payload: bytes) -> bytes | None:
         if self.parse_all:
             data = self._plugged(payload)
@@ -326,12 +342,20 @@ class EventRelay:
             event["model"] = self.call.model
         self.last_event = event
         try:
-            data = write(event)
-        except TypeError:  # no plugin changed it: the upstream's event is beyond what the gateway writes
-            return data_frame(self._unwritable())
-        if choices:
-            self._take_finish_reason(choices)  # what the client sees
-        return data_frame(data)
+            data = orjson.dumps(event)  # ``write``'s first step, in line
+        except TypeError:
+            try:
+                data = write(event)  # what only the json module writes (a lone surrogate)
+            except TypeError:  # no plugin changed it: the upstream's event is beyond what the gateway writes
+                return data_frame(self._unwritable())
+        if isinstance(choices, list):  # _take_finish_reason, in line: what the client sees
+            for choice in choices:
+                if isinstance(choice, dict):
+                    reason = choice.get("finish_reason")
+                    if reason:
+                        self.record.finish_reason = reason
+                        self._choice_finished(choice)
+        return b"data: " + data + b"\n\n"
 
     def _plugged_events(self, events: bytes) -> bytes:
         """``_events`` with ``transform_event`` plugins. Each event is one ``data:`` line (a model
