@@ -12,8 +12,8 @@ on all of them alike. Prints, per variant, the CPU time per request of the whole
 spent the most (per stream with ``--stream``), wrk's latency p50 and p99 (with
 ``--latency``, M1's one request at a time), and how busy the process kept its core (a gateway
 below 100 % waited for something else, and spends more CPU a request than a saturated one). On a
-shared 2-vCPU machine the same variant moves ±10 µs from one run to the next: compare variants within a run, over 6 rounds or
-more.
+shared 2-vCPU machine the same variant moves ±10 µs from one run to the next: compare variants
+within a run, over 6 rounds or more.
 
     python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream | --responses | --latency]
         [--plugin bench/plugins/noop_event.py] [--rounds 8] [--seconds 3] [--pg after]
