@@ -9,13 +9,18 @@ streams, 32 in flight; with ``--responses`` M8's Responses API streams, 32 in fl
 ``--seconds`` long), so that what the machine does meanwhile falls
 on all of them alike. Prints, per variant, the CPU time per request of the whole process
 (median of the rounds, then every round), the user and kernel parts, the thread that
-spent the most (per stream with ``--stream``), and wrk's latency p50 and p99 (with
-``--latency``, M1's one request at a time). On a shared 2-vCPU machine the same variant
-moves ±10 µs from one run to the next: compare variants within a run, over 6 rounds or
-more.
+spent the most (per stream with ``--stream``), wrk's latency p50 and p99 (with
+``--latency``, M1's one request at a time), and how busy the process kept its core (a gateway
+below 100 % waited for something else, and spends more CPU a request than a saturated one). On a
+shared 2-vCPU machine the same variant moves ±10 µs from one run to the next: compare variants
+within a run, over 6 rounds or more.
 
     python bench/ab.py before=/tmp/before after=installed [--tracing after] [--stream | --responses | --latency]
-        [--plugin bench/plugins/noop_event.py] [--rounds 8] [--seconds 3]
+        [--plugin bench/plugins/noop_event.py] [--rounds 8] [--seconds 3] [--pg after]
+
+``--pg NAME``: that variant's usage store is PostgreSQL (``[storage] url``): a database of its own on one
+throw-away server (``kilnproxy.testing.postgres``, fsync on, as ``measure_pg.py`` has it), running on the
+load's CPU.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", metavar="NAME=TREE", help="a name and a kilnproxy tree, or installed")
     parser.add_argument("--tracing", action="append", default=[], metavar="NAME", help="this variant with [tracing] on")
+    parser.add_argument("--pg", action="append", default=[], metavar="NAME", help="this variant on PostgreSQL")
     parser.add_argument("--plugin", metavar="PATH", help="every variant with this plugin module loaded")
     parser.add_argument("--stream", action="store_true", help="M3's load: 64-chunk streams, 32 in flight")
     parser.add_argument("--responses", action="store_true", help="M8's load: Responses API streams, 32 in flight")
@@ -64,6 +70,12 @@ def main() -> None:
     plugin = str(Path(args.plugin).resolve()) if args.plugin else None
     work = Path(tempfile.mkdtemp(prefix="kilnproxy-ab-"))
     os.chdir(work)  # ``python -m kilnproxy`` imports from its working directory first: not from a checkout
+    postgres = None
+    if args.pg:
+        sys.path.insert(0, str(HERE.parent))
+        from kilnproxy.testing.postgres import PostgresServer
+        postgres = PostgresServer(fsync=True)
+        postgres.start()  # its processes inherit this one's CPU: the load's
     with Procs(work) as procs:
         nginx_port = free_port()
         procs.start("nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c",
@@ -74,12 +86,16 @@ def main() -> None:
         gateways = {}
         for name, tree in variants.items():
             port = free_port()
+            storage = None
+            if name in args.pg:
+                url = postgres.create_database(f"kiln_ab_{len(gateways)}")
+                storage = f'url = "{url}"\nspool_path = "{work / name}-spool.db"\nreplica_timeout_seconds = 15'
             config = gateway_config(work / f"{name}.toml", work / f"{name}.db", port,
                                     {"bench": f"http://127.0.0.1:{nginx_port}/json/v1",
                                      "bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1",
                                      "bench-responses": {"url": f"http://127.0.0.1:{nginx_port}/sse/v1",
                                                          "endpoints": ["responses"]}},
-                                    plugin=plugin, sections=tracing if name in args.tracing else "")
+                                    plugin=plugin, sections=tracing if name in args.tracing else "", storage=storage)
             env = {"PYTHONPATH": str(Path(tree).resolve())} if tree != "installed" else {"PYTHONPATH": str(HERE.parent)}
             proc = procs.start(name, [sys.executable, "-m", "kilnproxy", "serve", "--config", str(config)],
                                cpus={cpus[0]}, port=port, env=env)
@@ -96,6 +112,7 @@ def main() -> None:
         per_request: dict[str, list[float]] = {name: [] for name in gateways}
         latency: dict[str, list[tuple[float, float]]] = {name: [] for name in gateways}
         parts: dict[str, list[tuple[float, float, float]]] = {name: [] for name in gateways}
+        share: dict[str, list[float]] = {name: [] for name in gateways}  # of a core, while wrk ran
         order = list(gateways.items())
         for round_ in range(args.rounds):
             # every other round in reverse: no variant always runs right after the same other one
@@ -107,15 +124,19 @@ def main() -> None:
                 spent = {t: (u - before.get(t, (0, 0))[0], s - before.get(t, (0, 0))[1]) for t, (u, s) in after.items()}
                 per_request[name].append(result["cpu_us"])
                 latency[name].append((result["p50_us"], result["p99_us"]))
+                share[name].append(result["cpu_share"])
                 parts[name].append((sum(u for u, _ in spent.values()) * us, sum(s for _, s in spent.values()) * us,
                                     max(u + s for u, s in spent.values()) * us))
         for name, rounds in per_request.items():
             user, system, top = (statistics.median(p[i] for p in parts[name]) for i in range(3))
-            label = name + (" (tracing)" if name in args.tracing else "")
+            label = name + (" (tracing)" if name in args.tracing else "") + (" (PostgreSQL)" if name in args.pg else "")
             print(f"{label:24s} {statistics.median(rounds):6.1f} µs {unit}  (rounds: "
                   f"{' '.join(f'{r:.0f}' for r in rounds)}); user {user:.1f}, kernel {system:.1f}, "
                   f"busiest thread {top:.1f}; latency p50 {statistics.median(p for p, _ in latency[name]):.0f} µs, "
-                  f"p99 {statistics.median(p for _, p in latency[name]):.0f} µs")
+                  f"p99 {statistics.median(p for _, p in latency[name]):.0f} µs; "
+                  f"{statistics.median(share[name]) * 100:.0f} % of its core busy")
+    if postgres is not None:
+        postgres.remove()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ ledger's group commits and of the keep-alive differ from a real run). Needs valg
     python bench/stream_instructions.py before=/tmp/before after=installed [--streams 400] [--concurrency 8]
 
 ``--json``: M2's non-streamed request instead (the canned JSON completion), instructions a request.
+
+``--stores sqlite,pg``: each tree once per usage store, SQLite and PostgreSQL (``[storage] url``: a
+throw-away server from Debian's packages, ``kilnproxy.testing.postgres``, fsync on, each gateway a fresh
+database of its own), in the order given. PostgreSQL's own instructions are not counted, only the
+gateway's (its asyncpg side: the arguments encoded, the results decoded, the batching).
 """
 
 from __future__ import annotations
@@ -77,28 +82,45 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--plugin", metavar="PATH")
     parser.add_argument("--json", action="store_true", help="M2's non-streamed request instead of M3's stream")
+    parser.add_argument("--stores", default="sqlite", help="sqlite, pg or both (sqlite,pg): each tree on each")
     args = parser.parse_args()
+    stores = args.stores.split(",")
+    assert set(stores) <= {"sqlite", "pg"}, args.stores
     variants = dict(v.split("=", 1) for v in args.variants)
     work = Path(tempfile.mkdtemp(prefix="kilnproxy-ir-"))
     os.chdir(work)
     stream = not args.json
     body = request_body(stream, model="bench-stream" if stream else "bench")
     plugin = str(Path(args.plugin).resolve()) if args.plugin else None
+    postgres = None
+    if "pg" in stores:
+        sys.path.insert(0, str(HERE.parent))
+        from kilnproxy.testing.postgres import PostgresServer
+        postgres = PostgresServer(fsync=True)
+        postgres.start()
+    runs = [(f"{name}/{store}" if len(stores) > 1 else name, tree, store)
+            for name, tree in variants.items() for store in stores]
     with Procs(work) as procs:
         nginx_port = free_port()
         procs.start("nginx", ["nginx", "-e", str(work / "nginx-error.log"), "-c",
                               str(write_nginx_files(nginx_port, work))], port=nginx_port)
-        for name, tree in variants.items():
+        for number, (name, tree, store) in enumerate(runs):
             port = free_port()
-            config = gateway_config(work / f"{name}.toml", work / f"{name}.db", port,
+            file = name.replace("/", "-")
+            storage = None
+            if store == "pg":
+                url = postgres.create_database(f"kiln_ir_{number}")
+                storage = f'url = "{url}"\nspool_path = "{work / file}-spool.db"\nreplica_timeout_seconds = 15'
+            config = gateway_config(work / f"{file}.toml", work / f"{file}.db", port,
                                     {"bench-stream": f"http://127.0.0.1:{nginx_port}/sse/v1",
-                                     "bench": f"http://127.0.0.1:{nginx_port}/json/v1"}, plugin=plugin)
+                                     "bench": f"http://127.0.0.1:{nginx_port}/json/v1"}, plugin=plugin,
+                                    storage=storage)
             tree = str(HERE.parent) if tree == "installed" else str(Path(tree).resolve())
-            out = work / f"{name}.callgrind"
+            out = work / f"{file}.callgrind"
             proc = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
                                      sys.executable, "-m", "kilnproxy", "serve", "--config", str(config)],
                                     env={**os.environ, "PYTHONPATH": tree, "PYTHONHASHSEED": "0"},
-                                    stdout=subprocess.DEVNULL, stderr=open(work / f"{name}.log", "w"))
+                                    stdout=subprocess.DEVNULL, stderr=open(work / f"{file}.log", "w"))
             try:
                 wait_port(port)
                 asyncio.run(streams(port, args.warm, args.concurrency, body, stream))
@@ -108,11 +130,13 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait()
-            match = re.search(r"^summary: (\d+)", (work / f"{name}.callgrind.1").read_text(errors="replace"), re.M)
+            match = re.search(r"^summary: (\d+)", (work / f"{file}.callgrind.1").read_text(errors="replace"), re.M)
             totals = int(match.group(1))  # the counters' dump: from the zeroing to it
             what = "stream" if stream else "JSON request"
-            print(f"{name:12s} {totals / args.streams:12,.0f} instructions a {what} ({args.streams} {what}s, "
+            print(f"{name:16s} {totals / args.streams:12,.0f} instructions a {what} ({args.streams} {what}s, "
                   f"{args.concurrency} at a time)", flush=True)
+    if postgres is not None:
+        postgres.remove()
 
 
 if __name__ == "__main__":

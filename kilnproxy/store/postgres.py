@@ -111,7 +111,8 @@ def down_error(exc: BaseException) -> bool:
     return isinstance(exc, asyncpg.PostgresError) and database_state(exc.sqlstate)
 
 
-ADMIT = "SELECT * FROM kiln_admit($1::jsonb, $2, $3)"
+# Only the columns read, in the order ``admit`` unpacks them (not ``r_id``: a string decoded a row for nothing).
+ADMIT = "SELECT r_verdict, r_spent FROM kiln_admit($1::jsonb, $2, $3)"
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
 SETTLE = "SELECT * FROM kiln_settle($1::jsonb, $2)"
 # The same, and in its transaction (so delivered at its commit, and only if it commits) one NOTIFY per
@@ -124,22 +125,24 @@ NOTICE_BYTES = 7900  # a NOTIFY payload must stay under 8000 bytes
 
 def row_notices(replica: str, ids: list[str]) -> list[str]:
     """``"<replica> <id> <id> ..."``, as few as fit under ``NOTICE_BYTES`` each."""
-    notices, notice = [], replica
+    notices, start = [], len(replica.encode())
+    notice, size = [replica], start  # a notice's parts and its length in bytes so far
     for generation_id in ids:
-        if len(notice.encode()) + 1 + len(generation_id) > NOTICE_BYTES:
-            notices.append(notice)
-            notice = replica
-        notice += " " + generation_id
-    return notices + [notice]
+        length = len(generation_id.encode()) + 1
+        if size + length > NOTICE_BYTES and len(notice) > 1:
+            notices.append(" ".join(notice))
+            notice, size = [replica], start
+        notice.append(generation_id)
+        size += length
+    return notices + [" ".join(notice)]
 
 
-def _per_minute(hold: Hold) -> dict[str, int | None]:
-    """The hold's per-minute bounds as ``kiln_admit`` reads them."""
-    bounds = {"org_rpm": None, "org_tpm": None, "key_rpm": None, "key_tpm": None}
+def _per_minute(hold: Hold, item: dict[str, Any]) -> None:
+    """The hold's per-minute bounds, as ``kiln_admit`` reads them, into its admission's ``item``
+    (absent: no bound; ``kiln_admit`` reads a missing key as NULL)."""
     for name, rpm, tpm in hold.per_minute:
         who = "org" if name.startswith("org:") else "key"
-        bounds[f"{who}_rpm"], bounds[f"{who}_tpm"] = rpm, tpm
-    return bounds
+        item[f"{who}_rpm"], item[f"{who}_tpm"] = rpm, tpm
 
 
 def redacted(url: str) -> str:
@@ -288,12 +291,14 @@ class PostgresStore(GroupCommitted):
         # an org set aside: its rows cannot be charged, and served it would keep its slot and hold
         if self.org_locks.orgs and hold.org in self.org_locks.orgs:
             raise org_locked(hold.org)
-        verdict, spent = await self.admissions.add({
+        item = {
             "id": hold.id, "org": hold.org, "limit": limit, "granted": self.credits.granted.get(hold.org, 0.0),
             "amount": hold.amount, "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
             "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model, "endpoint": hold.endpoint,
-            "stream": hold.stream, "key_limit": hold.key_limit, "key_since": hold.key_since, "tokens": hold.tokens,
-            **_per_minute(hold)})
+            "stream": hold.stream, "key_limit": hold.key_limit, "key_since": hold.key_since, "tokens": hold.tokens}
+        if hold.per_minute:
+            _per_minute(hold, item)
+        verdict, spent = await self.admissions.add(item)
         self.credits.spent[hold.org] = spent
         if verdict == "rate_limited":
             raise rate_limited(hold.org, limit)
@@ -305,7 +310,8 @@ class PostgresStore(GroupCommitted):
             raise key_limit_exceeded(hold.key_id, hold.key_limit)
         self.counts.taken(hold.org)
 
-    async def _admit(self, holds: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    async def _admit(self, holds: list[dict[str, Any]]) -> list[asyncpg.Record]:
+        """Each hold's (verdict, spending of its org), in the order of ``holds``."""
         if not self.available:  # went down while these waited for the batch before: refused at once
             raise store_unavailable()
         try:
@@ -315,7 +321,7 @@ class PostgresStore(GroupCommitted):
             if not self.lost(exc):  # a deadlock: these requests get 503, the next batch is tried anew
                 log.error("admission of %d requests failed: %s", len(holds), exc)
             raise store_unavailable() from None
-        return [(v["r_verdict"], v["r_spent"]) for v in verdicts]
+        return verdicts  # records of (r_verdict, r_spent): unpacked as pairs
 
     async def rehold(self, hold: Hold, new: Hold) -> None:
         """A fallback's prices: one ``kiln_rehold`` round trip under the org's admission lock."""
