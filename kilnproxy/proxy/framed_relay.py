@@ -38,7 +38,7 @@ from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl
 from ..usage import Usage
 from .anthropic_errors import STREAM_TYPES, error_type
-from .event_json import read, read_stdlib, writable, write
+from .event_json import exact_integers, read, read_stdlib, writable, write
 from .relay import _event_only
 from .request_record import RequestRecord
 from .stream_errors import StreamPluginError
@@ -241,7 +241,7 @@ class FramedRelay:
         if not self.impls and not self.marked(payload):
             return self._sent(frame + b"\n\n", delta)
         try:
-            event = orjson.loads(payload)
+            event = exact_integers(payload, orjson.loads(payload))  # an integer beyond 64 bits kept whole
         except orjson.JSONDecodeError:
             try:
                 event = read_stdlib(payload)  # what only the json module reads (a lone surrogate)

@@ -44,7 +44,7 @@ from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl, call_impl
 from ..sse import COMMENT, DATA, DONE_FRAME, SSEParser, data_frame, is_done, lines_frame
 from ..usage import Usage
-from .event_json import read_stdlib, writable, write
+from .event_json import exact_integers, read_stdlib, writable, write
 from .plain_events import (ERROR, EVENT_SEP, FINISH, FINISH_NULL, MODEL_KEY, ROLE, USAGE, USAGE_NULL, PlainRun,
                            closes_top, opens_top)
 from .request_record import RequestRecord
@@ -323,7 +323,7 @@ class EventRelay:
         """An event that carries usage, an error or a finish reason, or whose model is not shown by its
         bytes (no plugin loaded)."""
         try:
-            event = orjson.loads(payload)
+            event = exact_integers(payload, orjson.loads(payload))  # an integer beyond 64 bits kept whole
         except orjson.JSONDecodeError:
             try:
                 event = read_stdlib(payload)  # what only the json module reads (a lone surrogate)
@@ -381,11 +381,12 @@ class EventRelay:
         append = out.append
         one = self.transforms[0]
         model, record, chat, loads, dumps = self.call.model, self.record, self.chat, orjson.loads, orjson.dumps
+        exact = exact_integers
         counted = 0
         try:
             for payload in payloads:
                 try:
-                    event = loads(payload)
+                    event = exact(payload, loads(payload))
                 except orjson.JSONDecodeError:  # [DONE] is not JSON: looked for only here
                     if is_done(payload):
                         self.ended = self.clean_end = True
@@ -448,7 +449,7 @@ class EventRelay:
         try:
             for payload in payloads:
                 try:
-                    event = orjson.loads(payload)
+                    event = exact_integers(payload, orjson.loads(payload))
                 except orjson.JSONDecodeError:
                     if is_done(payload):
                         self.ended = self.clean_end = True
@@ -469,7 +470,7 @@ class EventRelay:
         """With plugins, every event: one parse, the rules, the plugins, one serialisation; the
         event's new data, or None when it is dropped."""
         try:
-            event = orjson.loads(payload)
+            event = exact_integers(payload, orjson.loads(payload))
         except orjson.JSONDecodeError:
             return self._plugged_stdlib(payload)
         return self._plugged_event(event, payload)

@@ -1,0 +1,69 @@
+"""An upstream answer holding an integer beyond 64 bits reaches the client with the same digits: orjson reads
+such an integer as a float (``1.8446744073709552e+19``), so an answer or event the gateway parses and writes
+back is read again by the json module when its bytes hold a run of 19 digits (the request side's check)."""
+
+import pytest
+
+from kilnproxy import hookimpl
+from kilnproxy.testing import MODEL
+
+BIG = ["18446744073709551616", "-9223372036854775809", "123456789012345678901234567890"]
+FIXED = {"id": "cmpl-fixed", "created": 1700000000}
+
+
+def field(digits: str) -> bytes:
+    return b'"big_integer":' + digits.encode()
+
+
+def events(raw: bytes) -> list[bytes]:
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n"), raw[-200:]
+    return raw[:-2].split(b"\n\n")[:-1]
+
+
+@pytest.mark.parametrize("digits", BIG)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_json_answer_keeps_the_digits(gw, path, digits):
+    body = {"model": MODEL, "max_tokens": 3, "mock": {**FIXED, "big_integer": digits}}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    async with gw.post(path, body) as resp:
+        raw = await resp.read()
+    assert resp.status == 200, raw
+    assert raw.count(field(digits)) == 1 and b"e+" not in raw
+    assert b'"cost":' in raw  # the usage the gateway adds: the answer was read and written back
+    assert len(await gw.rows()) == 1
+
+
+@pytest.mark.parametrize("digits", BIG)
+async def test_every_streamed_event_keeps_the_digits(gw, digits):
+    """The words' events go as they came; the finish reason's and the usage chunk are parsed and written."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}, "mock": {**FIXED, "big_integer": digits}}
+    async with gw.post("/v1/chat/completions", body) as resp:
+        raw = await resp.read()
+    assert resp.status == 200, raw
+    frames = events(raw)
+    assert len(frames) == 5 and all(field(digits) in frame for frame in frames), raw
+    assert b'"finish_reason":"length"' in frames[-2] and b'"cost":' in frames[-1]
+    assert b"e+" not in raw
+    row = (await gw.rows())[0]
+    assert (row["status"], row["error_code"], row["completion_tokens"]) == (200, None, 3)
+
+
+class Marks:
+    @hookimpl
+    def transform_event(self, event):
+        event["marked"] = True
+
+
+@pytest.mark.parametrize("digits", BIG[:1])
+async def test_with_a_transform_event_plugin_every_event_keeps_the_digits(harness, digits):
+    """With a plugin every event is parsed and written back."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}, "mock": {**FIXED, "big_integer": digits}}
+    async with harness(plugins=[Marks()]) as h:
+        async with h.post("/v1/completions", body) as resp:
+            raw = await resp.read()
+        frames = events(raw)
+        assert len(frames) == 5 and all(field(digits) in frame and b'"marked":true' in frame
+                                        for frame in frames[:-1]), raw
+        assert field(digits) in frames[-1] and b"e+" not in raw
