@@ -2,9 +2,13 @@
 such an integer as a float (``1.8446744073709552e+19``), so an answer or event the gateway parses and writes
 back is read again by the json module when its bytes hold a run of 19 digits (the request side's check)."""
 
+import json
+
+import orjson
 import pytest
 
 from kilnproxy import hookimpl
+from kilnproxy.proxy.event_json import exact_integers
 from kilnproxy.testing import MODEL
 
 BIG = ["18446744073709551616", "-9223372036854775809", "123456789012345678901234567890"]
@@ -67,3 +71,17 @@ async def test_with_a_transform_event_plugin_every_event_keeps_the_digits(harnes
         assert len(frames) == 5 and all(field(digits) in frame and b'"marked":true' in frame
                                         for frame in frames[:-1]), raw
         assert field(digits) in frames[-1] and b"e+" not in raw
+
+
+@pytest.mark.parametrize("raw, again", [
+    (b'{"id":"cmpl-bench0000000000000000000000000000","n":1}', False),
+    (b'{"id":"cmpl-1234567890123456789012","created":1700000000}', False),
+    (b'{"a" :\n 18446744073709551616}', True),
+    (b'{"a":[1,-9223372036854775809]}', True),
+])
+def test_only_a_long_run_where_a_number_may_begin_is_read_again(raw, again):
+    """A run of digits inside a string (an id) is not a number: the usual answer is not read twice."""
+    read = orjson.loads(raw)
+    exact = exact_integers(raw, read)
+    assert (exact is not read) == again
+    assert exact == json.loads(raw)

@@ -14,6 +14,7 @@ event orjson reads and writes.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any
 
@@ -27,9 +28,12 @@ STDLIB_ONLY = ("surrogates not allowed", "exceeds 64-bit range")
 # An integer orjson reads as a float (beyond 64 bits) has at least 19 digits (below -2**63; 20 above
 # 2**64 - 1). A run of 19 digits covers two successive multiples of 9, so every 9th byte of the JSON
 # shows two digits in a row: the usual JSON is looked at in that slice (a ninth of it) and no further.
+# Such a run is a number only where a value may begin (after ``:``, ``[``, ``,`` or a space, with its sign):
+# a run inside a string (an id such as "cmpl-bench0000000000000000000000000000") is not read again.
 LONG_RUN = 19
 SAMPLE = 9
 DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # each digit as "0", all else " "
+LONG_INTEGER = re.compile(rb"[:\[,\s]-?[0-9]{19}")
 
 
 def read_stdlib(payload: bytes) -> Any:
@@ -43,8 +47,10 @@ def read_stdlib(payload: bytes) -> Any:
 def exact_integers(raw: bytes, value: Any) -> Any:
     """``value`` (orjson's reading of ``raw``), read again by the json module when ``raw`` holds a run of
     ``LONG_RUN`` digits: orjson reads an integer beyond 64 bits as a float, which would be written back as
-    another number (``1.8446744073709552e+19``). The usual JSON costs one slice of a ninth of it."""
-    if b"00" not in raw[::SAMPLE].translate(DIGITS) or b"0" * LONG_RUN not in raw.translate(DIGITS):
+    another number (``1.8446744073709552e+19``). The usual JSON costs one slice of a ninth of it; one with a
+    run of digits in a string, a scan of it more."""
+    if (b"00" not in raw[::SAMPLE].translate(DIGITS) or b"0" * LONG_RUN not in raw.translate(DIGITS)
+            or LONG_INTEGER.search(raw) is None):
         return value
     try:
         return read_stdlib(raw)
