@@ -14,7 +14,6 @@ event orjson reads and writes.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from typing import Any
 
@@ -33,7 +32,8 @@ STDLIB_ONLY = ("surrogates not allowed", "exceeds 64-bit range")
 LONG_RUN = 19
 SAMPLE = 9
 DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # each digit as "0", all else " "
-LONG_INTEGER = re.compile(rb"[:\[,\s]-?[0-9]{19}")
+RUN = b"0" * LONG_RUN
+VALUE_STARTS = frozenset(b":[, \t\n\r")  # what may come before a number (its sign aside) in JSON
 
 
 def read_stdlib(payload: bytes) -> Any:
@@ -49,13 +49,29 @@ def exact_integers(raw: bytes, value: Any) -> Any:
     ``LONG_RUN`` digits: orjson reads an integer beyond 64 bits as a float, which would be written back as
     another number (``1.8446744073709552e+19``). The usual JSON costs one slice of a ninth of it; one with a
     run of digits in a string, a scan of it more."""
-    if (b"00" not in raw[::SAMPLE].translate(DIGITS) or b"0" * LONG_RUN not in raw.translate(DIGITS)
-            or LONG_INTEGER.search(raw) is None):
+    if b"00" not in raw[::SAMPLE].translate(DIGITS) or not _long_number(raw):
         return value
     try:
         return read_stdlib(raw)
     except ValueError:  # JSON orjson reads that the json module does not (nested too deeply): orjson's
         return value
+
+
+def _long_number(raw: bytes) -> bool:
+    """Whether a run of ``LONG_RUN`` digits in ``raw`` begins where a number may (not inside a string)."""
+    digits = raw.translate(DIGITS)
+    at = digits.find(RUN)
+    while at >= 0:
+        start = digits.rfind(b" ", 0, at) + 1  # the run's first digit
+        if start and raw[start - 1] == 0x2D:  # its sign
+            start -= 1
+        if start and raw[start - 1] in VALUE_STARTS:
+            return True
+        end = digits.find(b" ", at)
+        if end < 0:
+            return False
+        at = digits.find(RUN, end)
+    return False
 
 
 def read(payload: bytes) -> Any:
