@@ -31,7 +31,8 @@ per-minute entries go once out of the window; version 6 (``kilnproxy.store.postg
 has ``kiln_settle`` read only the rows it settles (an index of ``replica_lost`` rows, the holds
 and per-minute entries looked up by id); version 7 (``kilnproxy.store.postgres_v7``) has
 ``kiln_reap`` skip the holds another transaction has locked, so that a reap and a settlement
-never wait for each other.
+never wait for each other; version 8 (``kilnproxy.store.postgres_v8``) sums a per-minute window's
+tokens as a NUMERIC, which a bound near the largest BIGINT no longer overflows.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .postgres_v4 import V4
 from .postgres_v5 import V5
 from .postgres_v6 import V6
 from .postgres_v7 import V7
+from .postgres_v8 import V8
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -227,7 +229,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8)
 
 
 async def migrate(conn) -> int:
