@@ -78,6 +78,7 @@ async def test_malformed_http_is_400_before_any_handler(target, name):
     assert answers, "no answer at all"
     assert 400 <= answers[0].status < 500, answers[0]
     assert "x-neocloud-generation-id" not in answers[0].headers
+    assert (answers[0].status, answers[0].error_code, answers[0].closed) == (400, "malformed_http", True)
     if len(answers) == 2:  # the connection survived: the next request is served as usual
         target.check(answers[1], method="POST", path="/v1/completions", known_key=True)
         assert answers[1].status == 200
