@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from kilnproxy import hookimpl
-from kilnproxy.proxy.event_json import exact_integers
+from kilnproxy.proxy.event_json import LONG_RUN, SAMPLE, exact_integers
 from kilnproxy.testing import MODEL
 
 BIG = ["18446744073709551616", "-9223372036854775809", "123456789012345678901234567890"]
@@ -78,10 +78,26 @@ async def test_with_a_transform_event_plugin_every_event_keeps_the_digits(harnes
     (b'{"id":"cmpl-1234567890123456789012","created":1700000000}', False),
     (b'{"a" :\n 18446744073709551616}', True),
     (b'{"a":[1,-9223372036854775809]}', True),
+    (b'{"a":"' + b"1" * 40 + b'"}', True),  # 28 digits or more: read again, whatever they are
+    (b'{"x":1' + b"2" * 18 + b"}", True),
+    (b'{"x":1' + b"2" * 17 + b"}", False),
 ])
-def test_only_a_long_run_where_a_number_may_begin_is_read_again(raw, again):
+def test_a_long_run_is_read_again_where_it_ends_as_a_number_ends(raw, again):
     """A run of digits inside a string (an id) is not a number: the usual answer is not read twice."""
     read = orjson.loads(raw)
     exact = exact_integers(raw, read)
     assert (exact is not read) == again
     assert exact == json.loads(raw)
+
+
+def test_every_long_integer_is_found_wherever_it_lies():
+    """Every offset from a sampled byte, every length from 18 digits to past the window, each sign and end."""
+    for pad in range(2 * SAMPLE):
+        for digits in range(LONG_RUN - 1, 3 * LONG_RUN):
+            for sign, end in (("", "}"), ("-", ',"q":1}'), ("", " }"), ("", "]}")):
+                text = '{"p":"' + "x" * pad + '","n":' + ("[" if end == "]}" else "") + sign + "9" * digits + end
+                raw = text.encode()
+                exact = exact_integers(raw, orjson.loads(raw))
+                assert exact == json.loads(raw), (pad, digits, sign, end)
+                number = exact["n"][0] if end == "]}" else exact["n"]
+                assert type(number) is int, (pad, digits, sign, end)

@@ -27,13 +27,13 @@ STDLIB_ONLY = ("surrogates not allowed", "exceeds 64-bit range")
 # An integer orjson reads as a float (beyond 64 bits) has at least 19 digits (below -2**63; 20 above
 # 2**64 - 1). A run of 19 digits covers two successive multiples of 9, so every 9th byte of the JSON
 # shows two digits in a row: the usual JSON is looked at in that slice (a ninth of it) and no further.
-# Such a run is a number only where a value may begin (after ``:``, ``[``, ``,`` or a space, with its sign):
-# a run inside a string (an id such as "cmpl-bench0000000000000000000000000000") is not read again.
+# Where it shows two, the run around them is looked at: a number when it has 19 digits or more and what
+# follows it may end a number (a run inside a string, such as an id "cmpl-bench0000000000000000000000000000",
+# is followed by its quote). A run of 28 digits or more is taken for a number without looking further.
 LONG_RUN = 19
 SAMPLE = 9
 DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # each digit as "0", all else " "
-RUN = b"0" * LONG_RUN
-VALUE_STARTS = frozenset(b":[, \t\n\r")  # what may come before a number (its sign aside) in JSON
+NUMBER_ENDS = frozenset(b",}] \t\n\r")
 
 
 def read_stdlib(payload: bytes) -> Any:
@@ -45,11 +45,12 @@ def read_stdlib(payload: bytes) -> Any:
 
 
 def exact_integers(raw: bytes, value: Any) -> Any:
-    """``value`` (orjson's reading of ``raw``), read again by the json module when ``raw`` holds a run of
-    ``LONG_RUN`` digits: orjson reads an integer beyond 64 bits as a float, which would be written back as
-    another number (``1.8446744073709552e+19``). The usual JSON costs one slice of a ninth of it; one with a
-    run of digits in a string, a scan of it more."""
-    if b"00" not in raw[::SAMPLE].translate(DIGITS) or not _long_number(raw):
+    """``value`` (orjson's reading of ``raw``), read again by the json module when ``raw`` holds an integer
+    of ``LONG_RUN`` digits or more: orjson reads an integer beyond 64 bits as a float, which would be written
+    back as another number (``1.8446744073709552e+19``). The usual JSON costs one slice of a ninth of it."""
+    sample = raw[::SAMPLE].translate(DIGITS)
+    hit = sample.find(b"00")
+    if hit < 0 or not _long_number(raw, sample, hit):
         return value
     try:
         return read_stdlib(raw)
@@ -57,20 +58,20 @@ def exact_integers(raw: bytes, value: Any) -> Any:
         return value
 
 
-def _long_number(raw: bytes) -> bool:
-    """Whether a run of ``LONG_RUN`` digits in ``raw`` begins where a number may (not inside a string)."""
-    digits = raw.translate(DIGITS)
-    at = digits.find(RUN)
-    while at >= 0:
-        start = digits.rfind(b" ", 0, at) + 1  # the run's first digit
-        if start and raw[start - 1] == 0x2D:  # its sign
-            start -= 1
-        if start and raw[start - 1] in VALUE_STARTS:
-            return True
-        end = digits.find(b" ", at)
+def _long_number(raw: bytes, sample: bytes, hit: int) -> bool:
+    """Whether a run of digits around the sampled ones (``sample``'s two digits at ``hit``, and those after it)
+    is a number of ``LONG_RUN`` digits or more."""
+    while hit >= 0:
+        at = hit * SAMPLE
+        tail = raw[at:at + SAMPLE + LONG_RUN].translate(DIGITS)
+        end = tail.find(b" ")
         if end < 0:
-            return False
-        at = digits.find(RUN, end)
+            return True  # 28 digits or more from here
+        if end > SAMPLE:  # the two sampled digits are of one run
+            head = raw[max(at - LONG_RUN, 0):at].translate(DIGITS)
+            if len(head) - len(head.rstrip(b"0")) + end >= LONG_RUN and raw[at + end] in NUMBER_ENDS:
+                return True
+        hit = sample.find(b"00", max(hit + 1, (at + end) // SAMPLE))  # past this run
     return False
 
 
