@@ -29,7 +29,7 @@ STDLIB_ONLY = ("surrogates not allowed", "exceeds 64-bit range")
 # shows two digits in a row: the usual JSON is looked at in that slice (a ninth of it) and no further.
 # Where it shows two, the run around them is looked at: a number when it has 19 digits or more and what
 # follows it may end a number (a run inside a string, such as an id "cmpl-bench0000000000000000000000000000",
-# is followed by its quote). A run of 28 digits or more is taken for a number without looking further.
+# is followed by its quote).
 LONG_RUN = 19
 SAMPLE = 9
 DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # each digit as "0", all else " "
@@ -63,10 +63,11 @@ def _long_number(raw: bytes, sample: bytes, hit: int) -> bool:
     is a number of ``LONG_RUN`` digits or more."""
     while hit >= 0:
         at = hit * SAMPLE
-        tail = raw[at:at + SAMPLE + LONG_RUN].translate(DIGITS)
-        end = tail.find(b" ")
-        if end < 0:
-            return True  # 28 digits or more from here
+        end = raw[at:at + SAMPLE + 2 * LONG_RUN].translate(DIGITS).find(b" ")
+        if end < 0:  # a run of 47 digits or more: its end, however far
+            end = raw[at:].translate(DIGITS).find(b" ")
+            if end < 0:
+                return True  # the JSON ends with it: a number
         if end > SAMPLE:  # the two sampled digits are of one run
             head = raw[max(at - LONG_RUN, 0):at].translate(DIGITS)
             if len(head) - len(head.rstrip(b"0")) + end >= LONG_RUN and raw[at + end] in NUMBER_ENDS:
