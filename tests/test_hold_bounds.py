@@ -125,3 +125,22 @@ def test_the_estimate_reads_the_first_field_that_holds_a_prompt():
     messages = [{"role": "user", "content": "The capital of France is a long question with many words in it"}]
     assert estimate_prompt_tokens({"prompt": None, "messages": messages}) == \
         estimate_prompt_tokens({"messages": messages}) == 16
+
+
+@pytest.mark.parametrize("prompts", [2, 3], ids=["beyond 2**63", "beyond 2**64"])
+async def test_a_hold_beyond_what_a_bigint_holds_is_placed_capped(harness, store, prompts):
+    """``max_tokens`` 2**53 - 1 (the most a hold reads) × ``n`` 1024 × several prompts, on a model without a
+    context window, under a ``tokens_per_minute`` bound: the hold's tokens are capped at 2**53 - 1 (no usage
+    count can settle it higher), so the request is admitted on either store and reaches the upstream, whose
+    own refusal (the mock's context window) the client gets."""
+    body = {"model": MODEL, "prompt": ["a"] * prompts, "max_tokens": 2**53 - 1, "n": 1024}
+    overrides = {**store, "orgs": [{"id": "acme", "credits": 100.0, "tokens_per_minute": 2**63 - 1},
+                                   {"id": "globex", "credits": 100.0}]}
+    async with harness(overrides=overrides, configure=lambda c: c["models"][0].pop("context_window")) as h:
+        async with h.post("/v1/completions", body) as resp:
+            answer = await resp.json()
+        assert resp.status == 400 and "maximum context length" in answer["error"]["message"], answer
+        async with h.post("/v1/completions", completion_body(max_tokens=2)) as resp:
+            assert resp.status == 200, await resp.text()
+        rows = await h.rows(org="acme")
+        assert sorted(r["status"] for r in rows) == [200, 400]

@@ -103,6 +103,30 @@ async def test_postgresql_lets_a_keys_entries_go_once_out_of_the_window_though_i
             await conn.close()
 
 
+@pytest.mark.parametrize("who", ["org", "key"])
+async def test_postgresql_counts_a_window_whose_tokens_pass_what_a_bigint_holds(harness, pg_url, tmp_path, who):
+    """512 entries of 2**54 tokens (a row counts at most 2**53 - 1 prompt and as many completion tokens) under
+    a bound of 2**63 - 1: their sum passes a BIGINT, which PostgreSQL refused to hold (every admission of the
+    org, or of the key, a 503 for the rest of the minute). Now the window is full: 429."""
+    store = {"storage": {"url": pg_url, "spool_path": str(tmp_path / "spool.db")}}
+    if who == "org":
+        store["orgs"] = [{"id": "acme", "credits": 100.0, "tokens_per_minute": 2**63 - 1},
+                         {"id": "globex", "credits": 100.0}]
+    async with harness(overrides=store) as h:
+        key = None
+        if who == "key":
+            key, _ = await h.gw.tenancy.create_key("acme", "batch", tokens_per_minute=2**63 - 1)
+            await h.gw.tenants.refresh()
+        assert await status_and_code(h, key=key) == (200, None)
+        conn = await asyncpg.connect(pg_url)
+        try:
+            await conn.execute("INSERT INTO kiln_minute (id, org, key_id, at, tokens) SELECT 'big-' || i, org, "
+                               "key_id, now(), 2^54 FROM kiln_minute, generate_series(1, 512) AS i")
+        finally:
+            await conn.close()
+        assert await status_and_code(h, key=key) == (429, "rate_limit_exceeded")
+
+
 def test_the_window_slides_over_any_60_seconds():
     now = [1000.0]
     windows = MinuteWindows(clock=lambda: now[0])

@@ -1,7 +1,7 @@
 """What an HTTP client library would refuse to send, over a raw socket to a real gateway process.
 
-aiohttp's parser answers these itself with a 400 (``text/plain``, which is fine:
-nothing was routed yet); what must hold is that nothing reaches a handler
+aiohttp's parser refuses these before any handler; the gateway answers them with its
+JSON 400 ``malformed_http`` and the security headers. What must hold besides is that nothing reaches a handler
 half-parsed (no usage row, nothing sent upstream), that the gateway logs one
 line per such request and no traceback, and that it goes on serving.
 """
@@ -16,6 +16,7 @@ import pytest_asyncio
 from hostile_target import BUG_SIGNS, Target
 from rawhttp import address, exchange, exchange_all, read_response
 
+from kilnproxy.inspector.api import NO_STORE, SECURITY_HEADERS
 from kilnproxy.testing import KEY
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -77,6 +78,7 @@ async def test_malformed_http_is_400_before_any_handler(target, name):
     assert answers, "no answer at all"
     assert 400 <= answers[0].status < 500, answers[0]
     assert "x-neocloud-generation-id" not in answers[0].headers
+    assert (answers[0].status, answers[0].error_code, answers[0].closed) == (400, "malformed_http", True)
     if len(answers) == 2:  # the connection survived: the next request is served as usual
         target.check(answers[1], method="POST", path="/v1/completions", known_key=True)
         assert answers[1].status == 200
@@ -121,3 +123,27 @@ async def test_the_log_has_one_line_per_malformed_request_and_no_traceback(targe
     await target.check_end(eventually)
     assert all(len(line) < 400 for line in refused())
     assert not [line for line in stderr if any(s in line for s in BUG_SIGNS)]
+
+
+PARSER_REFUSED = {
+    "a header line without a colon": b"GET /ui/ HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    "a bare LF line": b"GET /ui/ HTTP/1.1\r\nHost: x\r\n\n\r\n",
+    "an invalid method token": b"G(T /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a malformed POST": post(b"NoColonHere\r\n"),
+}
+MALFORMED_HTTP_BODY = (b'{"error":{"message":"The request is not valid HTTP/1.1; it was not read.",'
+                       b'"type":"invalid_request_error","param":null,"code":"malformed_http"}}')
+
+
+@pytest.mark.parametrize("name", list(PARSER_REFUSED))
+async def test_a_request_the_parser_refuses_gets_the_gateways_json_error_and_security_headers(target, name):
+    """The parser's 400 is made for no request (its path cannot be trusted, ``/ui`` or not): the
+    gateway's JSON error, the inspector page's security headers, and the connection closed."""
+    [answer] = await exchange_all(target.url, PARSER_REFUSED[name], post())
+    assert answer.status == 400
+    assert answer.body == MALFORMED_HTTP_BODY
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.headers["connection"] == "close"
+    assert answer.closed
+    for header, value in {**SECURITY_HEADERS, **NO_STORE}.items():
+        assert answer.headers[header.lower()] == value

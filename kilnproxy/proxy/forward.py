@@ -17,7 +17,7 @@ from ..errors import GatewayError, UpstreamFailure
 from ..plugins.call import Call, set_upstream
 from ..plugins.manager import plugin_headers, transformed_response
 from .deadlines import DeadlinePassed, watch
-from .event_json import read_stdlib, write
+from .event_json import exact_integers, read_stdlib, write
 from .fallbacks import open_upstream
 from .gateway import Gateway
 from .request_body import ENCODINGS, inflate
@@ -86,12 +86,16 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
                       headers: dict, api) -> Answer:
     """A non-streamed answer: what the API reads of it (usage, finish reason), then the plugins'. JSON that
     orjson refuses but the json module reads (a string escaping a lone surrogate) is read and written back
-    by the json module, each lone surrogate as the escape it came as (``event_json``)."""
+    by the json module, each lone surrogate as the escape it came as, and so is an answer holding an
+    integer beyond 64 bits, which orjson reads as a float (``event_json``)."""
     raw = await read_upstream(resp)
     record.first_byte()
     dump = orjson.dumps
     try:
-        answer = orjson.loads(raw)
+        read = orjson.loads(raw)
+        answer = exact_integers(raw, read)
+        if answer is not read:  # read again by the json module: an integer beyond 64 bits, which orjson cannot write
+            dump = write
     except orjson.JSONDecodeError:
         try:  # JSON orjson refuses: a lone surrogate escape (an answer cut in the middle of an emoji)
             answer, dump = read_stdlib(raw), write

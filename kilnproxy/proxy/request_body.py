@@ -36,18 +36,12 @@ from aiohttp import web
 
 from ..config import ServerConfig
 from ..errors import GatewayError, bad_request
-from .event_json import read_stdlib
+from .event_json import exact_integers, read_stdlib
 
 # orjson reads up to 1024 levels of arrays and objects but writes at most 254. Real bodies (JSON
 # schemas included) stay far below 128, which leaves room for what wraps a body (plugins, the
 # inspector's capture) before it is written again.
 MAX_DEPTH = 128
-# An integer orjson reads as a float (beyond 64 bits) has at least 19 digits (below -2**63; 20 above
-# 2**64 - 1). A run of 19 digits covers two successive multiples of 9, so every 9th byte of the body
-# shows two digits in a row: the usual body is looked at in that slice (a ninth of it) and no further.
-LONG_RUN = 19
-SAMPLE = 9
-DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # each digit as "0", all else " "
 BOM = b"\xef\xbb\xbf"
 ENCODINGS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
 
@@ -60,8 +54,7 @@ async def read_json_body(request: web.Request, server: ServerConfig) -> dict[str
     except orjson.JSONDecodeError as exc:
         body = _refused_by_orjson(raw, exc)
     else:
-        if b"00" in raw[::SAMPLE].translate(DIGITS):  # two digits 9 bytes apart: perhaps a long integer
-            body = _exact_integers(raw, body)
+        body = exact_integers(raw, body)  # vLLM's Python reads an integer beyond 64 bits whole: so is it sent on
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # enough brackets to be too deep: look closer
@@ -80,7 +73,7 @@ def _refused_by_orjson(raw: bytes, exc: orjson.JSONDecodeError) -> Any:
     if raw.startswith(BOM):
         raw = raw[len(BOM):]
         try:
-            return _exact_integers(raw, orjson.loads(raw))
+            return exact_integers(raw, orjson.loads(raw))
         except orjson.JSONDecodeError as inner:
             exc = inner
     if b"\\u" not in raw:  # orjson refuses only the escape of a lone surrogate that the json module reads
@@ -89,18 +82,6 @@ def _refused_by_orjson(raw: bytes, exc: orjson.JSONDecodeError) -> Any:
         return read_stdlib(raw)
     except ValueError:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
-
-
-def _exact_integers(raw: bytes, body: Any) -> Any:
-    """``body`` (orjson's reading of ``raw``) read again by the json module when ``raw`` holds a run of
-    ``LONG_RUN`` digits: orjson reads an integer beyond 64 bits as a float, which would go upstream as
-    another number (``1.8446744073709552e+19``); vLLM's Python reads it whole, and so is it sent on."""
-    if b"0" * LONG_RUN not in raw.translate(DIGITS):
-        return body
-    try:
-        return read_stdlib(raw)
-    except ValueError:  # JSON orjson reads that the json module does not (nested too deeply): orjson's
-        return body
 
 
 async def read_body(request: web.Request, server: ServerConfig) -> bytes:

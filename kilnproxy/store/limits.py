@@ -30,7 +30,9 @@ class Hold:
     each choice it asks for (``n``, ``best_of``, and each prompt of a list) at the completion price;
     ``completion``, ``prompts`` (the prompts the window bounds one by one) or the ``prompt`` bound itself
     given, for the APIs that count them otherwise. ``amount`` is held against the org's credits and the
-    key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``.
+    key's ``limit``, ``tokens`` reserved against ``tokens_per_minute``. ``tokens`` and ``prompt_tokens``
+    are at most ``MAX_TOKENS`` (``max_tokens`` × ``n`` × the prompts of a list could pass 2**64), what
+    PostgreSQL's BIGINT and the JSON of its admission batch hold many times over.
 
     It also carries what a ``replica_lost`` row needs, should its replica die: ``prompt_tokens`` and
     ``prompt_cost``, the prompt part of the hold (its bound), what such a row is charged.
@@ -54,9 +56,12 @@ class Hold:
             completion *= choice_count(body) * prompt_count(body)
         if prompt is None:
             prompt = prompt_token_bound(body, context_window, prompts)
-        self.prompt_tokens = prompt
+        self.prompt_tokens = prompt = min(prompt, MAX_TOKENS)  # a window in the config may be any size
         self.amount = pricing.cost(prompt, completion, 0) if pricing else 0.0
-        self.tokens = prompt + completion  # reserved against tokens_per_minute bounds
+        # reserved against tokens_per_minute bounds, and stored (PostgreSQL's BIGINT): capped, not refused (a
+        # usage count above MAX_TOKENS is odd: such a reservation already passes any bound a real request
+        # meets, and the row replaces it); the amount is not: a float, it holds what a huge request could cost
+        self.tokens = min(prompt + completion, MAX_TOKENS)
         # (window name, requests_per_minute, tokens_per_minute) of the org and key, when they have any
         self.per_minute: list[tuple[str, int | None, int | None]] = []
         self.key_limit: float | None = None  # the key's USD limit in its period starting at key_since

@@ -33,7 +33,8 @@ and per-minute entries looked up by id); version 7 (``kilnproxy.store.postgres_v
 ``kiln_reap`` skip the holds another transaction has locked, so that a reap and a settlement
 never wait for each other; version 8 (``kilnproxy.store.postgres_v8``) has ``kiln_settle`` and
 ``kiln_minute_full`` lock per-minute entries in the order of their ids, so that a settlement and an
-admission never wait for each other on them.
+admission never wait for each other on them; version 9 (``kilnproxy.store.postgres_v9``) sums a
+per-minute window's tokens as a NUMERIC, which a bound near the largest BIGINT no longer overflows.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from .postgres_v5 import V5
 from .postgres_v6 import V6
 from .postgres_v7 import V7
 from .postgres_v8 import V8
+from .postgres_v9 import V9
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -230,7 +232,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9)
 
 
 async def migrate(conn) -> int:

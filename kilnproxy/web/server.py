@@ -8,9 +8,10 @@ aiohttp access log (the gateway writes its own usage rows), and aiohttp's
 them, and the gateway decodes them itself under its size limit
 (``kilnproxy.proxy.request_body``). A request aiohttp cannot parse (a header line
 without a colon, a line over 8 KiB, more than 128 headers, a Content-Length
-that disagrees with Transfer-Encoding) gets aiohttp's own 400 and never
-reaches a handler; it is logged as one line, without the traceback aiohttp
-would log, so that garbage from clients cannot flood the log.
+that disagrees with Transfer-Encoding) never reaches a handler: it gets the
+gateway's JSON 400 ``malformed_http`` (``kilnproxy.web.parser_errors``) and
+is logged as one line, without the traceback aiohttp would log, so that
+garbage from clients cannot flood the log.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..config import Config
 from ..fixtures.mock_upstream import create_mock_app
 from .app import create_app
 from .fastpath import HOT_ROUTES, FastRunner
+from .parser_errors import answer_malformed_requests
 
 log = logging.getLogger("kilnproxy")
 
@@ -165,6 +167,7 @@ async def start_app(app: web.Application, host: str, port: int) -> Running:
     else:
         runner = web.AppRunner(app, **options)
     await runner.setup()
+    answer_malformed_requests(runner.server)
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
     try:
         await site.start()
