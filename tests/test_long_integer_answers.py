@@ -42,9 +42,12 @@ async def test_a_json_answer_keeps_the_digits(gw, path, digits):
     (b"1" * 40, True),
     (b'{"x":1' + b"2" * 18 + b"}", True),
     (b'{"x":1' + b"2" * 17 + b"}", False),
+    (b'{"v":[0.0025963208202625684123,-0.0025963208202625684123]}', False),  # a float's fraction
+    (b'{"v":[-12345678901234567890.5]}', True),  # read again for nothing: the float is the same
 ])
-def test_a_long_run_is_read_again_where_it_ends_as_a_number_ends(raw, again):
-    """A run of digits inside a string (an id) is not a number: the usual answer is not read twice."""
+def test_a_long_run_is_read_again_where_it_is_a_number(raw, again):
+    """A run of digits inside a string (an id) or a float's fraction is not an integer: the usual answer,
+    an embedding's vector, is not read twice."""
     read = orjson.loads(raw)
     exact = exact_integers(raw, read)
     assert (exact is not read) == again

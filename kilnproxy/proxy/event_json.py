@@ -27,13 +27,17 @@ STDLIB_ONLY = ("surrogates not allowed", "exceeds 64-bit range")
 # An integer orjson reads as a float (beyond 64 bits) has at least 19 digits (below -2**63; 20 above
 # 2**64 - 1). A run of 19 digits covers two successive multiples of 9, so every 9th byte of the JSON
 # shows two digits in a row: the usual JSON is looked at in that slice (a ninth of it) and no further.
-# Where it shows two, the run around them is looked at: a number when it has 19 digits or more and what
-# follows it may end a number (a run inside a string, such as an id "cmpl-bench0000000000000000000000000000",
-# is followed by its quote).
+# Where it shows two, the whole JSON is mapped in one ``translate`` (``SHAPES``) to what tells a number's
+# digits from others: an integer of 19 digits or more is one of ``:[,`` or white space, perhaps its sign,
+# then 19 digits; a float's fraction follows a ``.``, an id's digits a letter or a ``-`` after one, and
+# neither is taken for one. A string holding a space and then 19 digits is read again for nothing.
 LONG_RUN = 19
 SAMPLE = 9
 DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))  # each digit as "0", all else " "
-NUMBER_ENDS = frozenset(b",}] \t\n\r")
+SHAPES = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 if b in b":[, \t\n\r" else 0x2D if b == 0x2D else 0x78
+               for b in range(256))  # digits as "0", what may come before a value as " ", "-" as itself, else "x"
+RUN = b"0" * LONG_RUN
+LONG_INTEGERS = (b" " + RUN, b" -" + RUN)
 
 
 def read_stdlib(payload: bytes) -> Any:
@@ -47,33 +51,18 @@ def read_stdlib(payload: bytes) -> Any:
 def exact_integers(raw: bytes, value: Any) -> Any:
     """``value`` (orjson's reading of ``raw``), read again by the json module when ``raw`` holds an integer
     of ``LONG_RUN`` digits or more: orjson reads an integer beyond 64 bits as a float, which would be written
-    back as another number (``1.8446744073709552e+19``). The usual JSON costs one slice of a ninth of it."""
-    sample = raw[::SAMPLE].translate(DIGITS)
-    hit = sample.find(b"00")
-    if hit < 0 or not _long_number(raw, sample, hit):
+    back as another number (``1.8446744073709552e+19``). The usual JSON costs one slice of a ninth of it;
+    one whose sample shows digits (an id's, a vector's floats), a ``translate`` and two ``find`` of it whole."""
+    if b"00" not in raw[::SAMPLE].translate(DIGITS):
+        return value
+    shapes = raw.translate(SHAPES)
+    plus, minus = LONG_INTEGERS
+    if plus not in shapes and minus not in shapes and not shapes[:64].lstrip(b" -").startswith(RUN):  # or the JSON's
         return value
     try:
         return read_stdlib(raw)
     except ValueError:  # JSON orjson reads that the json module does not (nested too deeply): orjson's
         return value
-
-
-def _long_number(raw: bytes, sample: bytes, hit: int) -> bool:
-    """Whether a run of digits around the sampled ones (``sample``'s two digits at ``hit``, and those after it)
-    is a number of ``LONG_RUN`` digits or more."""
-    while hit >= 0:
-        at = hit * SAMPLE
-        end = raw[at:at + SAMPLE + 2 * LONG_RUN].translate(DIGITS).find(b" ")
-        if end < 0:  # a run of 47 digits or more: its end, however far
-            end = raw[at:].translate(DIGITS).find(b" ")
-            if end < 0:
-                return True  # the JSON ends with it: a number
-        if end > SAMPLE:  # the two sampled digits are of one run
-            head = raw[max(at - LONG_RUN, 0):at].translate(DIGITS)
-            if len(head) - len(head.rstrip(b"0")) + end >= LONG_RUN and raw[at + end] in NUMBER_ENDS:
-                return True
-        hit = sample.find(b"00", max(hit + 1, (at + end) // SAMPLE))  # past this run
-    return False
 
 
 def read(payload: bytes) -> Any:
