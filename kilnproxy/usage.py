@@ -33,19 +33,26 @@ class Usage:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens
         self.cached_tokens = cached_tokens
-        self.total_tokens = prompt_tokens + completion_tokens if total_tokens is None else total_tokens
+        if total_tokens is None:
+            total_tokens = prompt_tokens + completion_tokens
+            if total_tokens > MAX_TOKENS:
+                total_tokens = MAX_TOKENS
+        self.total_tokens = total_tokens
 
     @classmethod
     def from_upstream(cls, usage: Mapping[str, Any]) -> "Usage":
-        """Read an OpenAI-style ``usage`` object; missing or odd fields count as 0."""
+        """Read an OpenAI-style ``usage`` object; missing or odd fields count as 0, a count above
+        ``MAX_TOKENS`` as ``MAX_TOKENS``."""
         get = usage.get  # _count in line: read on every stream's usage
         details = get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else 0
         prompt, completion, total = get("prompt_tokens"), get("completion_tokens"), get("total_tokens")
-        return cls(prompt if type(prompt) is int and 0 < prompt <= MAX_TOKENS else 0,
-                   completion if type(completion) is int and 0 < completion <= MAX_TOKENS else 0,
-                   cached if type(cached) is int and 0 < cached <= MAX_TOKENS else 0,
-                   total if type(total) is int and 0 <= total <= MAX_TOKENS else None)  # as reported; else p + c
+        return cls((prompt if prompt <= MAX_TOKENS else MAX_TOKENS) if type(prompt) is int and prompt > 0 else 0,
+                   (completion if completion <= MAX_TOKENS else MAX_TOKENS)
+                   if type(completion) is int and completion > 0 else 0,
+                   (cached if cached <= MAX_TOKENS else MAX_TOKENS) if type(cached) is int and cached > 0 else 0,
+                   (total if total <= MAX_TOKENS else MAX_TOKENS)
+                   if type(total) is int and total >= 0 else None)  # as reported; else p + c
 
     @classmethod
     def of_endpoint(cls, endpoint: str, usage: Mapping[str, Any]) -> "Usage":
@@ -59,17 +66,17 @@ class Usage:
         if endpoint == "messages":
             read = _count(usage.get("cache_read_input_tokens"))
             prompt = _count(usage.get("input_tokens")) + read + _count(usage.get("cache_creation_input_tokens"))
-            return cls(prompt, _count(usage.get("output_tokens")), read)
+            return cls(min(prompt, MAX_TOKENS), _count(usage.get("output_tokens")), read)
         return cls.from_upstream(usage)
 
     @classmethod
     def combined(cls, reports: list["Usage"]) -> "Usage":
         """One request's usage from one report per choice (llama.cpp with ``n`` > 1), in OpenAI's
-        form: the completions added up, the prompt counted once (its cached part as the least any
-        choice reported)."""
+        form: the completions added up (at most ``MAX_TOKENS``), the prompt counted once (its cached
+        part as the least any choice reported)."""
         if len(reports) == 1:
             return reports[0]
-        return cls(max(r.prompt_tokens for r in reports), sum(r.completion_tokens for r in reports),
+        return cls(max(r.prompt_tokens for r in reports), min(sum(r.completion_tokens for r in reports), MAX_TOKENS),
                    min(r.cached_tokens for r in reports))
 
     def is_zero(self) -> bool:
@@ -91,11 +98,29 @@ class Usage:
                 "cached={0.cached_tokens}, total={0.total_tokens})").format(self)
 
 
-MAX_TOKENS = 2**53 - 1  # a count beyond it is odd: no sum of a request's counts leaves a 64-bit column
+# The most a usage count is, wherever the gateway reports or stores one (docs/reference.md, the usage
+# table): the largest integer every JSON client reads exactly; a larger count an upstream reports is
+# taken as this one, so that no count nor sum of a request's counts leaves a 64-bit column.
+MAX_TOKENS = 2**53 - 1
 
 
 def _count(value: Any) -> int:
-    return value if type(value) is int and 0 < value <= MAX_TOKENS else 0
+    return (value if value <= MAX_TOKENS else MAX_TOKENS) if type(value) is int and value > 0 else 0
+
+
+def cap_counts(usage: dict) -> None:
+    """The usage object the client gets says what the row records: each count an upstream reported
+    above ``MAX_TOKENS`` (an integer, in the object or in one it holds, e.g.
+    ``prompt_tokens_details``) becomes ``MAX_TOKENS``, in place. Anything else (a negative count, a
+    string, a float) is left as it came."""
+    for name, value in usage.items():
+        if type(value) is int:
+            if value > MAX_TOKENS:
+                usage[name] = MAX_TOKENS
+        elif isinstance(value, dict):
+            for inner, count in value.items():
+                if type(count) is int and count > MAX_TOKENS:
+                    value[inner] = MAX_TOKENS
 
 
 CHARS_PER_TOKEN = 4  # the usual rule of thumb for English text and BPE tokenizers

@@ -11,7 +11,7 @@ from rawhttp import exchange_all, raw_server, read_request, request
 
 from kilnproxy.store.sqlite import SQLiteLedger
 from kilnproxy.testing import KEY, MODEL
-from kilnproxy.usage import COLUMNS
+from kilnproxy.usage import COLUMNS, MAX_TOKENS
 
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "up",
           "choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
@@ -48,16 +48,20 @@ async def answered(harness, raw: bytes) -> tuple[int, dict, bytes, dict]:
                 return resp.status, dict(resp.headers), body, row
 
 
-@pytest.mark.parametrize("usage, counts", [
-    ({"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 2**63}, (10, 5, 15)),
-    ({"prompt_tokens": 2**63 - 1, "completion_tokens": 1}, (0, 1, 1)),
-    ({"prompt_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 2**64 - 1}}, (10, 5, 15)),
+@pytest.mark.parametrize("usage, shown, counts", [
+    ({"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 2**63},
+     {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": MAX_TOKENS}, (10, 5, MAX_TOKENS, 0)),
+    ({"prompt_tokens": 2**63 - 1, "completion_tokens": 1},
+     {"prompt_tokens": MAX_TOKENS, "completion_tokens": 1}, (MAX_TOKENS, 1, MAX_TOKENS, 0)),
+    ({"prompt_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 2**64 - 1}},
+     {"prompt_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": MAX_TOKENS}},
+     (10, 5, 15, MAX_TOKENS)),
 ])
-async def test_counts_beyond_what_a_row_holds_are_odd_counts(harness, usage, counts):
+async def test_counts_beyond_what_a_row_holds_are_capped_alike_in_the_answer_and_the_row(harness, usage, shown,
+                                                                                          counts):
     status, _, body, row = await answered(harness, http(orjson.dumps({**ANSWER, "usage": usage})))
-    assert status == 200 and orjson.loads(body)["usage"]["cost"] == row["cost"]
-    assert (row["prompt_tokens"], row["completion_tokens"], row["total_tokens"], row["cached_tokens"]) == \
-        (*counts, 0)
+    assert status == 200 and orjson.loads(body)["usage"] == {**shown, "cost": row["cost"]}
+    assert (row["prompt_tokens"], row["completion_tokens"], row["total_tokens"], row["cached_tokens"]) == counts
 
 
 async def test_a_value_sqlite_cannot_bind_is_stored_as_text_and_its_batch_committed(tmp_path):

@@ -1,5 +1,6 @@
 """A settlement and an admission taking the same per-minute entries, on a real PostgreSQL: they took
-them in different orders and could deadlock (schema version 8).
+them in different orders and could deadlock (schema version 8); so could a reap and an admission
+(schema version 10).
 
 ``kiln_settle`` updates the entries of its rows (their tokens); an admission that checks an org's
 per-minute bound (``kiln_minute_full``) first deletes the org's entries older than 60 s. Two
@@ -82,4 +83,49 @@ async def test_a_settlement_and_an_admission_taking_old_minute_entries_do_not_de
         assert await conn.fetchval("SELECT array_agg(id ORDER BY id) FROM kiln_holds") == ["gen-c"]
     finally:
         for c in (gate, settlement, admission, conn):
+            await c.close()
+
+
+async def test_a_reap_and_an_admission_taking_old_minute_entries_do_not_deadlock(pg_url):
+    """gen-b then gen-a placed by replica ``dead``, silent for an hour, their entries 120 s and 90 s old
+    (ids, times and places in the table in opposite orders), reaped while gen-c of the same org is
+    admitted under the org's ``requests_per_minute``: the reap took the entries in the order its join
+    returned them (gen-b, then gen-a), the admission in the order of their ids, and PostgreSQL ended
+    one of them (DeadlockDetectedError: a warning and another reap a heartbeat later, or requests
+    answered 503). Now the reap takes them in the order of their ids too: the admission drops the two
+    old entries and admits gen-c, the reap turns both holds into replica_lost rows."""
+    conn = await asyncpg.connect(pg_url)
+    await migrate(conn)
+    await conn.execute("INSERT INTO kiln_replicas (id) VALUES ('dead'), ('r1')")
+    for generation_id in ("gen-b", "gen-a"):
+        batch = orjson.dumps([{**HOLD, "id": generation_id, "org_rpm": None}]).decode()
+        assert await conn.fetchval("SELECT r_verdict FROM kiln_admit($1::jsonb, 'dead', 60)", batch) == "ok"
+    await conn.execute("INSERT INTO kiln_minute (id, org, key_id, at, tokens) VALUES"
+                       " ('gen-b', 'acme', 'key-1', now() - interval '120 seconds', 66),"
+                       " ('gen-a', 'acme', 'key-1', now() - interval '90 seconds', 66)")
+    await conn.execute("UPDATE kiln_replicas SET seen_at = now() - interval '1 hour' WHERE id = 'dead'")
+    gate = await asyncpg.connect(pg_url)
+    reaper = await asyncpg.connect(pg_url)
+    admission = await asyncpg.connect(pg_url, server_settings={"enable_seqscan": "off"})
+    try:
+        await gate.execute("BEGIN")
+        await gate.execute("SELECT 1 FROM kiln_minute WHERE id = 'gen-a' FOR UPDATE")
+        admit = asyncio.create_task(admission.fetch("SELECT r_verdict FROM kiln_admit($1::jsonb, 'r1', 60)",
+                                                    orjson.dumps([{**HOLD, "org_rpm": 1000}]).decode()))
+        await waiting_or_done(conn, admission.get_server_pid(), admit)
+        reap = asyncio.create_task(reaper.fetch("SELECT * FROM kiln_reap(60)"))
+        await waiting_or_done(conn, reaper.get_server_pid(), reap)
+        await gate.execute("COMMIT")
+        reaped, admitted = await asyncio.wait_for(
+            asyncio.gather(reap, admit, return_exceptions=True), GUARD_SECONDS)
+        assert not isinstance(reaped, BaseException), reaped
+        assert not isinstance(admitted, BaseException), admitted
+        assert [tuple(r) for r in reaped] == [("acme", 0.5, 2)]
+        assert [tuple(r) for r in admitted] == [("ok",)]
+        assert await conn.fetchval("SELECT array_agg(id ORDER BY id) FROM kiln_minute") == ["gen-c"]
+        lost = await conn.fetch("SELECT id, error_code FROM usage_events ORDER BY id")
+        assert [tuple(r) for r in lost] == [("gen-a", "replica_lost"), ("gen-b", "replica_lost")]
+        assert await conn.fetchval("SELECT array_agg(id ORDER BY id) FROM kiln_holds") == ["gen-c"]
+    finally:
+        for c in (gate, reaper, admission, conn):
             await c.close()

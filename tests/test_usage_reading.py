@@ -1,5 +1,5 @@
-"""Usage.from_upstream: an upstream's usage object read as counts, odd fields as 0 (docs/reference.md:
-usage chunk with cost). Read in line on every stream's usage event: each odd kind pinned here."""
+"""Usage.from_upstream: an upstream's usage object read as counts, odd fields as 0, counts above 2**53 - 1
+as 2**53 - 1 (docs/reference.md: usage chunk with cost, the usage table). Read in line on every stream's usage event: each odd kind pinned here."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def counts(usage: Usage) -> tuple:
     ({"prompt_tokens": True, "completion_tokens": 2.0, "total_tokens": False}, (0, 0, 0, 0)),
     ({"prompt_tokens": -3, "completion_tokens": "7", "total_tokens": -1}, (0, 0, 0, 0)),
     ({"prompt_tokens": MAX_TOKENS + 1, "completion_tokens": MAX_TOKENS, "total_tokens": MAX_TOKENS + 1},
-     (0, MAX_TOKENS, 0, MAX_TOKENS)),
+     (MAX_TOKENS, MAX_TOKENS, 0, MAX_TOKENS)),  # capped, not odd
+    ({"prompt_tokens": 2**70, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 2**64}},
+     (MAX_TOKENS, 1, MAX_TOKENS, MAX_TOKENS)),  # no total: their sum, capped too
     ({}, (0, 0, 0, 0)),
 ])
 def test_odd_fields_count_as_zero(raw: dict, expected: tuple) -> None:

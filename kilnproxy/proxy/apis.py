@@ -30,7 +30,7 @@ from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, bad_request
 from ..plugins.call import Call
 from ..store.limits import Hold, output_bound
-from ..usage import Usage, input_count
+from ..usage import Usage, cap_counts, input_count
 from . import request_path, rules
 from .anthropic_errors import anthropic_error_response
 from .auth import either_header
@@ -129,9 +129,11 @@ async def _relay(request: web.BaseRequest, gw: Gateway, call: Call, route: Route
 def read_answer(call: Call, record: RequestRecord, answer: dict) -> None:
     """Usage from the endpoint's own usage object; the Responses API's ``status`` or Anthropic's
     ``stop_reason`` as the finish reason; a ``failed`` response's ``error.code`` (else ``upstream_error``)
-    as the error code, as its stream's ``response.failed`` gives it."""
+    as the error code, as its stream's ``response.failed`` gives it. The usage object's counts are capped
+    as the row's are."""
     usage = answer.get("usage")
     if isinstance(usage, dict):
+        cap_counts(usage)
         record.usage = Usage.of_endpoint(call.endpoint, usage)
     reason = answer.get("stop_reason") if call.endpoint == "messages" else answer.get("status")
     if call.endpoint != "embeddings" and isinstance(reason, str):

@@ -13,7 +13,7 @@ from typing import Callable
 from aiohttp import web
 
 from ..plugins.call import Call
-from ..usage import Usage
+from ..usage import Usage, cap_counts
 from . import rules
 from .gateway import GATEWAY, Gateway
 from .request_path import Api, handle
@@ -43,9 +43,11 @@ def hot_routes(gw: Gateway) -> dict[tuple[str, str], Callable]:
 
 
 def read_answer(call: Call, record: RequestRecord, answer: dict) -> None:
-    """Usage and the last choice's finish reason, from a completion's JSON answer."""
+    """Usage and the last choice's finish reason, from a completion's JSON answer (its counts capped
+    as the row's are)."""
     usage = answer.get("usage")
     if isinstance(usage, dict):
+        cap_counts(usage)
         record.usage = Usage.from_upstream(usage)
     choices = answer.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[-1], dict):

@@ -36,7 +36,7 @@ import orjson
 
 from ..plugins.call import DROP, STOP, Call
 from ..plugins.manager import Impl
-from ..usage import Usage
+from ..usage import Usage, cap_counts
 from .anthropic_errors import STREAM_TYPES, error_type
 from .event_json import read, read_stdlib, writable, write
 from .relay import _event_only
@@ -342,6 +342,7 @@ class FramedRelay:
                     response["model"] = self.call.model
                 usage = response.get("usage")
                 if isinstance(usage, dict):
+                    cap_counts(usage)
                     record.usage = Usage.of_endpoint("responses", usage)
                     usage["cost"] = record.usage.cost(self.call.pricing)
                 if kind in FINAL["responses"]:
@@ -357,6 +358,7 @@ class FramedRelay:
             message["model"] = self.call.model
         usage = event.get("usage", message.get("usage") if isinstance(message, dict) else None)
         if isinstance(usage, dict):
+            cap_counts(usage)
             reported = self.counts  # each count's last report wins, but a zero never replaces a count
             reported.update((k, v) for k, v in usage.items() if type(v) is int and (v or not reported.get(k)))
             counts = Usage.of_endpoint("messages", reported)

@@ -9,7 +9,7 @@ name, and ``usage`` with ``cost`` added.
 from __future__ import annotations
 
 from ..plugins.call import Call
-from ..usage import Usage
+from ..usage import Usage, cap_counts
 
 
 def usage_chunk(call: Call, usage: Usage, usage_event: dict | None, last_event: dict | None,
@@ -27,11 +27,12 @@ def usage_chunk(call: Call, usage: Usage, usage_event: dict | None, last_event: 
                 else "text_completion"
     event["model"] = call.model
     event["choices"] = []
-    raw = dict(usage_raw) if usage_raw is not None else {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    }
+    if usage_raw is not None:
+        raw = dict(usage_raw)
+        cap_counts(raw)  # as the row records them
+    else:
+        raw = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+               "total_tokens": usage.total_tokens}
     if usage_raw is not None and usage is not raw_counts \
             and usage != (raw_counts or Usage.from_upstream(usage_raw)):  # combined reports
         raw.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,

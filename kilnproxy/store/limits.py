@@ -59,7 +59,7 @@ class Hold:
         self.prompt_tokens = prompt = min(prompt, MAX_TOKENS)  # a window in the config may be any size
         self.amount = pricing.cost(prompt, completion, 0) if pricing else 0.0
         # reserved against tokens_per_minute bounds, and stored (PostgreSQL's BIGINT): capped, not refused (a
-        # usage count above MAX_TOKENS is odd: such a reservation already passes any bound a real request
+        # usage count is at most MAX_TOKENS: such a reservation already passes any bound a real request
         # meets, and the row replaces it); the amount is not: a float, it holds what a huge request could cost
         self.tokens = min(prompt + completion, MAX_TOKENS)
         # (window name, requests_per_minute, tokens_per_minute) of the org and key, when they have any

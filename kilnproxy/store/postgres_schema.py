@@ -34,7 +34,10 @@ and per-minute entries looked up by id); version 7 (``kilnproxy.store.postgres_v
 never wait for each other; version 8 (``kilnproxy.store.postgres_v8``) has ``kiln_settle`` and
 ``kiln_minute_full`` lock per-minute entries in the order of their ids, so that a settlement and an
 admission never wait for each other on them; version 9 (``kilnproxy.store.postgres_v9``) sums a
-per-minute window's tokens as a NUMERIC, which a bound near the largest BIGINT no longer overflows.
+per-minute window's tokens as a NUMERIC, which a bound near the largest BIGINT no longer overflows;
+version 10 (``kilnproxy.store.postgres_v10``) has ``kiln_reap`` lock the per-minute entries it updates in
+the order of their ids as well, so that a reap never waits for an admission or a settlement on them
+while holding one they need.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from .postgres_v6 import V6
 from .postgres_v7 import V7
 from .postgres_v8 import V8
 from .postgres_v9 import V9
+from .postgres_v10 import V10
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -232,7 +236,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10)
 
 
 async def migrate(conn) -> int:
