@@ -81,3 +81,22 @@ async def test_the_wal_stays_within_its_bound(tmp_path):
     assert max(sizes) <= 2 * bound + 16 * PAGE, max(sizes)
     assert checkpointer.checkpoints == 0 and checkpointer.restarts >= 10
     assert count_rows(tmp_path / "usage.db") == COMMITS
+
+
+async def test_the_wal_starts_over_in_an_empty_file(tmp_path):
+    """A restart empties the WAL file, and the commits after it append to new blocks: the file's size
+    falls back to a commit's few pages at each restart (over a WAL started again in place, a commit
+    could wait for the disk to read a page of the file the kernel had dropped)."""
+    bound = 32 * PAGE
+    checkpointer = Checkpointer(tmp_path / "usage.db", checkpoint_bytes=1 << 40, max_wal_bytes=bound)
+    ledger = SQLiteLedger(tmp_path / "usage.db", checkpointer=checkpointer)
+    await ledger.open()
+    try:
+        sizes = await commit_one_by_one(ledger, 300)
+    finally:
+        await ledger.close()
+    assert checkpointer.restarts >= 3
+    shrunk = [after for before, after in zip(sizes, sizes[1:]) if after < before]
+    assert len(shrunk) == checkpointer.restarts, sizes
+    assert max(shrunk) <= 16 * PAGE, shrunk  # the restart's own commit: a few pages
+    assert count_rows(tmp_path / "usage.db") == 300

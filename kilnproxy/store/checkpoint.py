@@ -16,11 +16,18 @@ waits for all of it. The ledger's writer turns that off
 - The bound: SQLite starts the WAL again from its beginning only at a write
   that finds every frame copied, which a load that never pauses may not give.
   So once the WAL holds more than ``max_wal_bytes``, the writer itself
-  checkpoints (RESTART) between two commits, right after a background
+  checkpoints (TRUNCATE) between two commits, right after a background
   checkpoint has left little to copy: once per ``max_wal_bytes`` written. The
   WAL file stays within about ``max_wal_bytes`` (twice that at worst, when
-  the background cannot keep up), and is not truncated: appending to blocks
-  the file already has is cheaper than growing it.
+  the background cannot keep up).
+- The restart empties the WAL file, so that the commits after it append to
+  new blocks. A frame (a page and its 24-byte header) never covers whole
+  pages of the file, and the kernel reads from the disk any page of the file
+  a write only partly covers that it no longer caches (a machine short of
+  memory, or one that hands clean page cache back to its host, drops pages
+  written minutes before): over a WAL started again in place, the commits on
+  the event loop's thread would wait for those reads. A write past the end of
+  the file reads nothing.
 - A reader that keeps an old snapshot open (another program's transaction, a
   long ``kilnproxy usage``) keeps the WAL from starting over, however long it
   takes. The restart never waits for it (its busy timeout is 0): it is tried

@@ -336,11 +336,12 @@ class SQLiteLedger(GroupCommitted):
                       self.refused)
 
     async def _restart_wal(self) -> None:
-        """Start the WAL over, without waiting for a reader in the way (``Checkpointer``: tried again later)."""
+        """Start the WAL over in an empty file (``Checkpointer``: why empty), without waiting for a reader
+        in the way (tried again later)."""
         try:
             await self._db.execute_fetchall("PRAGMA busy_timeout=0")
             try:
-                (busy, _, _), = await self._db.execute_fetchall("PRAGMA wal_checkpoint(RESTART)")
+                (busy, _, _), = await self._db.execute_fetchall("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
                 await self._db.execute_fetchall(f"PRAGMA busy_timeout={int(LOCK_WAIT_SECONDS * 1000)}")
         except sqlite3.Error as exc:  # the commit goes on all the same
