@@ -11,7 +11,9 @@ on all of them alike. Prints, per variant, the CPU time per request of the whole
 (median of the rounds, then every round), the user and kernel parts, the thread that
 spent the most (per stream with ``--stream``), wrk's latency p50 and p99 (with
 ``--latency``, M1's one request at a time), and how busy the process kept its core (a gateway
-below 100 % waited for something else, and spends more CPU a request than a saturated one). On a
+below 100 % waited for something else, and spends more CPU a request than a saturated one), and the
+most it had read from the disk in one round (not what the page cache served: an event loop that
+waits for the disk shows here first). On a
 shared 2-vCPU machine the same variant moves ±10 µs from one run to the next: compare variants
 within a run, over 6 rounds or more.
 
@@ -39,6 +41,15 @@ from upstreams import request_body, responses_body, write_nginx_files
 
 HERE = Path(__file__).resolve().parent
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def disk_reads(pid: int) -> int:
+    """Bytes the process has had read from the disk so far (``read_bytes``: not those the page cache
+    served). A gateway whose event loop waits for the disk keeps its core less than fully busy."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
 
 
 def thread_cpu(pid: int) -> dict[str, tuple[int, int]]:
@@ -113,13 +124,15 @@ def main() -> None:
         latency: dict[str, list[tuple[float, float]]] = {name: [] for name in gateways}
         parts: dict[str, list[tuple[float, float, float]]] = {name: [] for name in gateways}
         share: dict[str, list[float]] = {name: [] for name in gateways}  # of a core, while wrk ran
+        reads: dict[str, list[int]] = {name: [] for name in gateways}  # bytes read from the disk, while wrk ran
         order = list(gateways.items())
         for round_ in range(args.rounds):
             # every other round in reverse: no variant always runs right after the same other one
             for name, (pid, url) in (order if round_ % 2 == 0 else order[::-1]):
-                before = thread_cpu(pid)
+                before, read_before = thread_cpu(pid), disk_reads(pid)
                 result = wrk(url, body, KEY, connections, args.seconds, pid)
                 after = thread_cpu(pid)
+                reads[name].append(disk_reads(pid) - read_before)
                 us = 1e6 / TICK / max(result["requests"], 1)
                 spent = {t: (u - before.get(t, (0, 0))[0], s - before.get(t, (0, 0))[1]) for t, (u, s) in after.items()}
                 per_request[name].append(result["cpu_us"])
@@ -134,7 +147,8 @@ def main() -> None:
                   f"{' '.join(f'{r:.0f}' for r in rounds)}); user {user:.1f}, kernel {system:.1f}, "
                   f"busiest thread {top:.1f}; latency p50 {statistics.median(p for p, _ in latency[name]):.0f} µs, "
                   f"p99 {statistics.median(p for _, p in latency[name]):.0f} µs; "
-                  f"{statistics.median(share[name]) * 100:.0f} % of its core busy")
+                  f"{statistics.median(share[name]) * 100:.0f} % of its core busy; "
+                  f"{max(reads[name]) >> 10} KiB read from the disk in a round at most")
     if postgres is not None:
         postgres.remove()
 
