@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from kilnproxy.store.loop_commits import GATHER_ROWS
 from kilnproxy.store.sqlite import SQLiteLedger
 from kilnproxy.usage import COLUMNS
 
@@ -51,6 +52,36 @@ async def test_rows_of_one_loop_iteration_are_committed_together_on_the_loops_th
     assert ledger.stats()["rows_handed_to_writer"] == handed
     assert stored_ids(ledger.path) == [row(i)["id"] for i in range(4)]
 
+
+
+async def test_a_lone_row_is_committed_at_the_first_flush(ledger):
+    """One request at a time: its row is committed one loop iteration after it came, not two."""
+    await ledger.submit(row(1))  # the last commit: one row
+    future = ledger.submit(row(2))
+    await asyncio.sleep(0)  # one loop iteration: the flush
+    assert future.done()
+
+
+async def test_a_busy_loop_gathers_rows_of_two_iterations_into_one_commit(ledger):
+    """While the loop is busy (the last commit held more than one row), a flush that finds fewer than
+    GATHER_ROWS waits one more iteration, and the rows that one brings share the commit."""
+    await asyncio.gather(ledger.submit(row(1)), ledger.submit(row(2)))  # the last commit: two rows
+    commits = ledger.here.commits
+    first = ledger.submit(row(3))
+    await asyncio.sleep(0)  # the flush's first turn: it waits for the next
+    assert not first.done()
+    second = ledger.submit(row(4))  # a row of the next iteration
+    await asyncio.gather(first, second)
+    assert ledger.here.commits == commits + 1 and ledger.here.last_rows == 2
+    assert stored_ids(ledger.path) == [row(i)["id"] for i in range(5)]
+
+
+async def test_gathering_stops_at_gather_rows(ledger):
+    """GATHER_ROWS rows waiting are committed at the first flush, busy or not."""
+    await asyncio.gather(ledger.submit(row(1)), ledger.submit(row(2)))
+    futures = [ledger.submit(row(i)) for i in range(3, 3 + GATHER_ROWS)]
+    await asyncio.sleep(0)
+    assert all(f.done() for f in futures)
 
 async def test_a_commit_on_the_loop_reads_the_wal_index_header_once(ledger, monkeypatch):
     """The checks before a commit on the loop (bound, start over, background due) share one read of
