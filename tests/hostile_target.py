@@ -10,6 +10,7 @@ log that looks like a bug, and no org left with a request in flight.
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import aiohttp
@@ -50,8 +51,15 @@ class Target:
         await self.mock.stop()
 
     def rows_of(self, generation_id: str) -> list[tuple]:
-        return self._db.execute("SELECT status, error_code FROM usage_events WHERE id = ?",
-                                (generation_id,)).fetchall()
+        """The rows of that id, once there is one: a lone request's row reaches the table a moment after
+        its response ended (it was in the row journal), so one not there yet is waited for, 10 s at most."""
+        deadline = time.monotonic() + 10
+        while True:
+            rows = self._db.execute("SELECT status, error_code FROM usage_events WHERE id = ?",
+                                    (generation_id,)).fetchall()
+            if rows or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.001)
 
     def row_count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM usage_events").fetchone()[0]

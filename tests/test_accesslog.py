@@ -24,7 +24,7 @@ async def mock():
     await running.stop()
 
 
-async def test_one_json_line_per_request_without_secrets_or_prompts(tmp_path, mock):
+async def test_one_json_line_per_request_without_secrets_or_prompts(tmp_path, mock, eventually):
     gw = await GatewayProcess(tmp_path, gateway_config([f"{mock.url}/v1"])).start()
     try:
         ids = []
@@ -56,6 +56,8 @@ async def test_one_json_line_per_request_without_secrets_or_prompts(tmp_path, mo
         assert stream["duration_ms"] >= stream["ttft_ms"] > 0
         assert (whole["stream"], whole["completion_tokens"]) == (False, 2)
         assert (missing["status"], missing["error_code"], missing["upstream"]) == (404, "model_not_found", None)
+        # a lone request's row reaches the table a moment after its response (the row journal)
+        await eventually(lambda: {e["generation_id"] for e in entries} <= {r["id"] for r in gw.rows()})
         rows = {r["id"]: r for r in gw.rows()}
         for entry in entries:
             row = rows[entry["generation_id"]]

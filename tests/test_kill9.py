@@ -190,6 +190,9 @@ async def test_kill_9_under_load_loses_no_ended_response(tmp_path, round_):
                                     headers={"Authorization": f"Bearer {KEY}"}) as resp:
                 assert resp.status == 200
                 after = resp.headers[GEN]
+            async with session.get(f"{restarted.url}/v1/generations/{after}",
+                                   headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                assert resp.status == 200  # answered once its row is in the table (a lone row: journaled first)
             conn = sqlite3.connect(db)
             try:
                 spent = dict(conn.execute("SELECT org, SUM(cost) FROM usage_events GROUP BY org").fetchall())

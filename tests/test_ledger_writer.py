@@ -44,12 +44,21 @@ RECORDER = textwrap.dedent('''
 
 
 async def test_a_locked_database_delays_the_response_until_its_row_is_committed(gw, eventually):
+    """Another program holds the write lock: a lone request's row goes to the row journal and its
+    response ends; the rows after it follow it to the writer, and their responses wait for the commit."""
     ledger = gw.app[GATEWAY].ledger
+    async with gw.session.post(f"{gw.url}/v1/completions", json=BODY, headers=gw.headers()) as resp:
+        assert resp.status == 200  # the file is free: the WAL has frames, the next commit is the loop's
     holder = sqlite3.connect(gw.db, isolation_level=None)
     try:
         holder.execute("BEGIN IMMEDIATE")  # another program holds the write lock
-        request = asyncio.create_task(gw.session.post(f"{gw.url}/v1/completions", json=BODY, headers=gw.headers()))
+        async with gw.session.post(f"{gw.url}/v1/completions", json=BODY, headers=gw.headers()) as resp:
+            assert resp.status == 200  # in the row journal
+            journaled = resp.headers[GEN]
         await eventually(lambda: ledger.stats()["commit_failures"] >= 1)
+        request = asyncio.create_task(gw.session.post(f"{gw.url}/v1/completions", json=BODY, headers=gw.headers()))
+        failures = ledger.stats()["commit_failures"]
+        await eventually(lambda: ledger.stats()["commit_failures"] > failures)  # tried again, still locked
         assert not request.done()  # the response waits for its row
         holder.execute("ROLLBACK")
     finally:
@@ -57,9 +66,9 @@ async def test_a_locked_database_delays_the_response_until_its_row_is_committed(
     async with await request as resp:
         assert resp.status == 200
         row = await gw.row(resp.headers[GEN])
-    assert row["status"] == 200
+    assert row["status"] == 200 and (await gw.row(journaled))["status"] == 200
     stats = ledger.stats()
-    assert stats["rows_committed"] == 1 and stats["queue_depth"] == 0
+    assert stats["rows_committed"] == 3 and stats["queue_depth"] == 0
 
 
 async def test_odd_values_from_the_upstream_do_not_wedge_the_ledger(harness):

@@ -232,12 +232,13 @@ class RequestTrace:
             self.attempt_end = now
             self.attempt_status, self.attempt_problem = None, "cancelled"
         self.row = row
-        if committed is None or committed.done():
+        if committed is None:
             self.committed_at = now
             spans: list[bytes] = []
             self.encode(time_ns(), spans)
             self.tracing.add_all(spans)
         else:  # Tracing.commits ends its usage-commit span: one loop callback for the rows one commit wrote
+            # (a future done already, a row in the row journal, too: the answer is written first)
             tracing = self.tracing
             self.commit = committed
             tracing.waiting.append(self)

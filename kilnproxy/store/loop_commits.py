@@ -33,6 +33,10 @@ two. So the SQLite ledger commits rows here, on a plain ``sqlite3`` connection:
 
 Each future resolves once its row is committed (by whichever thread did it),
 and ``committed`` is told of each batch after its commit, as with ``Batches``.
+A lone row (nothing else queued, the last commit lone too, no row with the
+writer, the commit due on the loop) is first appended to the ``RowJournal``:
+its future resolves at once, and the row is committed as any other. ``journaled`` holds such rows' own
+commit futures by id until then (a lookup of the row waits for it).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import time
 from typing import Any, Callable
 
 from .batches import Batches
+from .row_journal import RowJournal
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -53,9 +58,11 @@ GATHER_ROWS = 16  # fewer rows than this wait one more loop iteration, while the
 class LoopCommits:
     def __init__(self, insert: Callable[[list[dict[str, Any]]], None], writer: Batches,
                  committed: Callable[[list[tuple[dict[str, Any], Any]]], None],
-                 must_hand_off: Callable[[], bool]):
+                 must_hand_off: Callable[[], bool], journal: RowJournal | None = None):
         """``insert(rows)`` commits ``rows`` in one transaction on this thread, or raises with
         nothing committed (rolled back)."""
+        self.journal = journal
+        self.journaled: dict[str, asyncio.Future] = {}  # id -> commit of a row whose future resolved at its append
         self._insert = insert
         self._writer = writer
         self._committed = committed
@@ -80,6 +87,11 @@ class LoopCommits:
         if not self._flush_due:
             self._flush_due = True
             loop.call_soon(self._due, loop)
+        if (self.last_rows <= 1 and len(self._pending) == 1 and not self.with_writer and self.journal is not None
+                and not self._must_hand_off() and self.journal.append(row)):
+            self.journaled[row["id"]] = future
+            future = loop.create_future()
+            future.set_result(None)
         return future
 
     def _due(self, loop: asyncio.AbstractEventLoop, waited: bool = False) -> None:
@@ -112,6 +124,9 @@ class LoopCommits:
                 for _, future, _ in batch:
                     if not future.done():
                         future.set_result(None)
+                if self.journaled:
+                    for row, future, _ in batch:
+                        self._journal_committed(row, future)
                 self._committed([(row, tag) for row, _, tag in batch])
                 return
         self._hand_off(batch)
@@ -120,15 +135,25 @@ class LoopCommits:
         self.rows_handed_off += len(batch)
         self.with_writer += len(batch)
         for row, future, tag in batch:
-            self._writer.add(row, tag).add_done_callback(functools.partial(self._written, future))
+            self._writer.add(row, tag).add_done_callback(functools.partial(self._written, row, future))
 
-    def _written(self, future: asyncio.Future, written: asyncio.Future) -> None:
+    def _written(self, row: dict[str, Any], future: asyncio.Future, written: asyncio.Future) -> None:
         self.with_writer -= 1
         if future.done():  # its request stopped waiting; the row is committed all the same
             return
-        if written.cancelled():
-            future.cancel()
-        elif written.exception() is not None:
-            future.set_exception(written.exception())
-        else:
-            future.set_result(written.result())
+        if written.cancelled() or written.exception() is not None:
+            journaled = self.journaled.get(row["id"]) is future
+            if journaled:  # nobody awaits it but a lookup; its line stays in the file, for the next start
+                del self.journaled[row["id"]]
+            if written.cancelled() or journaled:
+                future.cancel()
+            else:
+                future.set_exception(written.exception())
+            return
+        future.set_result(written.result())
+        self._journal_committed(row, future)
+
+    def _journal_committed(self, row: dict[str, Any], future: asyncio.Future) -> None:
+        if self.journaled.get(row["id"]) is future:
+            del self.journaled[row["id"]]
+            self.journal.committed(1)

@@ -1,6 +1,7 @@
 """``SQLiteLedger``: the usage ledger of one gateway process, one SQLite row per request
 (the ``Ledger`` contract of ``kilnproxy.store.ledger``), written by group commit in WAL mode:
 on the event loop's thread when the file is free (``loop_commits``), else by the writer thread.
+A lone row is first appended to the row journal (``row_journal``), which ``open`` replays.
 
 When the file cannot be written (a full disk, a read-only file system, another program's lock
 held for long, a disk that hangs), the writer retries the same rows every ``RETRY_SECONDS``
@@ -42,6 +43,7 @@ from .batches import Batches, GroupCommitted
 from .checkpoint import Checkpointer
 from .ledger import CommitListener
 from .loop_commits import LoopCommits
+from .row_journal import RowJournal, journal_path, read_rows as read_journal
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -98,6 +100,7 @@ REMIND_SECONDS = 60.0  # while down, how often the log says so again
 WATCH_SECONDS = 0.5  # how often the ledger checks how long it has gone without a commit
 
 INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+REPLAY = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")  # a row the table has is left as it is
 ROWS_PER_INSERT = 64  # rows in one INSERT statement; every size up to it stays in sqlite3's statement cache
 
 
@@ -142,8 +145,9 @@ class SQLiteLedger(GroupCommitted):
         self._db: aiosqlite.Connection | None = None
         self._loop_db: sqlite3.Connection | None = None
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
+        self.journal = RowJournal(journal_path(self.path))
         self.here = LoopCommits(self._insert_here, self.rows, super()._committed,
-                                self.checkpointer.loop_must_hand_off)
+                                self.checkpointer.loop_must_hand_off, self.journal)
         self.commit_failures = 0
         self._last_here = False  # whether the last commit was the loop's (else the writer's)
         # The file that cannot be written (module docstring). Times are time.monotonic().
@@ -172,9 +176,11 @@ class SQLiteLedger(GroupCommitted):
     async def open(self) -> None:
         try:
             await self._connect()
+            await asyncio.to_thread(replay_journal, self.path, self.journal.path)
         except (sqlite3.Error, OSError) as exc:
             await self._close_connections()
             raise cannot_open(self.path, exc) from None
+        self.journal.open()
         await self.checkpointer.start()
         self._files = _file_ids(self.path)
         self.here.loop = asyncio.get_running_loop()
@@ -312,6 +318,7 @@ class SQLiteLedger(GroupCommitted):
         while True:
             await asyncio.sleep(WATCH_SECONDS)
             self._check(time.monotonic())
+            self.journal.check()
             if self._reopening is not None and not self._reopening.done():
                 continue
             if self._db is None or _file_ids(self.path) != self._files:
@@ -370,6 +377,7 @@ class SQLiteLedger(GroupCommitted):
         self._give_up_at = time.monotonic() + LAST_TRY_SECONDS
         self.here.flush()
         await self.rows.close()
+        self.journal.close(keep=bool(self.not_committed))
         if self._files:  # opened (the checkpointer started)
             await self.checkpointer.stop()
         await self._close_connections()
@@ -393,6 +401,12 @@ class SQLiteLedger(GroupCommitted):
             return {org: total or 0.0 for org, total in await cur.fetchall()}
 
     async def get(self, generation_id: str) -> dict[str, Any] | None:
+        """The row as committed: a row whose response ended before its commit (``RowJournal``) is
+        committed first."""
+        committing = self.here.journaled.get(generation_id)
+        if committing is not None:
+            self.here.flush()
+            await asyncio.wait([committing])
         if self._db is None:  # being opened anew
             raise store_unavailable()
         async with self._db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
@@ -504,6 +518,35 @@ def _insert_sync(db: sqlite3.Connection, rows: list[dict[str, Any]]) -> None:
         part = rows[start:start + ROWS_PER_INSERT]
         db.execute(_insert_rows(len(part)), _params(part))
     db.execute("COMMIT")
+
+
+def replay_journal(path: Path, journal: Path) -> int:
+    """Insert every row of the ``RowJournal`` file a gateway left (killed between a response and its
+    row's commit) whose id ``usage_events`` lacks, then empty the file; the number inserted. A line that
+    is not a row (cut short by a power cut) and a row the table refuses are written to the log as the
+    rows a stop could not commit are."""
+    rows, bad = read_journal(journal)
+    if not rows and not bad:
+        return 0
+    db = sqlite3.connect(path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
+    inserted = 0
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        for row in rows:
+            try:
+                inserted += db.execute(REPLAY, [row.get(c) for c in COLUMNS]).rowcount
+            except sqlite3.Error as exc:
+                log.error("usage row not committed: %s (%s)", orjson.dumps(row).decode(), exc)
+        db.execute("COMMIT")
+    finally:
+        db.close()
+    for line in bad:
+        log.error("usage ledger: a line of %s is not a usage row, left out: %r", journal, line[:200])
+    if inserted:
+        log.warning("usage ledger: %d usage rows of responses that ended before the gateway stopped were in %s; "
+                    "inserted", inserted, journal)
+    os.truncate(journal, 0)
+    return inserted
 
 
 def connect_for_the_loop(path: Path) -> sqlite3.Connection:

@@ -26,7 +26,8 @@ Both servers listen on real loopback ports; ``h.url`` is the gateway,
 ``h.mock_url`` the mock. ``h.config`` is the TOML document as a dict (change
 it with ``overrides``, merged one level deep, or ``configure``, a function
 that edits the dict in place once the mock's URL is in it). ``h.rows()`` reads
-the usage table as dicts (from PostgreSQL when ``[storage] url`` is set),
+the usage table as dicts (from PostgreSQL when ``[storage] url`` is set;
+``usage_row(db, id)`` waits for one row in a gateway process's file),
 ``h.mock_requests()`` what the mock received (what ``rewrite_request``
 left), ``h.usage_recorded()`` waits until every row so far has been through
 the ``record_usage`` plugins, and ``h.gw`` is the running ``Gateway``.
@@ -53,9 +54,10 @@ from .harness import (
                       completion_body,
                       free_port,
                       pg_usage_rows,
+                      usage_row,
                       usage_rows,
 )
 from .recordings import RECORDINGS, Recorder, Replay, sse_events, sse_frames
 
-__all__ = ["Harness", "KEY", "OTHER_KEY", "MODEL", "UPSTREAM_MODEL", "base_config", "usage_rows", "pg_usage_rows",
-           "completion_body", "free_port", "RECORDINGS", "Recorder", "Replay", "sse_events", "sse_frames"]
+__all__ = ["Harness", "KEY", "OTHER_KEY", "MODEL", "UPSTREAM_MODEL", "base_config", "usage_row", "usage_rows",
+           "pg_usage_rows", "completion_body", "free_port", "RECORDINGS", "Recorder", "Replay", "sse_events", "sse_frames"]

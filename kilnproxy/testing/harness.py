@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import socket
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +54,17 @@ def usage_rows(db: Path, **where: Any) -> list[dict[str, Any]]:
         return [dict(r) for r in conn.execute(sql + " ORDER BY created_at, rowid", tuple(where.values()))]
     finally:
         conn.close()
+
+
+def usage_row(db: Path, generation_id: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The usage row of ``generation_id`` in the SQLite file ``db``, waited for up to ``timeout`` seconds:
+    read from another process, the row of a request the gateway served alone reaches the table a moment
+    after its response ended (it was in the row journal first). AssertionError if it does not come."""
+    deadline = time.monotonic() + timeout
+    while not (found := usage_rows(db, id=generation_id)):
+        assert time.monotonic() < deadline, f"no usage row for {generation_id} in {db} after {timeout} s"
+        time.sleep(0.005)
+    return found[0]
 
 
 async def pg_usage_rows(url: str, **where: Any) -> list[dict[str, Any]]:

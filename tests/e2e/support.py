@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from kilnproxy.testing import usage_rows
+from kilnproxy.testing import usage_row, usage_rows
 from kilnproxy.usage import round_usd
 
 from .stack import LLAMA_ALIAS, N_CTX_PER_SLOT, GatewayProcess, LlamaServer
@@ -119,9 +119,8 @@ def rows(stack: Stack, **where) -> list[dict]:
 
 
 def row(stack: Stack, generation_id: str) -> dict:
-    found = rows(stack, id=generation_id)
-    assert len(found) == 1, f"expected one usage row for {generation_id}, found {len(found)}"
-    return found[0]
+    """The row of that id, waited for (a lone request's row reaches the table a moment after its response)."""
+    return usage_row(stack.db, generation_id)
 
 
 async def wait_for_row(stack: Stack, generation_id: str, seconds: float = 30.0) -> dict:

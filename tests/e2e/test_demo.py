@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
+import time
 
 import orjson
 import pytest
+
+from kilnproxy.testing import usage_rows
 
 from .stack import ROOT, GatewayProcess
 from .support import events, frames
@@ -58,12 +60,13 @@ def test_readme_curl_streams_a_real_completion(demo):
     assert "".join(c["choices"][0]["text"] for c in chunks).strip()
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] in ("length", "stop")
 
-    db = sqlite3.connect(workdir / "kilnproxy.db")
-    try:
-        (org, model, stream, status, completion, cost), = db.execute(
-            "SELECT org, model, stream, status, completion_tokens, cost FROM usage_events")
-    finally:
-        db.close()
+    # the row of a request served alone reaches the table a moment after its response (the row journal)
+    deadline = time.monotonic() + 10
+    while not (rows := usage_rows(workdir / "kilnproxy.db")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    [r] = rows
+    org, model, stream, status, completion, cost = (
+        r["org"], r["model"], r["stream"], r["status"], r["completion_tokens"], r["cost"])
     assert (org, model, stream, status) == ("demo", "kiln-demo", 1, 200)
     assert 0 < completion <= 12 and cost > 0
 

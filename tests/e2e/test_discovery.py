@@ -9,10 +9,11 @@ its usage row under the name it asked for.
 from __future__ import annotations
 
 import signal
-import sqlite3
 
 import orjson
 import pytest
+
+from kilnproxy.testing import usage_row
 
 from .stack import LLAMA_ALIAS, GatewayProcess
 from .support import GENERATION_HEADER
@@ -32,15 +33,6 @@ def discovered(stack, tmp_path_factory):
         yield gateway, workdir
     finally:
         gateway.stop(signal.SIGINT)  # no drain: nothing is in flight
-
-
-def demo_rows(workdir) -> list[dict]:
-    db = sqlite3.connect(workdir / "kilnproxy.db")
-    db.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in db.execute("SELECT * FROM usage_events ORDER BY created_at")]
-    finally:
-        db.close()
 
 
 async def test_catalog_is_the_servers_own_list_plus_kiln_demo(discovered, stack, http):
@@ -72,7 +64,7 @@ async def test_both_names_are_answered_and_metered(discovered, http, model):
     usage = answer["usage"]
     assert usage["completion_tokens"] > 0 and usage["cost"] > 0
 
-    r, = [r for r in demo_rows(workdir) if r["id"] == generation_id]
+    r = usage_row(workdir / "kilnproxy.db", generation_id)
     assert (r["org"], r["model"], r["requested_model"], r["endpoint"], r["status"], r["error_code"]) == (
         "demo", model, model, "chat/completions", 200, None)
     assert (r["prompt_tokens"], r["completion_tokens"], r["cost"]) == (

@@ -25,7 +25,7 @@ import openai
 import orjson
 import pytest
 
-from kilnproxy.testing import usage_rows
+from kilnproxy.testing import usage_row, usage_rows
 
 from .stack import LLAMA_ALIAS, GatewayProcess, LlamaServer
 from .support import (
@@ -53,9 +53,7 @@ class Apis:
         return self.gateway.url
 
     def row(self, generation_id: str) -> dict:
-        found = usage_rows(self.db, id=generation_id)
-        assert len(found) == 1, f"expected one usage row for {generation_id}, found {len(found)}"
-        return found[0]
+        return usage_row(self.db, generation_id)
 
 
 @pytest.fixture(scope="module")
