@@ -182,7 +182,9 @@ async def test_kill_9_after_a_response_whose_commit_waits_loses_no_row(tmp_path)
                     return resp.headers["X-Neocloud-Generation-Id"]
 
             for _ in range(2):  # the first commit is the writer's; the second one's row is journaled
-                await complete(gateway.url)
+                last = await complete(gateway.url)
+            async with session.get(f"{gateway.url}/v1/generations/{last}") as resp:
+                assert resp.status == 200  # answered once the row is committed: the file is free again
             holder = sqlite3.connect(db, isolation_level=None)
             try:
                 holder.execute("BEGIN IMMEDIATE")
@@ -204,3 +206,17 @@ async def test_kill_9_after_a_response_whose_commit_waits_loses_no_row(tmp_path)
     finally:
         await gateway.stop()
         await mock.stop()
+
+
+async def test_the_journal_has_the_databases_permissions(tmp_path):
+    path = tmp_path / "usage.db"
+    ledger = SQLiteLedger(path)
+    await ledger.open()
+    await ledger.close()
+    path.chmod(0o600)
+    ledger = SQLiteLedger(path)
+    await ledger.open()
+    try:
+        assert ledger.journal.path.stat().st_mode & 0o777 == 0o600
+    finally:
+        await ledger.close()

@@ -122,7 +122,9 @@ async def start_refused(tmp_path, config, says):
     gw = await GatewayProcess(tmp_path, config).start_without_banner()
     try:
         assert await gw.wait() == 2
-        err = [line for line in gw.lines["stderr"] if line.strip()]
+        # the gateway before it was killed (``gw.stop``): a last row still in the row journal is inserted
+        # at this start, which the log says first
+        err = [line for line in gw.lines["stderr"] if line.strip() and "of responses that ended before" not in line]
         assert len(err) == 1 and err[0].endswith(says), err
     finally:
         await gw.stop()

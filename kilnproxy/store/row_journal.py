@@ -43,8 +43,9 @@ def journal_path(database: Path) -> Path:
 
 
 class RowJournal:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, database: Path):
+        self.database = database
+        self.path = journal_path(database)
         self.uncommitted = 0  # rows appended whose commit is not done yet
         self.size = 0  # bytes in the file
         self.usable = False  # whether ``append`` writes (opened, and no failed append since it was emptied)
@@ -57,7 +58,8 @@ class RowJournal:
         A file that cannot be opened leaves the journal unusable, said once: rows wait for their commits."""
         self.close()
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            mode = os.stat(self.database).st_mode & 0o666  # as SQLite makes the -wal and -shm: the database's
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
             st = os.fstat(self._fd)
         except OSError as exc:
             self._failed(f"cannot open it: {exc}")

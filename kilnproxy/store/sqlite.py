@@ -43,7 +43,7 @@ from .batches import Batches, GroupCommitted
 from .checkpoint import Checkpointer
 from .ledger import CommitListener
 from .loop_commits import LoopCommits
-from .row_journal import RowJournal, journal_path, read_rows as read_journal
+from .row_journal import RowJournal, read_rows as read_journal
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -145,7 +145,7 @@ class SQLiteLedger(GroupCommitted):
         self._db: aiosqlite.Connection | None = None
         self._loop_db: sqlite3.Connection | None = None
         self.rows = Batches(self._commit, "kilnproxy-ledger-writer", self._committed)
-        self.journal = RowJournal(journal_path(self.path))
+        self.journal = RowJournal(self.path)
         self.here = LoopCommits(self._insert_here, self.rows, super()._committed,
                                 self.checkpointer.loop_must_hand_off, self.journal)
         self.commit_failures = 0
