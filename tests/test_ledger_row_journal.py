@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sqlite3
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -15,7 +16,7 @@ from processes import GatewayProcess, gateway_config
 
 from kilnproxy.store import row_journal
 from kilnproxy.store.sqlite import SQLiteLedger
-from kilnproxy.testing import KEY, MODEL
+from kilnproxy.testing import KEY, MODEL, completion_body
 from kilnproxy.web.server import start_mock
 from test_ledger_loop_commits import commit, row, stored_ids
 
@@ -220,3 +221,27 @@ async def test_the_journal_has_the_databases_permissions(tmp_path):
         assert ledger.journal.path.stat().st_mode & 0o777 == 0o600
     finally:
         await ledger.close()
+
+
+async def test_only_the_row_of_a_request_in_progress_alone_is_journaled(harness):
+    """A gateway: the row of a request served while no other is in progress goes to the row journal; while
+    a stream is still open, a request's row waits for its commit instead (under load rows share commits)."""
+    async with harness() as h:
+        journal = Path(f"{h.db}-rows")
+
+        async def complete() -> str:
+            async with h.post("/v1/completions", completion_body()) as resp:
+                assert resp.status == 200
+                await resp.read()
+                return resp.headers["X-Neocloud-Generation-Id"]
+
+        await complete()  # the first commit is the writer's
+        alone = await complete()
+        assert alone.encode() in journal.read_bytes()
+        async with h.post("/v1/completions", completion_body(stream=True, max_tokens=4, mock={"delay": 0.05})) as slow:
+            assert slow.status == 200
+            await slow.content.readline()
+            beside = await complete()
+            assert beside.encode() not in journal.read_bytes()
+            await slow.read()
+        assert {r["id"] for r in await h.rows()} >= {alone, beside}

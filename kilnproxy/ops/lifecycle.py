@@ -66,6 +66,10 @@ class Shutdown:
         self.hurry = asyncio.Event()  # set by a second signal: stop waiting
         self._idle: asyncio.Event | None = None
 
+    def alone(self) -> bool:
+        """Whether the request asking is the only one in progress."""
+        return self.active <= 1
+
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         if self.draining:

@@ -33,9 +33,11 @@ two. So the SQLite ledger commits rows here, on a plain ``sqlite3`` connection:
 
 Each future resolves once its row is committed (by whichever thread did it),
 and ``committed`` is told of each batch after its commit, as with ``Batches``.
-A lone row (nothing else queued, the last commit lone too, no row with the
-writer, the commit due on the loop) is first appended to the ``RowJournal``:
-its future resolves at once, and the row is committed as any other. ``journaled`` holds such rows' own
+A lone row (its request the only one in progress, ``alone``; nothing else
+queued; the last commit lone too; no row with the writer; the commit due on
+the loop) is first appended to the ``RowJournal``: its future resolves at
+once, and the row is committed as any other. Under load rows never go there:
+they share group commits as above, and the journal costs them nothing. ``journaled`` holds such rows' own
 commit futures by id until then (a lookup of the row waits for it).
 """
 
@@ -62,6 +64,8 @@ class LoopCommits:
         """``insert(rows)`` commits ``rows`` in one transaction on this thread, or raises with
         nothing committed (rolled back)."""
         self.journal = journal
+        # whether the request submitting a row is the only one in progress (``SQLiteLedger.journal_when``)
+        self.alone: Callable[[], bool] = lambda: True
         self.journaled: dict[str, asyncio.Future] = {}  # id -> commit of a row whose future resolved at its append
         self._insert = insert
         self._writer = writer
@@ -88,7 +92,7 @@ class LoopCommits:
             self._flush_due = True
             loop.call_soon(self._due, loop)
         if (self.last_rows <= 1 and len(self._pending) == 1 and not self.with_writer and self.journal is not None
-                and not self._must_hand_off() and self.journal.append(row)):
+                and self.alone() and not self._must_hand_off() and self.journal.append(row)):
             self.journaled[row["id"]] = future
             future = loop.create_future()
             future.set_result(None)

@@ -31,7 +31,7 @@ import sqlite3
 import time
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import aiosqlite
 import orjson
@@ -197,6 +197,11 @@ class SQLiteLedger(GroupCommitted):
             # fetchall: a statement left unfinished holds a read snapshot, and no checkpoint could end
             await self._db.execute_fetchall(f"PRAGMA {pragma}")
         self._db.row_factory = sqlite3.Row
+
+    def journal_when(self, alone: Callable[[], bool]) -> None:
+        """Append a lone row to the row journal only while ``alone()``: the request submitting it is the
+        only one in progress (the gateway's count of them). Without this call, whenever a row is lone."""
+        self.here.alone = alone
 
     def submit(self, row: dict[str, Any], tag: Any = None) -> asyncio.Future:
         """Queue ``row`` for this loop iteration's commit; the future resolves once it is durable."""
