@@ -36,9 +36,10 @@ and ``committed`` is told of each batch after its commit, as with ``Batches``.
 A lone row (its request the only one in progress, ``alone``; nothing else
 queued; the last commit lone too; no row with the writer; the commit due on
 the loop) is first appended to the ``RowJournal``: its future resolves at
-once, and the row is committed as any other. Under load rows never go there:
-they share group commits as above, and the journal costs them nothing. ``journaled`` holds such rows' own
-commit futures by id until then (a lookup of the row waits for it).
+once, and the row is committed as any other; ``journaled`` holds its own
+commit future by id until then (a lookup of the row waits for it). Under
+load rows never go there: they share group commits as above, and the journal
+costs them nothing.
 """
 
 from __future__ import annotations
