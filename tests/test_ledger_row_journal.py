@@ -15,6 +15,7 @@ import pytest
 from processes import GatewayProcess, gateway_config
 
 from kilnproxy.store import row_journal
+from kilnproxy.store import sqlite as sqlite_ledger
 from kilnproxy.store.sqlite import SQLiteLedger
 from kilnproxy.testing import KEY, MODEL, completion_body
 from kilnproxy.web.server import start_mock
@@ -245,3 +246,28 @@ async def test_only_the_row_of_a_request_in_progress_alone_is_journaled(harness)
             assert beside.encode() not in journal.read_bytes()
             await slow.read()
         assert {r["id"] for r in await h.rows()} >= {alone, beside}
+
+
+async def test_a_stop_that_gives_up_rows_keeps_the_journal_for_the_next_start(tmp_path, monkeypatch, eventually):
+    """Another program holds the write lock through a stop: the journaled row is given up (logged as not
+    committed) and stays in the file, and the next start inserts it."""
+    monkeypatch.setattr(sqlite_ledger, "LAST_TRY_SECONDS", 0.1)
+    ledger = SQLiteLedger(tmp_path / "usage.db")
+    await ledger.open()
+    await commit(ledger, row(0))
+    holder = sqlite3.connect(ledger.path, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        assert ledger.submit(row(1)).done()
+        await eventually(lambda: ledger.commit_failures >= 1)
+        await ledger.close()
+        assert [r["id"] for r in ledger.not_committed] == [row(1)["id"]]
+        assert journal_lines(ledger) == [row(1)]
+    finally:
+        holder.close()
+    again = SQLiteLedger(ledger.path)
+    await again.open()
+    try:
+        assert row(1)["id"] in stored_ids(ledger.path)
+    finally:
+        await again.close()
