@@ -71,6 +71,15 @@ class Ledger:
             sql += " WHERE " + " AND ".join(f"{k} = ${i}" for i, k in enumerate(where, 1))
         return [dict(r) for r in await self.conn.fetch(sql + " ORDER BY rowid", *where.values())]
 
+    async def settled(self, *ids: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The rows of ``ids``, waited for: the row of a request a replica served alone is settled just
+        after its response ended (it was in the replica's row journal first)."""
+        async with asyncio.timeout(timeout):
+            while len(found := await self.conn.fetch("SELECT * FROM usage_events WHERE id = ANY($1::text[])"
+                                                     " ORDER BY rowid", list(ids))) < len(ids):
+                await asyncio.sleep(0.005)
+        return [dict(r) for r in found]
+
     async def holds(self) -> list[dict[str, Any]]:
         return [dict(r) for r in await self.conn.fetch("SELECT * FROM kiln_holds")]
 

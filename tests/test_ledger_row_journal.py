@@ -224,6 +224,29 @@ async def test_the_journal_has_the_databases_permissions(tmp_path):
         await ledger.close()
 
 
+def test_a_journal_another_gateway_has_open_is_neither_emptied_nor_used(tmp_path, caplog):
+    """Two gateways given one file (two replicas on one spool path): the second's journal is unusable,
+    said once, and the first's rows stay in the file; once the first is gone, the second takes it."""
+    database = tmp_path / "spool.db"
+    database.touch()
+    first, second = row_journal.RowJournal(database), row_journal.RowJournal(database)
+    first.open()
+    assert first.append(row(1))
+    with caplog.at_level(logging.ERROR, "kilnproxy.ledger"):
+        second.open()
+        second.check()
+    assert not second.usable and not second.append(row(2))
+    assert [r.message for r in caplog.records if "another gateway has it open" in r.message] != []
+    assert len([r for r in caplog.records if "another gateway has it open" in r.message]) == 1
+    assert [orjson.loads(line) for line in first.path.read_bytes().splitlines()] == [row(1)]
+    first.committed(1)
+    first.close()
+    second.check()
+    assert second.usable and second.append(row(2))
+    second.committed(1)
+    second.close()
+
+
 async def test_only_the_row_of_a_request_in_progress_alone_is_journaled(harness):
     """A gateway: the row of a request served while no other is in progress goes to the row journal; while
     a stream is still open, a request's row waits for its commit instead (under load rows share commits)."""

@@ -123,6 +123,7 @@ async def test_connections_the_server_closed_while_idle_are_replaced_without_a_f
         store = h.gw.ledger
         async with h.post("/v1/completions", completion_body()) as resp:
             assert resp.status == 200
+        await h.gw.rows_committed()  # a lone row's settlement follows its response (the row journal)
         kept = (store.admitter.conn, store.writer.conn)
         assert all(conn is not None for conn in kept)
         pids = [conn.get_server_pid() for conn in kept]

@@ -24,14 +24,16 @@ async def test_two_replicas_started_at_once_on_an_empty_database_share_one_schem
     a, b = await two_replicas(tmp_path, mock_url, pg_url)
     try:
         async with aiohttp.ClientSession() as session, Ledger(pg_url) as db:
+            ids = []
             for r in (a, b):
                 async with session.post(f"{r.url}/v1/completions", json=completion_body(),
                                         headers={"Authorization": f"Bearer {KEY}"}) as resp:
                     assert resp.status == 200
+                    ids.append(resp.headers["X-Neocloud-Generation-Id"])
             versions = [r[0] for r in await db.conn.fetch("SELECT version FROM kiln_schema ORDER BY version")]
             assert versions == list(range(1, len(MIGRATIONS) + 1))  # each migration applied once
+            assert len({row["replica"] for row in await db.settled(*ids)}) == 2
             assert len(await db.rows()) == 2
-            assert len({row["replica"] for row in await db.rows()}) == 2
     finally:
         await stop_all(a, b)
 

@@ -806,6 +806,8 @@ async def test_a_database_refusing_new_sessions_is_a_store_down_that_ends_by_its
             pg.psql(end)
             await a.wait_for("stderr", UP_LINE)
             await served_again(session, a, sent)
+        a.send(signal.SIGTERM)  # a clean stop: the last request's settlement may follow its response
+        assert await a.wait() == 0
     finally:
         await stop_all(a)
     await settled_once(url, sent, eventually)

@@ -217,8 +217,16 @@ class Gateway:
                     log.error("plugin %r failed in record_usage for %s", impl.plugin, row["id"], exc_info=exc)
             self._usage_queue.task_done()
 
+    async def rows_committed(self) -> None:
+        """Return once the row of every response ended so far is committed: a lone row's commit follows
+        its response (the row journal, ``kilnproxy.store.row_journal``)."""
+        journaled = getattr(self.ledger, "journaled", None)
+        if journaled:
+            await asyncio.wait(list(journaled.values()))
+
     async def usage_recorded(self) -> None:
-        """Return once every row committed so far has been through ``record_usage``."""
+        """Return once the row of every response ended so far has been through ``record_usage``."""
+        await self.rows_committed()
         if self._usage_queue is not None:
             await self._usage_queue.join()
 

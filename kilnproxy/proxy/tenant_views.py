@@ -29,7 +29,7 @@ come from: a running gateway's memory, or the store).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from ..config import Config, KeyConfig, OrgConfig
 from ..store.tenancy import TenancyStore
@@ -103,13 +103,18 @@ class Books:
     from the store, which every replica writes. A command on SQLite cannot see a
     gateway's holds and shows 0."""
 
-    def __init__(self, db: Any, replica_timeout: float, credits: Any = None, admission: Any = None):
+    def __init__(self, db: Any, replica_timeout: float, credits: Any = None, admission: Any = None,
+                 committed: Callable[[], Awaitable[None]] | None = None):
         self.db = db
         self.replica_timeout = replica_timeout
         self.credits = credits
         self.admission = admission
+        # a running gateway's ``rows_committed``: the rows of the responses it has ended are counted
+        self.committed = committed
 
     async def spent(self, orgs: Iterable[str]) -> dict[str, float]:
+        if self.committed is not None:
+            await self.committed()
         if self.db.dialect == "sqlite" and self.credits is not None:
             known = self.credits.spent
         else:
@@ -117,6 +122,8 @@ class Books:
         return {org: known.get(org, 0.0) for org in orgs}
 
     async def held(self, orgs: Iterable[str]) -> dict[str, float]:
+        if self.committed is not None:
+            await self.committed()
         known = await held_by_org(self.db, self.replica_timeout)
         if known is None:
             local = getattr(self.admission, "held", None)
@@ -191,5 +198,6 @@ class TenancyView:
 
 def gateway_view(gw: Any) -> TenancyView:
     """The view of a running ``Gateway``: its config, its store, its spending and holds."""
-    books = Books(gw.tenancy.db, gw.config.storage.replica_timeout_seconds, gw.credits, gw.admission)
+    books = Books(gw.tenancy.db, gw.config.storage.replica_timeout_seconds, gw.credits, gw.admission,
+                  gw.rows_committed)
     return TenancyView(gw.config, gw.tenancy, books)

@@ -31,6 +31,7 @@ class Batches:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
+        self.processing = False  # a batch is being processed
         self.batches = 0
         self.items_done = 0
         self.last_batch_seconds = 0.0
@@ -47,6 +48,10 @@ class Batches:
 
     def queue_depth(self) -> int:
         return len(self._pending)
+
+    def lone(self) -> bool:
+        """Whether the item just added is the only one queued and no batch is being processed."""
+        return len(self._pending) == 1 and not self.processing
 
     async def close(self) -> None:
         """Process everything queued, then stop."""
@@ -67,6 +72,7 @@ class Batches:
                 continue
             batch, self._pending = self._pending, []
             started = loop.time()
+            self.processing = True
             try:
                 results = await self._process([item for item, _, _ in batch])
             except Exception as exc:  # every request of the batch is told; the next batch is tried anew
@@ -75,6 +81,7 @@ class Batches:
                         future.set_exception(exc)
                 continue
             finally:
+                self.processing = False
                 if self._pending or self._closing:
                     self._wake.set()
             self.batches += 1

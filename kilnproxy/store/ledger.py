@@ -12,9 +12,9 @@ and on PostgreSQL always, by one writer task (``kilnproxy.store.batches``).
 The request awaits its future before the response ends, so a response a client
 saw end always has its row on disk (WAL, ``synchronous=NORMAL``: a committed
 transaction survives the gateway being killed; only a power cut could lose the
-last ones). On SQLite, a lone row's future resolves once the row is appended to
-the row journal, as durable, and the loop commits it next
-(``kilnproxy.store.row_journal``). A failed commit (a lock held by another program, a full disk) is
+last ones). A lone row's future resolves once the row is appended to the row
+journal, as durable, and its commit follows: on SQLite at the loop's next
+turn, on PostgreSQL at once (``kilnproxy.store.row_journal``). A failed commit (a lock held by another program, a full disk) is
 retried with the same rows; none is dropped, and the responses wait. A value
 SQLite cannot bind is stored as text rather than wedge every later commit.
 A store that takes no rows for a while says so (``available`` false) and may

@@ -10,7 +10,13 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
   every row submitted meanwhile and calls ``kiln_settle`` once, which deletes
   their holds, inserts them and adds their cost to the orgs' spending in one
   transaction, idempotent by generation id. A request awaits its row's
-  commit before its response ends.
+  commit before its response ends; the row of a request served alone
+  (``journal_when``), with no settlement under way, is appended to the row
+  journal (``kilnproxy.store.row_journal``, ``<spool_path>-rows``) instead,
+  and its settlement follows. Until that settlement commits, this replica's
+  admissions wait for it and its reads (``_read``) too, so that the replica
+  counts the request as settled as soon as its response ended; a start
+  settles what a killed run left in the journal (``_replay_journal``).
 * Liveness (``kilnproxy.store.replicas``): a heartbeat every few seconds; the
   holds of a replica silent for ``replica_timeout_seconds`` stop counting and
   are turned into ``replica_lost`` rows by a surviving replica.
@@ -45,10 +51,12 @@ small pool and gives it back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -65,6 +73,7 @@ from .org_locks import OrgLocks, org_locked
 from .pinned import Pinned
 from .postgres_schema import migrate
 from .replicas import Heartbeat
+from .row_journal import RowJournal, read_rows
 from .spool import Damaged, Spool
 from .sqlstates import database_state
 
@@ -176,6 +185,10 @@ class PostgresStore(GroupCommitted):
         self.tell_rows = False  # True (the inspector): each settlement NOTIFYs ROWS_CHANNEL of its rows' ids
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.spool = Spool(config.spool_path)
+        self.journal = RowJournal(Path(config.spool_path))  # ``<spool_path>-rows``
+        # whether the request submitting a row is the only one in progress (``journal_when``)
+        self.alone: Callable[[], bool] = lambda: False
+        self.journaled: dict[str, asyncio.Future] = {}  # id -> settlement of a row whose response ended at its append
         self.pool: asyncpg.Pool | None = None
         self.available = False  # the last statement reached the database
         # the same, read by the request path: while down, new requests are refused at once
@@ -234,6 +247,8 @@ class PostgresStore(GroupCommitted):
             await self.pool.close()
             raise StorageError(f"cannot open the spool {str(self.spool.path)!r}: {exc}"
                                " (check [storage] spool_path and its permissions)") from None
+        await self._replay_journal()
+        self.journal.open()
         self.rows.start()
         self.admissions.start()
         self.heartbeat.start()
@@ -271,6 +286,7 @@ class PostgresStore(GroupCommitted):
                 self.pool.terminate()
             self.pool = None
         self.spool.close()
+        self.journal.close(keep=bool(self.not_committed))
         if self.not_committed:
             log.error("stopping with usage rows neither PostgreSQL nor the spool %s took: %d; each follows on a line "
                       "of its own, 'usage row not committed: ' and the row as JSON", self.spool.path,
@@ -312,6 +328,8 @@ class PostgresStore(GroupCommitted):
 
     async def _admit(self, holds: list[dict[str, Any]]) -> list[asyncpg.Record]:
         """Each hold's (verdict, spending of its org), in the order of ``holds``."""
+        if self.journaled:  # this replica's requests whose responses ended count as settled, as before
+            await asyncio.wait(list(self.journaled.values()))
         if not self.available:  # went down while these waited for the batch before: refused at once
             raise store_unavailable()
         try:
@@ -362,6 +380,39 @@ class PostgresStore(GroupCommitted):
         return self.counts.snapshot()
 
     # -- settlement ---------------------------------------------------------------
+
+    def journal_when(self, alone: Callable[[], bool]) -> None:
+        """Append a lone row to the row journal only while ``alone()``: the request submitting it is the
+        only one in progress."""
+        self.alone = alone
+
+    def submit(self, row: dict[str, Any], tag: Any = None) -> asyncio.Future:
+        """Queue ``row``; the future resolves once it is durable: settled (or spooled), or, for a lone
+        row, appended to the row journal (``kilnproxy.store.row_journal``), its settlement under way."""
+        settled = self.rows.add(row, tag)
+        if self.available and self.rows.lone() and self.alone() and self.journal.append(row):
+            self.journaled[row["id"]] = settled
+            settled.add_done_callback(functools.partial(self._journal_settled, row["id"]))
+            settled = settled.get_loop().create_future()
+            settled.set_result(None)
+        return settled
+
+    def _journal_settled(self, generation_id: str, settled: asyncio.Future) -> None:
+        del self.journaled[generation_id]
+        if not settled.cancelled() and settled.exception() is None:
+            self.journal.committed(1)  # else its line stays in the file, for the next start
+
+    async def _replay_journal(self) -> None:
+        """Settle (or spool) the rows of the row journal a replica using this spool left: killed between
+        a response and its row's settlement. Settlement is idempotent by id: a row already settled is
+        not charged again, a ``replica_lost`` row of it is replaced."""
+        rows, bad = await asyncio.to_thread(read_rows, self.journal.path)
+        for line in bad:
+            log.error("usage ledger: a line of %s is not a usage row, left out: %r", self.journal.path, line[:200])
+        if rows:
+            await self._commit(rows)
+            log.warning("%d usage rows of responses that ended before the gateway stopped were in %s; settled",
+                        len(rows), self.journal.path)
 
     async def _commit(self, rows: list[dict[str, Any]]) -> None:
         """Rows are durable once settled in PostgreSQL, or else in the spool (those of an org set
@@ -574,6 +625,10 @@ class PostgresStore(GroupCommitted):
         return [dict(r) for r in await self._read("fetch", numbered(sql), *params)]
 
     async def _read(self, method: str, sql: str, *args):
+        """A read of the store that sees the row of every response this replica has ended (their
+        settlements are waited for: ``journaled``)."""
+        if self.journaled:
+            await asyncio.wait(list(self.journaled.values()))
         if not self.available:
             raise store_unavailable()
         try:

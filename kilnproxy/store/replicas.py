@@ -118,6 +118,7 @@ class Heartbeat:
         while True:
             await woken(self._poke, self.interval if self.store.available else RETRY_SECONDS)
             self._poke.clear()
+            self.store.journal.check()
             try:
                 await self.beat()
                 if not self.store.available:

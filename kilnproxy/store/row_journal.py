@@ -1,4 +1,4 @@
-"""``RowJournal``: a lone usage row made durable by one append to a file, before SQLite has it.
+"""``RowJournal``: a lone usage row made durable by one append to a file, before its store has it.
 
 On a loop that serves one request at a time, a one-row SQLite commit is most of
 what the gateway adds to a response's latency: the loop reaches it with cold
@@ -10,18 +10,27 @@ killed gateway the line is as durable as a WAL commit at ``synchronous=NORMAL``
 (neither is fsynced): the next start inserts every row of the file whose id the
 table lacks (``kilnproxy.store.sqlite.replay_journal``), then empties it.
 
-The file is ``<database>-rows``, one JSON object per line, the row's columns.
-It is emptied once every row in it is committed and it holds ``EMPTY_AT_BYTES``,
-and removed at a stop that committed every row. An append that fails (a full
-disk, an I/O error, a short write, a value JSON cannot hold) returns False:
-that row waits for its commit, as every row did before the journal, and appends
-stop until the rows already in the file are committed and the file is emptied.
-A file deleted or replaced under the gateway (``check``, every half second) is
-likewise left once its rows are committed, and made anew.
+On PostgreSQL a lone row's settlement is a round trip and the server's WAL
+flush: the store appends the row here, beside its spool, and the settlement
+follows (``kilnproxy.store.postgres``); the next start settles what the file
+holds (settlement is idempotent by id).
+
+The file is ``<database>-rows`` (the SQLite ledger's file, or the spool's), one
+JSON object per line, the row's columns. It is emptied once every row in it is
+committed and it holds ``EMPTY_AT_BYTES``, and removed at a stop that committed
+every row. Only one gateway appends to it (an exclusive ``flock``): a second
+one on the same file leaves it alone. An append that fails (a full disk, an
+I/O error, a short write, a value JSON cannot hold) returns False: that row
+waits for its commit, as every row did before the journal, and appends stop
+until the rows already in the file are committed and the file is emptied. A
+file deleted or replaced under the gateway (``check``: every half second on
+SQLite, at each heartbeat on PostgreSQL) is likewise left once its rows are
+committed, and made anew.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from os import write as _write
@@ -54,16 +63,24 @@ class RowJournal:
         self._error = ""  # the last failure said in the log
 
     def open(self) -> None:
-        """Open the file for appends, emptied (its rows are in the table: ``replay_journal`` ran).
-        A file that cannot be opened leaves the journal unusable, said once: rows wait for their commits."""
+        """Open the file for appends, emptied (its rows are in the table: they were replayed). A file that
+        cannot be opened, or that another gateway has open (an exclusive ``flock``), leaves the journal
+        unusable, said once: rows wait for their commits."""
         self.close()
+        fd = None
         try:
-            mode = os.stat(self.database).st_mode & 0o666  # as SQLite makes the -wal and -shm: the database's
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-            st = os.fstat(self._fd)
+            mode = _mode_of(self.database)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, mode)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # emptied only once no other gateway appends to it
+            os.ftruncate(fd, 0)
+            st = os.fstat(fd)
         except OSError as exc:
-            self._failed(f"cannot open it: {exc}")
+            if fd is not None:
+                os.close(fd)
+            self._failed("another gateway has it open" if isinstance(exc, BlockingIOError)
+                         else f"cannot open it: {exc}")
             return
+        self._fd = fd
         self._id = (st.st_dev, st.st_ino)
         self.size = 0
         self.usable = True
@@ -135,7 +152,16 @@ class RowJournal:
         self.usable = False
         if error != self._error:
             self._error = error
-            log.error("usage ledger: %s: %s; rows wait for their SQLite commits instead", self.path, error)
+            log.error("usage ledger: %s: %s; rows wait for their commits instead", self.path, error)
+
+
+def _mode_of(database: Path) -> int:
+    """The database's permission bits, as SQLite gives its -wal and -shm; 0o600 before it exists (a spool
+    that never held a row)."""
+    try:
+        return os.stat(database).st_mode & 0o666
+    except FileNotFoundError:
+        return 0o600
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:

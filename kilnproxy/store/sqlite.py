@@ -198,6 +198,11 @@ class SQLiteLedger(GroupCommitted):
             await self._db.execute_fetchall(f"PRAGMA {pragma}")
         self._db.row_factory = sqlite3.Row
 
+    @property
+    def journaled(self) -> dict[str, asyncio.Future]:
+        """id -> commit, of each row whose response ended at its journal append, until it is committed."""
+        return self.here.journaled
+
     def journal_when(self, alone: Callable[[], bool]) -> None:
         """Append a lone row to the row journal only while ``alone()``: the request submitting it is the
         only one in progress (the gateway's count of them). Without this call, whenever a row is lone."""

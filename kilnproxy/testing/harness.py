@@ -197,6 +197,8 @@ class Harness:
         return {**fixture.body, "model": self.model} if isinstance(fixture.body, dict) else fixture.body
 
     async def rows(self, **where: Any) -> list[dict[str, Any]]:
+        """The usage rows whose columns equal ``where``, oldest first, every response ended so far included."""
+        await self.gw.rows_committed()
         url = self.gw.config.storage.url
         return await pg_usage_rows(url, **where) if url else usage_rows(self.db, **where)
 
