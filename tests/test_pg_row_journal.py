@@ -12,6 +12,7 @@ settlement waits for it, shorter than the lock timeout, while the test looks. Te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import asyncpg
 import orjson
+import pytest
 from replicas import Ledger, replica, stalled, stop_all
 
 from kilnproxy.testing import KEY, completion_body
@@ -60,21 +62,29 @@ async def complete(h) -> str:
         return resp.headers[GEN]
 
 
+@contextlib.asynccontextmanager
+async def settlement_held(h, pg_url: str):
+    """A request served alone whose response has ended and whose settlement waits for a lock on
+    ``usage_events``: yields the session holding it and the request's id; the lock goes on exit."""
+    await h.row(await complete(h))  # the writer's connection is open
+    locker = await lock_rows(pg_url)
+    try:
+        generation_id = await complete(h)
+        await settlement_waits(locker)
+        yield locker, generation_id
+    finally:
+        await locker.execute("ROLLBACK")
+        await locker.close()
+
+
 async def test_a_lone_response_ends_at_its_append_and_its_row_is_settled_next(tmp_path, harness, pg_url):
     async with harness(overrides=pg_store(tmp_path, pg_url)) as h:
         store = h.gw.ledger
-        await h.row(await complete(h))  # the writer's connection is open
-        locker = await lock_rows(pg_url)
-        try:
-            generation_id = await complete(h)
-            await settlement_waits(locker)
+        async with settlement_held(h, pg_url) as (locker, generation_id):
             assert generation_id in store.journaled
             assert journal_ids(tmp_path / "spool.db")[-1] == generation_id
             assert await locker.fetchval("SELECT count(*) FROM usage_events WHERE id = $1", generation_id) == 0
             assert await locker.fetchval("SELECT count(*) FROM kiln_holds WHERE id = $1", generation_id) == 1
-        finally:
-            await locker.execute("ROLLBACK")
-            await locker.close()
         row = await h.row(generation_id)  # waits for the settlement
         assert row["status"] == 200 and row["cost"] > 0
         assert not store.journaled and store.journal.uncommitted == 0
@@ -86,20 +96,13 @@ async def test_the_next_admission_waits_for_the_settlement_of_a_journaled_row(tm
     settlement instead, and is served."""
     async with harness(overrides=pg_store(tmp_path, pg_url, limits={"max_in_flight_per_org": 1})) as h:
         store = h.gw.ledger
-        await h.row(await complete(h))
-        locker = await lock_rows(pg_url)
-        try:
-            first = await complete(h)
-            await settlement_waits(locker)
+        async with settlement_held(h, pg_url) as (_, first):
             assert first in store.journaled
             second = asyncio.create_task(complete(h))
             async with asyncio.timeout(GUARD_SECONDS):  # at the admitter, waiting; or answered
                 while not (second.done() or store.admissions.processing):
                     await asyncio.sleep(0.005)
             assert not second.done()
-        finally:
-            await locker.execute("ROLLBACK")
-            await locker.close()
         generation_id = await asyncio.wait_for(second, GUARD_SECONDS)
         assert [r["status"] for r in (await h.row(first), await h.row(generation_id))] == [200, 200]
 
@@ -108,22 +111,30 @@ async def test_a_lookup_of_a_journaled_row_waits_for_its_settlement(tmp_path, ha
     """Read while the settlement waits, the row would not be there yet: the lookup waits for it."""
     async with harness(overrides=pg_store(tmp_path, pg_url)) as h:
         store = h.gw.ledger
-        await h.row(await complete(h))
-        locker = await lock_rows(pg_url)
-        try:
-            generation_id = await complete(h)
-            await settlement_waits(locker)
+        async with settlement_held(h, pg_url) as (_, generation_id):
             lookup = asyncio.create_task(store.get(generation_id))
             # read at once, it would be answered (no row) in a round trip, the lock being on inserts only;
             # a slow machine only makes this check weaker, never wrong
             await asyncio.wait([lookup], timeout=0.3)
             assert not lookup.done()
-        finally:
-            await locker.execute("ROLLBACK")
-            await locker.close()
         assert (await asyncio.wait_for(lookup, GUARD_SECONDS))["id"] == generation_id
         async with h.session.get(f"{h.url}/v1/generations/{generation_id}", headers=h.headers()) as resp:
             assert resp.status == 200
+
+
+async def test_the_admin_apis_org_counts_a_journaled_row_as_spent_not_held(tmp_path, harness, pg_url):
+    """The org object read while the settlement waits would show the request's hold and not its cost:
+    the replica waits for the settlement, then answers with it spent."""
+    async with harness(overrides=pg_store(tmp_path, pg_url)) as h:
+        async with settlement_held(h, pg_url):
+            read = asyncio.create_task(h.session.get(f"{h.url}/admin/v1/orgs/acme"))
+            await asyncio.wait([read], timeout=0.3)  # as the lookup's: a slow machine only weakens it
+            assert not read.done()
+        async with await asyncio.wait_for(read, GUARD_SECONDS) as resp:
+            assert resp.status == 200
+            org = await resp.json()
+        spent = sum(r["cost"] for r in await h.rows(org="acme"))
+        assert org["held"] == 0.0 and org["spent"] == pytest.approx(spent) and spent > 0
 
 
 async def test_a_request_beside_another_in_progress_waits_for_its_settlement(tmp_path, harness, pg_url):
