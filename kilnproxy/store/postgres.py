@@ -328,8 +328,7 @@ class PostgresStore(GroupCommitted):
 
     async def _admit(self, holds: list[dict[str, Any]]) -> list[asyncpg.Record]:
         """Each hold's (verdict, spending of its org), in the order of ``holds``."""
-        if self.journaled:  # this replica's requests whose responses ended count as settled, as before
-            await asyncio.wait(list(self.journaled.values()))
+        await self._journal_settled_all()  # this replica's requests whose responses ended count as settled
         if not self.available:  # went down while these waited for the batch before: refused at once
             raise store_unavailable()
         try:
@@ -401,6 +400,11 @@ class PostgresStore(GroupCommitted):
         del self.journaled[generation_id]
         if not settled.cancelled() and settled.exception() is None:
             self.journal.committed(1)  # else its line stays in the file, for the next start
+
+    async def _journal_settled_all(self) -> None:
+        """Return once every row journaled so far is settled (or spooled, or given up)."""
+        if self.journaled:
+            await asyncio.wait(list(self.journaled.values()))
 
     async def _replay_journal(self) -> None:
         """Settle (or spool) the rows of the row journal a replica using this spool left: killed between
@@ -627,8 +631,7 @@ class PostgresStore(GroupCommitted):
     async def _read(self, method: str, sql: str, *args):
         """A read of the store that sees the row of every response this replica has ended (their
         settlements are waited for: ``journaled``)."""
-        if self.journaled:
-            await asyncio.wait(list(self.journaled.values()))
+        await self._journal_settled_all()
         if not self.available:
             raise store_unavailable()
         try:
