@@ -19,8 +19,9 @@ install: $(STAMP)
 run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--config my.toml"`
 	$(PY) -m kilnproxy $(ARGS)
 
-test: $(STAMP) browser postgres nginx prometheus openssl  ## the import contracts (setup.cfg [importlinter]), then the whole test suite
+test: $(STAMP) browser postgres nginx prometheus openssl  ## the import contracts (setup.cfg [importlinter]), the docs site (mkdocs.yml), then the whole test suite
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mkdocs build --strict --site-dir $$(mktemp -d)  # the docs site (mkdocs.yml); no --quiet: it silences the warnings --strict counts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 browser:  ## Debian's chromium, for the inspector's browser test (Playwright drives it; it downloads no browser)
@@ -31,7 +32,7 @@ postgres:  ## Debian's PostgreSQL server binaries: the tests and the benchmark s
 	test -x "$$(pg_config --bindir 2>/dev/null)/initdb" || \
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y postgresql; }
 
-nginx:  ## Debian's nginx: the rolling-restart test puts it in front of two replicas, as the README does
+nginx:  ## Debian's nginx: the rolling-restart test puts it in front of two replicas, as docs/replicas.md does
 	test -x /usr/sbin/nginx || \
 		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y nginx; }
 
