@@ -20,7 +20,7 @@ from pathlib import Path
 
 import orjson
 
-from kilnproxy.store.sqlite import _insert_sync, connect_for_the_loop, prepare_file
+from kilnproxy.store.sqlite.ledger import _insert_sync, connect_for_the_loop, prepare_file
 
 
 def row(i: int) -> dict:

@@ -8,7 +8,7 @@ streams), with and without a no-op ``transform_event`` plugin; prints the best
 time per stream over ``--repeat`` runs of ``--number`` streams each, beside
 the completions relay on M3's stream (``relay_cost.py``'s figure) when
 ``--completions`` is given. ``--before FILE`` loads another version of
-``framed_relay.py`` (e.g. ``git show REV:kilnproxy/proxy/framed_relay.py``) beside
+``framed_relay.py`` (e.g. ``git show REV:kilnproxy/proxy/relay/framed_relay.py``) beside
 this tree's and alternates the two, repeat by repeat, in the same process.
 
     python bench/framed_cost.py [--number 300] [--repeat 7] [--completions] [--before FILE]
@@ -25,11 +25,11 @@ import orjson
 from upstreams import CHUNKS, UPSTREAM_MODEL, canned_responses_sse, canned_sse
 
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
-from kilnproxy.plugins.call import Call
+from kilnproxy.call import Call
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.proxy.framed_relay import FramedRelay
+from kilnproxy.proxy.relay.framed_relay import FramedRelay
 from kilnproxy.proxy.request_record import RequestRecord
-from kilnproxy.proxy.upstream import Route
+from kilnproxy.proxy.upstream.routes import Route
 
 NOOP = (Impl("noop_event", "transform_event", lambda event: None, ("event",)),)
 PRICING = Pricing(0.1, 0.3)
@@ -39,7 +39,7 @@ def canned_messages_sse() -> bytes:
     """The mock's Anthropic Messages stream of ``CHUNKS`` text deltas (vLLM's flavor)."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from kilnproxy.fixtures.mock_upstream import create_mock_app
+    from kilnproxy.mock_servers.mock_upstream import create_mock_app
     body = {"model": UPSTREAM_MODEL, "max_tokens": CHUNKS, "stream": True,
             "messages": [{"role": "user", "content": "The capital of France is"}],
             "mock": {"id": "msg_bench0000000000000000000000000000"}}

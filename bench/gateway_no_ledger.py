@@ -13,7 +13,7 @@ import asyncio
 
 from kilnproxy.config import load_config
 from kilnproxy.proxy.gateway import GATEWAY
-from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.web import server
 from kilnproxy.web.app import create_app
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.usage import COLUMNS
 
 GAP_SECONDS = 0.0003

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kilnproxy.store.sqlite import INSERT, SCHEMA
+from kilnproxy.store.sqlite.ledger import INSERT, SCHEMA
 from kilnproxy.usage import COLUMNS
 
 TABLE = SCHEMA.split("CREATE INDEX")[0]

@@ -51,9 +51,9 @@ def make_row(i: int, when: datetime, rng: random.Random, one_of_each: bool = Fal
 
 async def one_run(rows: int, n: int, in_flight: int, checkpoint_mb: int, null: bool, one_of_each: bool) -> dict:
     from kilnproxy.inspector.queries import SQLiteReader
-    from kilnproxy.store.checkpoint import Checkpointer
-    from kilnproxy.store.sqlite import SQLiteLedger
-    from kilnproxy.store.tenancy_sql import _migrate_file
+    from kilnproxy.store.sqlite.checkpoint import Checkpointer
+    from kilnproxy.store.sqlite.ledger import SQLiteLedger
+    from kilnproxy.store.tenancy.sql import _migrate_file
 
     rng = random.Random(7)
     start = datetime(2026, 11, 1, tzinfo=timezone.utc)

@@ -47,16 +47,16 @@ def row(i: int) -> dict:
 
 
 def schema_of(tree: Path | None):
-    """The ``migrate`` of the tree's ``kilnproxy.store.postgres_schema`` (this tree's by default)."""
+    """The ``migrate`` of the tree's ``kilnproxy.store.postgres.schema`` (this tree's by default)."""
     if tree is None:
-        from kilnproxy.store import postgres_schema
+        from kilnproxy.store.postgres import schema as postgres_schema
         return postgres_schema.migrate
     saved = {k: v for k, v in sys.modules.items() if k == "kilnproxy" or k.startswith("kilnproxy.")}
     for k in saved:
         del sys.modules[k]
     sys.path.insert(0, str(tree))
     try:
-        return importlib.import_module("kilnproxy.store.postgres_schema").migrate
+        return importlib.import_module("kilnproxy.store.postgres.schema").migrate
     finally:
         sys.path.remove(str(tree))
         for k in [k for k in sys.modules if k == "kilnproxy" or k.startswith("kilnproxy.")]:

@@ -44,7 +44,7 @@ async def child(url: str, spool: str, width: int, warm: int, rounds: int, inspec
     """In the process under callgrind: the rounds, the counters on for the measured ones."""
     from kilnproxy.config import load_config
     from kilnproxy.store.limits import Credits, Hold
-    from kilnproxy.store.postgres import PostgresStore
+    from kilnproxy.store.postgres.store import PostgresStore
 
     from run import gateway_config  # bench/: this script's folder
 

@@ -140,21 +140,21 @@ def _part(frames: list[str]) -> str:
     leaf = frames[-1]
     for name in reversed(frames):
         path, _, func = name.partition(":")
-        if path == "kilnproxy/proxy/plain_events.py":
+        if path == "kilnproxy/proxy/relay/plain_scanner.py":
             return "relay: checks of whole runs (PlainRun)"
-        if path == "kilnproxy/proxy/relay.py" and func.split(".")[-1] in RELAY_CHUNK:
+        if path == "kilnproxy/proxy/relay/plain_relay.py" and func.split(".")[-1] in RELAY_CHUNK:
             return "relay: per chunk (tail, rename, count)"
-        if path in ("kilnproxy/proxy/relay.py", "kilnproxy/sse.py"):
+        if path in ("kilnproxy/proxy/relay/plain_relay.py", "kilnproxy/sse.py"):
             return "relay: events read one by one (finish, usage, [DONE]) and the usage chunk"
-        if path == "kilnproxy/proxy/framed_relay.py":
+        if path == "kilnproxy/proxy/relay/framed_relay.py":
             return "relay: the framed relay (runs, frames read one by one)"
-        if path in ("kilnproxy/proxy/stream.py", "kilnproxy/proxy/framed_stream.py"):
+        if path in ("kilnproxy/proxy/stream_writer.py", "kilnproxy/proxy/framed_writer.py"):
             if "http_writer" in leaf or "web_response" in leaf:
                 return "stream: writes to the client"
             if "streams.py" in leaf or "client_proto" in leaf:
                 return "stream: reads from the upstream"
             return "stream: prepare, keep-alive, submit, end"
-        if path.startswith("aiosqlite/") or path == "kilnproxy/store/sqlite.py":
+        if path.startswith("aiosqlite/") or path == "kilnproxy/store/sqlite/ledger.py":
             return "ledger (SQLite thread and its queue)"
         if path.startswith("kilnproxy/"):
             return "request path before the stream (auth, admission, body, upstream request, record)"

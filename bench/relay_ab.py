@@ -35,8 +35,8 @@ def load(tree: str, plugin: str):
         relay_cost = importlib.import_module("relay_cost")
         from kilnproxy.config import ModelConfig, Pricing, ServerConfig
         from kilnproxy.plugins.manager import Impl
-        from kilnproxy.proxy import relay
-        from kilnproxy.proxy.upstream import Route
+        from kilnproxy.proxy.relay import plain_relay as relay
+        from kilnproxy.proxy.upstream.routes import Route
         from upstreams import UPSTREAM_MODEL
         assert relay.__file__.startswith(tree), relay.__file__
         route = Route(ModelConfig("bench-stream", ("http://127.0.0.1:1/v1",), UPSTREAM_MODEL,

@@ -18,11 +18,11 @@ import timeit
 from upstreams import UPSTREAM_MODEL, canned_sse
 
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
-from kilnproxy.plugins.call import Call
+from kilnproxy.call import Call
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.proxy.relay import EventRelay
+from kilnproxy.proxy.relay.plain_relay import EventRelay
 from kilnproxy.proxy.request_record import RequestRecord
-from kilnproxy.proxy.upstream import Route
+from kilnproxy.proxy.upstream.routes import Route
 from kilnproxy.sse import SSEParser
 
 NOOP = (Impl("noop_event", "transform_event", lambda event: None, ("event",)),)

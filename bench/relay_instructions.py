@@ -26,7 +26,7 @@ RUN = """
 import sys
 from relay_cost import NOOP, relay, stream_through
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
-from kilnproxy.proxy.upstream import Route
+from kilnproxy.proxy.upstream.routes import Route
 from upstreams import UPSTREAM_MODEL, canned_sse
 route = Route(ModelConfig("bench-stream", ("http://127.0.0.1:1/v1",), UPSTREAM_MODEL, pricing=Pricing(0.1, 0.3)),
               ServerConfig())
@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     for name, tree in (v.split("=", 1) for v in args.variants):
         tree = str(HERE.parent) if tree == "installed" else str(Path(tree).resolve())
-        subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{tree!r}]; import kilnproxy.proxy.relay"],
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{tree!r}]; import kilnproxy.proxy.relay.plain_relay"],
                        cwd=HERE, check=True)  # the tree's bytecode compiled and kept before either count
         counted = (instructions(tree, n, args.per_event, args.plugin) for n in (args.streams, 0))
         per_stream = (next(counted) - next(counted)) / args.streams

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kilnproxy.store.sqlite import prepare_file
-from kilnproxy.store.tenancy import TenancyStore
-from kilnproxy.store.tenancy_sql import SQLiteDb
+from kilnproxy.store.sqlite.ledger import prepare_file
+from kilnproxy.store.tenancy.orgs_keys import TenancyStore
+from kilnproxy.store.tenancy.sql import SQLiteDb
 
 
 def make_keys(path: Path, org: str, n: int) -> str:

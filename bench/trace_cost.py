@@ -100,7 +100,7 @@ def main() -> None:
     if args.tree:
         sys.path.insert(0, str(Path(args.tree).resolve()))
     from kilnproxy.config_types import TracingConfig
-    from kilnproxy.ops.tracing import Tracing
+    from kilnproxy.ops.tracing.install import Tracing
 
     sink = None
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from kilnproxy.fixtures.mock_upstream import _Generation, create_mock_app
+from kilnproxy.mock_servers.mock_upstream import _Generation, create_mock_app
 
 UPSTREAM_MODEL = "org/Bench-7B"
 CHUNKS = 64

@@ -3,7 +3,7 @@
 from .errors import GatewayError as Refusal
 from .errors import KilnError
 from .hookspecs import hookimpl
-from .plugins.call import DROP, STOP, Call
+from .call import DROP, STOP, Call
 
 __all__ = ["hookimpl", "Call", "Refusal", "STOP", "DROP", "KilnError"]
 __version__ = "0.1.0"

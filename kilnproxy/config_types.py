@@ -180,7 +180,7 @@ class InspectorConfig:
 
 @dataclass(frozen=True)
 class TracingConfig:
-    """OpenTelemetry traces sent over OTLP/HTTP (kilnproxy.ops.tracing; the ``tracing`` extra)."""
+    """OpenTelemetry traces sent over OTLP/HTTP (kilnproxy.ops.tracing.install; the ``tracing`` extra)."""
 
     enabled: bool = False
     endpoint: str = "http://127.0.0.1:4318/v1/traces"

@@ -19,7 +19,7 @@ import orjson
 import pytest
 from rawhttp import exchange, raw_server, read_request, request
 
-from kilnproxy.proxy import event_json
+from kilnproxy.proxy.relay import event_json
 from kilnproxy.testing import KEY, MODEL, UPSTREAM_MODEL, completion_body
 
 BOM = b"\xef\xbb\xbf"
@@ -130,7 +130,7 @@ async def test_digits_that_are_no_long_integer_never_reach_the_json_module(harne
 
 def test_the_sample_finds_every_run_of_19_digits():
     """Wherever a run of 19 digits begins, every 9th byte shows two digits in a row."""
-    from kilnproxy.proxy.event_json import DIGITS, LONG_RUN, SAMPLE
+    from kilnproxy.proxy.relay.event_json import DIGITS, LONG_RUN, SAMPLE
     for start in range(2 * SAMPLE):
         raw = b" " * start + b"1" * LONG_RUN + b" " * 20
         assert b"00" in raw[::SAMPLE].translate(DIGITS), start

@@ -7,7 +7,7 @@ import aiohttp
 from aiohttp import web
 from test_cli import start, stop
 
-from kilnproxy.fixtures.mock_upstream import OPTIONS
+from kilnproxy.mock_servers.mock_upstream import OPTIONS
 from kilnproxy.proxy import discovery
 from kilnproxy.testing import Harness, free_port
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from kilnproxy.fixtures.mock_upstream import OPTIONS, STATS
-from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.mock_servers.mock_upstream import OPTIONS, STATS
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.testing import MODEL, free_port
 from kilnproxy.web.server import start_mock
 

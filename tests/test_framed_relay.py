@@ -7,11 +7,11 @@ import orjson
 import pytest
 
 from kilnproxy.config import Pricing
-from kilnproxy.plugins.call import Call
+from kilnproxy.call import Call
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.proxy.framed_relay import FramedRelay
+from kilnproxy.proxy.relay.framed_relay import FramedRelay
 from kilnproxy.proxy.request_record import RequestRecord
-from kilnproxy.proxy.stream_errors import StreamPluginError
+from kilnproxy.proxy.relay.errors import StreamPluginError
 
 
 def frame(kind: str, data: dict) -> bytes:

@@ -15,8 +15,8 @@ from test_apis_leftovers import MESSAGES_END, claude, event, messages_stream, re
 from test_streaming import raw_upstream
 
 from kilnproxy.config import Pricing
-from kilnproxy.plugins.call import Call
-from kilnproxy.proxy.framed_relay import FramedRelay
+from kilnproxy.call import Call
+from kilnproxy.proxy.relay.framed_relay import FramedRelay
 from kilnproxy.proxy.request_record import RequestRecord
 from kilnproxy.testing import MODEL
 

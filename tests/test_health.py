@@ -6,7 +6,7 @@ from processes import GatewayProcess, MockProcess, gateway_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from kilnproxy.config import parse_config
-from kilnproxy.fixtures.mock_upstream import STATS
+from kilnproxy.mock_servers.mock_upstream import STATS
 from kilnproxy.ops.admin import HEALTH
 from kilnproxy.ops.health import check_url
 from kilnproxy.proxy.gateway import GATEWAY

@@ -321,7 +321,7 @@ async def test_usage_up_to_now_counts_a_row_of_this_very_millisecond(tmp_path, m
 
     from kilnproxy.inspector import queries as store_module
     from kilnproxy.inspector.queries import InspectorStore, SQLiteReader
-    from kilnproxy.store.sqlite import SQLiteLedger
+    from kilnproxy.store.sqlite.ledger import SQLiteLedger
     from kilnproxy.usage import COLUMNS
 
     now = datetime(2026, 11, 30, 13, 4, 59, 999000, tzinfo=timezone.utc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from kilnproxy.fixtures.format import load
+from kilnproxy.mock_servers.format import load
 
 CAPTURE = {"inspector": {"capture": True}}
 STREAM = {"prompt": "The capital of France is", "max_tokens": 4, "stream": True,

@@ -2,7 +2,7 @@
 
 from test_inspector_browser import chromium_page, stream_through
 
-from kilnproxy.fixtures.format import load
+from kilnproxy.mock_servers.format import load
 
 
 async def test_save_as_fixture_downloads_a_fixture_that_replays(harness, tmp_path):

@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from kilnproxy.inspector.queries import INDEXES, page_query, usage_query
-from kilnproxy.store.postgres import numbered
-from kilnproxy.store.postgres_schema import migrate
-from kilnproxy.store.sqlite import SCHEMA
+from kilnproxy.store.postgres.store import numbered
+from kilnproxy.store.postgres.schema import migrate
+from kilnproxy.store.sqlite.ledger import SCHEMA
 
 ROWS = 1_000_000
 START = 1_764_000_000  # unix seconds of row 0; row i is i seconds later

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from rawhttp import exchange_all, raw_server, read_request, request
 
-from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.testing import KEY, MODEL
 from kilnproxy.usage import COLUMNS, MAX_TOKENS
 

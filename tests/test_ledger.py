@@ -334,7 +334,7 @@ async def test_chat_disconnect_counts_content_chunks_not_the_role_chunk(gw, even
 async def test_a_gateway_bug_mid_stream_still_writes_one_row_and_ends_the_stream(gw, monkeypatch, eventually):
     """An unexpected exception once the stream has begun: the client gets an ``internal_error`` event and
     ``[DONE]`` (never a second HTTP response inside the first), the row says internal_error."""
-    from kilnproxy.proxy import stream as stream_module
+    from kilnproxy.proxy import stream_writer as stream_module
 
     class Broken(stream_module.EventRelay):
         calls = 0

@@ -3,8 +3,8 @@ the WAL file stays within its bound however many commits come without a pause.""
 
 import sqlite3
 
-from kilnproxy.store.checkpoint import Checkpointer
-from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.store.sqlite.checkpoint import Checkpointer
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.usage import COLUMNS
 
 PAGE = 4096

@@ -10,8 +10,8 @@ import pytest
 
 from kilnproxy.inspector import queries
 from kilnproxy.inspector.queries import FILL_ROWS, INDEXES, InspectorStore, SQLiteReader, cursor_of, page_query
-from kilnproxy.store.sqlite import SCHEMA, SQLiteLedger
-from kilnproxy.store.tenancy_sql import migrate_sqlite
+from kilnproxy.store.sqlite.ledger import SCHEMA, SQLiteLedger
+from kilnproxy.store.tenancy.sql import migrate_sqlite
 from kilnproxy.usage import COLUMNS
 
 # What the older code created on the ledger's file, as it wrote it: the ledger's time index, the inspector's two.

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from kilnproxy.store.loop_commits import GATHER_ROWS
-from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.store.sqlite.loop_commits import GATHER_ROWS
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.usage import COLUMNS
 
 

@@ -15,8 +15,8 @@ import pytest
 from processes import GatewayProcess, gateway_config
 
 from kilnproxy.store import row_journal
-from kilnproxy.store import sqlite as sqlite_ledger
-from kilnproxy.store.sqlite import SQLiteLedger
+from kilnproxy.store.sqlite import ledger as sqlite_ledger
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.testing import KEY, MODEL, completion_body
 from kilnproxy.web.server import start_mock
 from test_ledger_loop_commits import commit, row, stored_ids

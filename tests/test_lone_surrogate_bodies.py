@@ -16,7 +16,7 @@ import pytest
 from openai import AsyncStream
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from kilnproxy.proxy import event_json
+from kilnproxy.proxy.relay import event_json
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
 HALF = "\ud83d"  # the high half of U+1F600, alone

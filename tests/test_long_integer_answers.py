@@ -7,7 +7,7 @@ import json
 import orjson
 import pytest
 
-from kilnproxy.proxy.event_json import LONG_RUN, SAMPLE, exact_integers
+from kilnproxy.proxy.relay.event_json import LONG_RUN, SAMPLE, exact_integers
 from kilnproxy.testing import MODEL
 
 BIG = ["18446744073709551616", "-9223372036854775809", "123456789012345678901234567890"]

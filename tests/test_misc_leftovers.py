@@ -13,7 +13,7 @@ from rawhttp import raw_server, read_request
 
 from kilnproxy import Call, hookimpl
 from kilnproxy.config import Pricing
-from kilnproxy.fixtures.mock_upstream import OPTIONS
+from kilnproxy.mock_servers.mock_upstream import OPTIONS
 from kilnproxy.testing import MODEL, free_port
 
 GEN = "X-Neocloud-Generation-Id"

@@ -20,7 +20,7 @@ import asyncpg
 import orjson
 import pytest
 
-from kilnproxy.store.postgres_schema import migrate
+from kilnproxy.store.postgres.schema import migrate
 
 GUARD_SECONDS = 20  # a bound on events that come within a second: a test that hangs fails instead
 HOLD = {"id": "gen-c", "org": "acme", "limit": 100, "granted": 1e6, "amount": 1.0, "prompt_cost": 0.25,

@@ -16,9 +16,9 @@ import logging
 import asyncpg
 import orjson
 
-from kilnproxy.store.postgres import down_error
-from kilnproxy.store.postgres_schema import migrate
-from kilnproxy.store.replicas import Heartbeat
+from kilnproxy.store.postgres.store import down_error
+from kilnproxy.store.postgres.schema import migrate
+from kilnproxy.store.postgres.replicas import Heartbeat
 
 HOLD = {"limit": 100, "granted": 1e6, "amount": 1.0, "prompt_cost": 0.25, "prompt_tokens": 6,
         "created_at": "2026-12-02T01:00:00.000+00:00", "key_id": "key-1", "model": "m", "endpoint": "completions",

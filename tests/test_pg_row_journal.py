@@ -1,4 +1,4 @@
-"""The row journal on PostgreSQL (``kilnproxy.store.postgres``, ``kilnproxy.store.row_journal``): the
+"""The row journal on PostgreSQL (``kilnproxy.store.postgres.store``, ``kilnproxy.store.row_journal``): the
 response of a request served alone ends once its row is appended to ``<spool_path>-rows``, and its
 settlement follows. This replica's next admission waits for that settlement, so it counts the request
 as settled, as before; a lookup of the row waits for it; a replica killed between the two settles the

@@ -7,7 +7,7 @@ import re
 import asyncpg
 import orjson
 
-from kilnproxy.store import postgres_schema as pg_schema
+from kilnproxy.store.postgres import schema as pg_schema
 from kilnproxy.testing import completion_body
 from kilnproxy.testing.postgres import PostgresServer
 

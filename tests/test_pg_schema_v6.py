@@ -8,7 +8,7 @@ import asyncpg
 import orjson
 import pytest
 
-from kilnproxy.store import postgres_schema as pg_schema
+from kilnproxy.store.postgres import schema as pg_schema
 
 HOLD = {"org": "acme", "limit": 100, "granted": 1e6, "amount": 1.0, "prompt_cost": 0.25, "prompt_tokens": 6,
         "created_at": "2026-12-02T01:00:00.000+00:00", "key_id": "key-1", "model": "m", "endpoint": "completions",

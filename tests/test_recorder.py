@@ -1,4 +1,4 @@
-"""The recording pass-through (``kilnproxy.fixtures.recorder``) in front of the mock upstream: what a fixture holds."""
+"""The recording pass-through (``kilnproxy.mock_servers.recorder``) in front of the mock upstream: what a fixture holds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.fixtures.format import FORMAT, load
+from kilnproxy.mock_servers.format import FORMAT, load
 from kilnproxy.testing import Recorder
 from kilnproxy.web.server import start_mock
 
@@ -144,7 +144,7 @@ async def test_an_upstream_that_breaks_mid_stream_is_recorded_as_reset(tmp_path)
 
 
 def test_prose_is_not_taken_for_a_credential():
-    from kilnproxy.fixtures.scrub import Scrubber
+    from kilnproxy.mock_servers.scrub import Scrubber
     prose = b"Basic understanding: the bearer of the news, Bearer Instruments, basic arithmetic."
     assert Scrubber().data(prose) == prose
     basic = base64.b64encode(b"user:pass").decode()

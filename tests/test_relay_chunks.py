@@ -10,14 +10,14 @@ import orjson
 import pytest
 
 from kilnproxy.config import ModelConfig, Pricing, ServerConfig
-from kilnproxy.fixtures.mock_upstream import _Generation
-from kilnproxy.plugins.call import DROP, STOP, Call
+from kilnproxy.mock_servers.mock_upstream import _Generation
+from kilnproxy.call import DROP, STOP, Call
 from kilnproxy.plugins.manager import Impl
-from kilnproxy.proxy.plain_events import PlainRun, _common_ends
-from kilnproxy.proxy.relay import EventRelay
+from kilnproxy.proxy.relay.plain_scanner import PlainRun, _common_ends
+from kilnproxy.proxy.relay.plain_relay import EventRelay
 from kilnproxy.proxy.request_record import RequestRecord
-from kilnproxy.proxy.stream_errors import StreamPluginError
-from kilnproxy.proxy.upstream import Route
+from kilnproxy.proxy.relay.errors import StreamPluginError
+from kilnproxy.proxy.upstream.routes import Route
 from kilnproxy.sse import DONE_FRAME, SSEParser
 
 UPSTREAM_MODEL = "org/Test-Model-7B"

@@ -22,7 +22,7 @@ from test_relay_odd_upstreams import relayed as odd_relayed
 from test_streaming import cost, raw_upstream
 
 from kilnproxy import hookimpl
-from kilnproxy.proxy.relay import EventRelay
+from kilnproxy.proxy.relay.plain_relay import EventRelay
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
 

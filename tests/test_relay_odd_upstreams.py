@@ -7,8 +7,8 @@ import pytest
 from test_streaming import WHOLE_MESSAGES_STREAM, raw_upstream
 
 from kilnproxy import DROP, hookimpl
-from kilnproxy.proxy.framed_relay import FramedRelay
-from kilnproxy.proxy.relay import EventRelay
+from kilnproxy.proxy.relay.framed_relay import FramedRelay
+from kilnproxy.proxy.relay.plain_relay import EventRelay
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
 DONE = b"data: [DONE]\n\n"

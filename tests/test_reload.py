@@ -12,7 +12,7 @@ from processes import GatewayProcess, gateway_config
 
 from kilnproxy.cli.main import main
 from kilnproxy.config import parse_config
-from kilnproxy.fixtures.mock_upstream import STATS
+from kilnproxy.mock_servers.mock_upstream import STATS
 from kilnproxy.ops.admin import RELOADER
 from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import KEY, MODEL

@@ -1,4 +1,4 @@
-"""The replaying upstream (``kilnproxy.fixtures.replay_server``): matching, chunk boundaries, timing, how a body ends."""
+"""The replaying upstream (``kilnproxy.mock_servers.replay_server``): matching, chunk boundaries, timing, how a body ends."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import aiohttp
 import orjson
 import pytest
 
-from kilnproxy.fixtures.format import Chunk, Fixture, FixtureError, load, load_all
-from kilnproxy.fixtures.replay_server import create_replay_app
+from kilnproxy.mock_servers.format import Chunk, Fixture, FixtureError, load, load_all
+from kilnproxy.mock_servers.replay_server import create_replay_app
 from kilnproxy.testing import Replay
 from kilnproxy.web.server import start_app
 

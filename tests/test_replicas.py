@@ -12,7 +12,7 @@ import orjson
 import pytest
 from replicas import Ledger, open_stream, replica, stalled, stop_all, two_replicas
 
-from kilnproxy.store.postgres_schema import MIGRATIONS, migrate
+from kilnproxy.store.postgres.schema import MIGRATIONS, migrate
 from kilnproxy.usage import prompt_token_bound
 from kilnproxy.testing import KEY, OTHER_KEY, completion_body
 

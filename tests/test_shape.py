@@ -1,6 +1,6 @@
-"""``kilnproxy.fixtures.shape``: how an answer is built, never what it says."""
+"""``kilnproxy.mock_servers.shape``: how an answer is built, never what it says."""
 
-from kilnproxy.fixtures.shape import differences, shape
+from kilnproxy.mock_servers.shape import differences, shape
 
 SSE = "text/event-stream; charset=utf-8"
 VLLM = [b'data: {"id":"a","choices":[{"index":0,"text":" Paris","finish_reason":null}],"usage":null}\n\n',

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from processes import GatewayProcess, gateway_config
 
-from kilnproxy.fixtures.mock_upstream import STATS
+from kilnproxy.mock_servers.mock_upstream import STATS
 from kilnproxy.testing import KEY, MODEL
 from kilnproxy.web.server import hold_off_new_connections, start_mock
 

@@ -1,10 +1,10 @@
-"""The spool (``kilnproxy.store.spool``): usage rows kept on disk while PostgreSQL is out of reach."""
+"""The spool (``kilnproxy.store.postgres.spool``): usage rows kept on disk while PostgreSQL is out of reach."""
 
 from __future__ import annotations
 
 import threading
 
-from kilnproxy.store.spool import Spool
+from kilnproxy.store.postgres.spool import Spool
 from kilnproxy.usage import COLUMNS
 
 

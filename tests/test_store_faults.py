@@ -591,7 +591,7 @@ async def test_the_watch_of_runtime_orgs_and_keys_says_an_outage_once_not_at_eve
     when it works again."""
     import logging
 
-    from kilnproxy.store.tenancy_watch import ChangeWatch
+    from kilnproxy.store.tenancy.watch import ChangeWatch
 
     checks, down, enough = [], True, asyncio.Event()
     wanted = 30

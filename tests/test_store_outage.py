@@ -173,7 +173,7 @@ def test_asyncpgs_reconnect_warnings_are_one_line(caplog):
     gateway keeps those to one line each (its own line says what happens to requests)."""
     import logging
 
-    import kilnproxy.store.postgres  # noqa: F401  (puts the filter on asyncpg's logger)
+    import kilnproxy.store.postgres.store  # noqa: F401  (puts the filter on asyncpg's logger)
     try:
         raise ConnectionRefusedError(111, "Connection refused")
     except ConnectionRefusedError:

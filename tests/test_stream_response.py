@@ -1,4 +1,4 @@
-"""``SSEResponse`` (kilnproxy/proxy/stream_response.py) sends the bytes ``web.StreamResponse`` sends.
+"""``SSEResponse`` (kilnproxy/proxy/relay/sse_response.py) sends the bytes ``web.StreamResponse`` sends.
 
 A real aiohttp server streams each case twice, once with an ``SSEResponse`` and
 once with the ``web.StreamResponse`` the gateway used to build (its head held
@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from kilnproxy.ops.lifecycle import close_after_response
-from kilnproxy.proxy.stream_response import SSE_HEADERS, SSEResponse
+from kilnproxy.proxy.relay.sse_response import SSE_HEADERS, SSEResponse
 from kilnproxy.testing import MODEL
 
 import wire_compare

@@ -225,7 +225,7 @@ async def test_client_leaving_closes_upstream_and_records_disconnect(gw):
 
 
 async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatch):
-    import kilnproxy.proxy.relay as relay
+    import kilnproxy.proxy.relay.plain_relay as relay
     parsed = []
     real_loads = relay.orjson.loads
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kilnproxy.store.tenancy_watch import ChangeWatch
+from kilnproxy.store.tenancy.watch import ChangeWatch
 from kilnproxy.tasks import cancelled, woken
 
 LIMIT = 10.0  # a stop that hangs fails here instead of hanging the suite

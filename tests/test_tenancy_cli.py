@@ -15,7 +15,7 @@ import pytest
 from processes import toml
 
 from kilnproxy.config import load_config
-from kilnproxy.store.tenancy_books import open_command_store
+from kilnproxy.store.books import open_command_store
 from kilnproxy.testing import KEY, completion_body, free_port
 
 CONFIG = {

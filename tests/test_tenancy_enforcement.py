@@ -12,8 +12,8 @@ import pytest
 from kilnproxy.errors import ConfigError
 from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.store.limits import KeySpending
-from kilnproxy.store.tenancy import TenancyStore
-from kilnproxy.store.tenancy_sql import PostgresDb, SQLiteDb
+from kilnproxy.store.tenancy.orgs_keys import TenancyStore
+from kilnproxy.store.tenancy.sql import PostgresDb, SQLiteDb
 from kilnproxy.testing import completion_body
 
 PROPAGATION = 1.0  # seconds: the contract's bound for a change made by another process

@@ -14,11 +14,11 @@ import asyncpg
 import pytest
 
 from kilnproxy.errors import GatewayError, StorageError
-from kilnproxy.store import postgres_schema as pg_schema
-from kilnproxy.store import tenancy_validation as bodies
-from kilnproxy.store.key_usage import key_usage, period_end, period_start
-from kilnproxy.store.tenancy import TenancyStore
-from kilnproxy.store.tenancy_sql import NOTIFY_CHANNEL, SQLITE_MIGRATIONS, PostgresDb, SQLiteDb, migrate_sqlite
+from kilnproxy.store.postgres import schema as pg_schema
+from kilnproxy.store.tenancy import validation as bodies
+from kilnproxy.store.tenancy.key_usage import key_usage, period_end, period_start
+from kilnproxy.store.tenancy.orgs_keys import TenancyStore
+from kilnproxy.store.tenancy.sql import NOTIFY_CHANNEL, SQLITE_MIGRATIONS, PostgresDb, SQLiteDb, migrate_sqlite
 
 # The ledger's usage_events as far as these tests need it (kilnproxy.ledger.SCHEMA has every column).
 USAGE_EVENTS = """

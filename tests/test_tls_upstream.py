@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kilnproxy.fixtures.mock_upstream import create_mock_app
+from kilnproxy.mock_servers.mock_upstream import create_mock_app
 from kilnproxy.testing import completion_body
 
 LEAF_EXTENSIONS = """\

@@ -211,7 +211,8 @@ async def test_a_span_holds_the_model_a_client_names_as_the_usage_row_does(harne
     """A client can name any model, of any length (up to the body's limit), with control characters: the
     span's name and its model attributes hold what the usage row holds (its first 255 characters and "…",
     a NUL as U+FFFD), and the tracer's tables of recent values do not keep the long text."""
-    from kilnproxy.ops import otlp_wire, request_trace
+    from kilnproxy.ops.tracing import otlp_wire
+    from kilnproxy.ops.tracing import request_trace
     from kilnproxy.proxy.request_record import MAX_ROW_TEXT
     sent = {"long": "m" * 1_000_000, "not ascii": "a" + "é" * MAX_ROW_TEXT,
             "controls": "\x00\x1b[2J\u2028" + "\U0001f600" * MAX_ROW_TEXT}

@@ -15,11 +15,11 @@ from multidict import CIMultiDict
 from otlp_receiver import decode
 
 from kilnproxy.config_types import TracingConfig
-from kilnproxy.ops import otlp_wire as wire
-from kilnproxy.ops import tracing as tracing_module
-from kilnproxy.ops.trace_context import Sampler, parent, trace_state
-from kilnproxy.ops.trace_export import ExportFailed, OtlpHttp, QuietExporter
-from kilnproxy.ops.tracing import Tracing
+from kilnproxy.ops.tracing import otlp_wire as wire
+from kilnproxy.ops.tracing import install as tracing_module
+from kilnproxy.ops.tracing.context import Sampler, parent, trace_state
+from kilnproxy.ops.tracing.export import ExportFailed, OtlpHttp, QuietExporter
+from kilnproxy.ops.tracing.install import Tracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -407,7 +407,7 @@ def test_the_resource_is_the_services_with_otel_resource_attributes(monkeypatch)
 def test_an_upstreams_error_code_is_held_as_the_usage_row_holds_text(memory):
     """An upstream's error code is the row's ``error_code``, and an upstream may make it of what the client
     sent: the span's ``error.type`` and status hold its first 255 characters and "…", a NUL as U+FFFD."""
-    from kilnproxy.ops import request_trace
+    from kilnproxy.ops.tracing import request_trace
     from kilnproxy.proxy.request_record import MAX_ROW_TEXT
     t = tracing_with(memory)
     for n, code in enumerate(("c" * 100_000, "a\x00b")):

@@ -15,11 +15,11 @@ from otlp_receiver import decode
 from test_tls_upstream import certificates  # noqa: F401 (a fixture: the test CA and a certificate it signed)
 
 from kilnproxy.config_types import TracingConfig
-from kilnproxy.ops import otlp_wire as wire
-from kilnproxy.ops import request_trace
-from kilnproxy.ops import tracing as tracing_module
-from kilnproxy.ops.trace_export import ExportFailed, OtlpHttp
-from kilnproxy.ops.tracing import Tracing
+from kilnproxy.ops.tracing import otlp_wire as wire
+from kilnproxy.ops.tracing import request_trace
+from kilnproxy.ops.tracing import install as tracing_module
+from kilnproxy.ops.tracing.export import ExportFailed, OtlpHttp
+from kilnproxy.ops.tracing.install import Tracing
 from kilnproxy.proxy.request_record import stored_text
 
 IDS = int.from_bytes(bytes(range(1, 57)), "big")  # what getrandbits(448) gives: the trace id and the span ids

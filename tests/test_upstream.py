@@ -4,7 +4,7 @@
 import orjson
 import pytest
 
-from kilnproxy.fixtures.mock_upstream import OPTIONS
+from kilnproxy.mock_servers.mock_upstream import OPTIONS
 from kilnproxy.testing import MODEL, free_port
 from kilnproxy.web.server import start_mock
 

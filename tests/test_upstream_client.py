@@ -1,4 +1,4 @@
-"""The gateway's own HTTP/1.1 client (kilnproxy.proxy.upstream_client) against real servers on real
+"""The gateway's own HTTP/1.1 client (kilnproxy.proxy.upstream.client) against real servers on real
 ports that misbehave the ways model servers do: a kept-alive connection closed as it is reused,
 chunked bodies cut anywhere, close-delimited bodies, a reset mid-body, a silent server, a client
 that stops reading."""
@@ -15,9 +15,9 @@ import pytest
 from rawhttp import read_request
 
 from kilnproxy.config import ServerConfig
-from kilnproxy.proxy.upstream_client import RequestTarget, UpstreamClient
-from kilnproxy.proxy.upstream_connections import UpstreamDisconnected
-from kilnproxy.proxy.upstream_response import HIGH_WATER
+from kilnproxy.proxy.upstream.client import RequestTarget, UpstreamClient
+from kilnproxy.proxy.upstream.connections import UpstreamDisconnected
+from kilnproxy.proxy.upstream.responses import HIGH_WATER
 
 ROUTE_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity", "Authorization": "Bearer up"}
 

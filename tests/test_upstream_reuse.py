@@ -10,7 +10,7 @@ import pytest
 from rawhttp import read_request
 
 from kilnproxy.config_types import ENDPOINTS
-from kilnproxy.proxy.upstream_connections import Origin
+from kilnproxy.proxy.upstream.connections import Origin
 from kilnproxy.testing import MODEL, completion_body
 
 ANSWER = orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",

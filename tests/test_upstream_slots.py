@@ -13,7 +13,7 @@ from aiohttp import web
 from processes import GatewayProcess, gateway_config
 
 from kilnproxy.config import parse_config
-from kilnproxy.fixtures.mock_upstream import LOG, STATS, create_mock_app
+from kilnproxy.mock_servers.mock_upstream import LOG, STATS, create_mock_app
 from kilnproxy.testing import KEY, MODEL
 
 SMALL = "small-model"

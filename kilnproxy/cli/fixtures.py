@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from ..errors import KilnError
-from ..fixtures.format import Fixture, load, load_all
+from ..mock_servers.format import Fixture, load, load_all
 
 
 def add_fixture_commands(sub) -> None:
@@ -37,7 +37,7 @@ def add_replay_options(mock: argparse.ArgumentParser) -> None:
 
 
 def cmd_record(args) -> int:
-    from ..fixtures.recorder import create_recorder_app
+    from ..mock_servers.recorder import create_recorder_app
     from ..web import server
     missing = [name for name in args.secret_env if not os.environ.get(name)]
     if missing:
@@ -60,7 +60,7 @@ def cmd_record(args) -> int:
 
 
 def serve_replay(args) -> int:
-    from ..fixtures.replay_server import create_replay_app
+    from ..mock_servers.replay_server import create_replay_app
     from ..web import server
     fixtures = load_all(args.replay)
     if not fixtures:
@@ -79,7 +79,7 @@ def serve_replay(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from ..fixtures.shape import differences, shape
+    from ..mock_servers.shape import differences, shape
     fixture = load(args.fixture)
     recorded = shape(fixture.status, fixture.headers.get("Content-Type", ""), [c.data for c in fixture.chunks])
     frames = fixture.content.count(b"\n\n") if fixture.end == "client_gone" else None

@@ -3,7 +3,7 @@
 They open the store the config names (``--config FILE``, or
 ``$KILNPROXY_CONFIG``): the SQLite file or PostgreSQL, whether or not a
 gateway runs; a running gateway sees the change within a second by itself.
-The checks and rules are the admin API's (``kilnproxy.proxy.tenant_changes``):
+The checks and rules are the admin API's (``kilnproxy.proxy.tenancy.changes``):
 the same 400 / 404 / 409 refusals, printed as one line on stderr with exit
 status 2, and nothing changed. Audit events name the actor ``cli``.
 
@@ -25,10 +25,10 @@ from typing import Any, Callable, NoReturn
 
 from ..config import load_config
 from ..errors import GatewayError, KilnError, StorageError
-from ..proxy.tenant_changes import TenancyChanges, store_unavailable
-from ..proxy.tenant_views import Books, TenancyView
+from ..proxy.tenancy.changes import TenancyChanges, store_unavailable
+from ..proxy.tenancy.views import Books, TenancyView
 from ..store.reads import reason
-from ..store.tenancy_books import open_command_store
+from ..store.books import open_command_store
 from .tenancy_text import render
 
 ACTOR = "cli"

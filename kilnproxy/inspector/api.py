@@ -33,8 +33,8 @@ from aiohttp import web
 from ..access import bearer_token, local_request, token_digest, token_matches
 from ..errors import GatewayError
 from ..proxy.gateway import Gateway
-from ..proxy.json_routes import expect_handler
-from ..proxy.stream import SSE_HEADERS, close_after_body
+from ..proxy.endpoints.json_routes import expect_handler
+from ..proxy.stream_writer import SSE_HEADERS, close_after_body
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
 from .queries import MAX_LIMIT, InspectorStore, QueryError, digits

@@ -26,12 +26,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..fixtures.format import Chunk, Fixture
-from ..fixtures.scrub import Scrubber
-from ..proxy.event_json import read, write
-from ..proxy.relay import EventRelay
+from ..mock_servers.format import Chunk, Fixture
+from ..mock_servers.scrub import Scrubber
+from ..proxy.relay.event_json import read, write
+from ..proxy.relay.plain_relay import EventRelay
 from ..proxy.request_record import RequestRecord
-from ..proxy.upstream import Route
+from ..proxy.upstream.routes import Route
 from ..sse import COMMENT, SSEParser
 
 

@@ -9,7 +9,7 @@ and runs through a reader:
   below, once, and writes nothing else;
 * ``SharedReader``: the PostgreSQL store's own pool (``PostgresStore.fetch``),
   so every replica's rows are seen; the same indexes are made by the store's
-  schema (``kilnproxy.store.postgres_schema``). A database out of reach is a 503
+  schema (``kilnproxy.store.postgres.schema``). A database out of reach is a 503
   ``store_unavailable`` answer, as elsewhere.
 
 With those indexes a page is a short index range scan however many rows the
@@ -28,7 +28,7 @@ table holds:
 Usage buckets read the same time index or table (the org's index for an org).
 
 On SQLite the ledger's table keeps only the indexes the gateway's own queries
-need (``kilnproxy.store.sqlite``): every index is one more b-tree written in
+need (``kilnproxy.store.sqlite.ledger``): every index is one more b-tree written in
 every request's commit. The inspector's two tables (their primary keys are the
 index; each entry is joined to its row by rowid, and must match the row's time
 and model, so an entry of a row since deleted matches nothing) are filled when

@@ -31,7 +31,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ..store.postgres import ROWS_CHANNEL
+from ..store.postgres.store import ROWS_CHANNEL
 from ..tasks import cancelled, woken
 from .hub import LiveHub
 from .queries import SELECT_COLUMNS

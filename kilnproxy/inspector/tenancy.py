@@ -16,7 +16,7 @@ which only the live feed's ``EventSource`` needs), so a link cannot make one.
   or 200 and the first grant for a reference already used.
 
 The objects, the checks and their order are the admin API's (``/admin/v1``,
-``kilnproxy.proxy.tenant_changes``): 400 ``invalid_request`` naming the
+``kilnproxy.proxy.tenancy.changes``): 400 ``invalid_request`` naming the
 field, or the query parameter a route does not take (the reads take ``token``,
 and the keys ``org``; the changes none), 404 ``not_found``, 409
 ``managed_by_config`` for a config key; a refused request changes nothing; a
@@ -33,11 +33,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..proxy.json_routes import expect_handler
+from ..proxy.endpoints.json_routes import expect_handler
 from ..proxy.request_body import read_body
-from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble, query
-from ..proxy.tenant_views import gateway_view
-from ..store.tenancy_validation import parse_body
+from ..proxy.tenancy.changes import TenancyChanges, answer_store_trouble, query
+from ..proxy.tenancy.views import gateway_view
+from ..store.tenancy.validation import parse_body
 
 ACTOR = "inspector"
 READ_PARAMS = ("token",)  # the inspector's ``?token=``, which reads may carry

@@ -27,7 +27,7 @@ import sys
 
 import orjson
 
-from ..proxy.event_json import write
+from ..proxy.relay.event_json import write
 from ..proxy.request_record import RequestRecord
 
 log = logging.getLogger("kilnproxy")

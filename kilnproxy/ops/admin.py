@@ -18,8 +18,8 @@ from prometheus_client.exposition import choose_encoder
 from ..access import bearer_token, local_request, token_matches
 from ..errors import GatewayError, forbidden
 from ..proxy.gateway import GATEWAY
-from ..proxy.json_routes import expect_handler
-from . import tracing
+from ..proxy.endpoints.json_routes import expect_handler
+from .tracing import install as tracing
 from .accesslog import AccessLog
 from .health import HealthChecker
 from .lifecycle import Shutdown

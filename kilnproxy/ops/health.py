@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..proxy.gateway import Gateway
-from ..proxy.upstream import Upstream
+from ..proxy.upstream.routes import Upstream
 from ..tasks import cancelled, woken
 
 log = logging.getLogger("kilnproxy")

@@ -45,7 +45,7 @@ import signal
 from aiohttp import web
 
 from ..errors import GatewayError
-from ..proxy.stream import ShuttingDown
+from ..proxy.stream_writer import ShuttingDown
 from ..tasks import woken
 
 log = logging.getLogger("kilnproxy")

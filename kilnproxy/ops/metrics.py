@@ -311,7 +311,7 @@ class GatewayCollector:
                                 "When the config in force was loaded (Unix time).", value=self.reloads.last_ok)
         yield GaugeMetricFamily("kilnproxy_maintenance", "1 while maintenance mode is on.",
                                 value=int(self.gw.config.maintenance.enabled))
-        exporter = getattr(self.gw.tracer, "exporter", None)  # [tracing] on (kilnproxy.ops.trace_export)
+        exporter = getattr(self.gw.tracer, "exporter", None)  # [tracing] on (kilnproxy.ops.tracing.export)
         if exporter is not None:
             yield CounterMetricFamily("kilnproxy_trace_spans_exported", "Spans sent to the OTLP endpoint.",
                                       value=exporter.exported)

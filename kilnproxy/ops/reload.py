@@ -30,7 +30,7 @@ from pathlib import Path
 from ..config import Config, load_config
 from ..errors import KilnError
 from ..proxy.gateway import Gateway
-from ..proxy.upstream import carry_over, routes_from
+from ..proxy.upstream.routes import carry_over, routes_from
 from .accesslog import AccessLog
 
 log = logging.getLogger("kilnproxy")

@@ -17,8 +17,8 @@
 Every route is behind the access rule of ``/admin/reload`` (``admin.check_admin``),
 checked before the body is read. The rules of a change (400, then 404, then
 409; nothing changed by a refused request; the change in force on this
-replica before the answer) are ``kilnproxy.proxy.tenant_changes``'; the objects
-are ``kilnproxy.proxy.tenant_views``'. A query parameter a route does not take
+replica before the answer) are ``kilnproxy.proxy.tenancy.changes``'; the objects
+are ``kilnproxy.proxy.tenancy.views``'. A query parameter a route does not take
 is refused like an unknown body field. The database out of reach: 503
 ``store_unavailable``. Events name the actor ``admin-api``.
 """
@@ -31,12 +31,12 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ..proxy.gateway import GATEWAY
-from ..proxy.json_routes import expect_handler
-from ..proxy.read_endpoints import json_response
+from ..proxy.endpoints.json_routes import expect_handler
+from ..proxy.endpoints.reads import json_response
 from ..proxy.request_body import read_body
-from ..proxy.tenant_changes import TenancyChanges, answer_store_trouble, query
-from ..proxy.tenant_views import gateway_view
-from ..store.tenancy_validation import invalid, parse_body
+from ..proxy.tenancy.changes import TenancyChanges, answer_store_trouble, query
+from ..proxy.tenancy.views import gateway_view
+from ..store.tenancy.validation import invalid, parse_body
 from .admin import check_admin
 
 ACTOR = "admin-api"

@@ -38,7 +38,7 @@ import orjson
 
 from ..config import ModelConfig
 from .gateway import Gateway
-from .upstream import carry_over, routes_from
+from .upstream.routes import carry_over, routes_from
 
 INTERVAL = 60.0  # seconds between two reads of the upstreams' lists
 TIMEOUT = 5.0

@@ -28,15 +28,15 @@ from typing import Awaitable, NamedTuple
 
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure, plugin_failed
-from ..plugins.call import Call, set_model
+from ..call import Call, set_model
 from ..plugins.manager import BUILT_IN
 from ..store.limits import Hold
-from .deadlines import RequestTimedOut, deadline_of, request_deadline_passed
-from .event_json import write
+from .upstream.deadlines import RequestTimedOut, deadline_of, request_deadline_passed
+from .relay.event_json import write
 from .gateway import Gateway
 from .request_record import RequestRecord
-from .upstream import Route, Upstream, cannot_take
-from .upstream_response import UpstreamResponse
+from .upstream.routes import Route, Upstream, cannot_take
+from .upstream.responses import UpstreamResponse
 
 
 # A Responses follow-up (``previous_response_id``) answered 404 by an upstream that does not hold the

@@ -14,16 +14,16 @@ from aiohttp import web
 from ..answers import Answer
 from ..config import KeyConfig
 from ..errors import GatewayError, UpstreamFailure
-from ..plugins.call import Call, set_upstream
+from ..call import Call, set_upstream
 from ..plugins.manager import plugin_headers, transformed_response
-from .deadlines import DeadlinePassed, watch
-from .event_json import exact_integers, read_stdlib, write
+from .upstream.deadlines import DeadlinePassed, watch
+from .relay.event_json import exact_integers, read_stdlib, write
 from .fallbacks import open_upstream
 from .gateway import Gateway
 from .request_body import ENCODINGS, inflate
 from .request_record import RequestRecord
-from .upstream import Route
-from .upstream_connections import UpstreamBadResponse
+from .upstream.routes import Route
+from .upstream.connections import UpstreamBadResponse
 
 PASS_THROUGH_STATUSES = (400, 422)
 MAX_REJECTION_BYTES = 16 * 1024 * 1024  # a rejection's body, decoded

@@ -19,19 +19,19 @@ from aiohttp import web
 
 from ..config import Config
 from ..errors import PluginError
-from ..plugins.call import Call, seal
+from ..call import Call, seal
 from ..plugins.manager import Hooks, being_cancelled, call_maybe_async
 from ..store.ledger import Ledger
 from ..store.limits import Admission, Credits, LocalAdmission
-from ..store.sqlite import SQLiteLedger
-from ..store.tenancy import TenancyStore
-from ..store.tenancy_sql import PostgresDb, SQLiteDb
-from .auth import KeyRing
+from ..store.sqlite.ledger import SQLiteLedger
+from ..store.tenancy.orgs_keys import TenancyStore
+from ..store.tenancy.sql import PostgresDb, SQLiteDb
+from .tenancy.auth import KeyRing
 from .request_record import RequestRecord
-from .tenants import Tenants
-from .upstream import Route, client_session, routes_from
-from .upstream_client import UpstreamClient
-from .upstream_response import UpstreamResponse
+from .tenancy.key_ring import Tenants
+from .upstream.routes import Route, client_session, routes_from
+from .upstream.client import UpstreamClient
+from .upstream.responses import UpstreamResponse
 
 log = logging.getLogger("kilnproxy")
 
@@ -50,13 +50,13 @@ class Gateway:
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         if ledger is None and config.storage.url:
-            from ..store.postgres import PostgresStore  # asyncpg is imported only when PostgreSQL is configured
+            from ..store.postgres.store import PostgresStore  # asyncpg is imported only when PostgreSQL is configured
             ledger = admission = PostgresStore(config, self.credits, on_commit=self._committed)
         self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
         self.admission: Admission = admission or LocalAdmission(self.credits)
         self._settled = getattr(self.admission, "settled", None)  # optional: see Admission.settled
         self.session: aiohttp.ClientSession | None = None  # off the request path: health checks, discovery, plugins
-        self.upstream_client: UpstreamClient | None = None  # the model requests (kilnproxy.proxy.upstream_client)
+        self.upstream_client: UpstreamClient | None = None  # the model requests (kilnproxy.proxy.upstream.client)
         self.tenancy: TenancyStore | None = None  # orgs, keys and grants made at runtime, once started
         self.tenants: Tenants | None = None
         self.started_at = int(time.time())
@@ -65,7 +65,7 @@ class Gateway:
         # Upstream responses being relayed, so a shutdown can end them (kilnproxy.ops.lifecycle).
         self.open_upstreams: set[UpstreamResponse] = set()
         self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
-        self.tracer = None  # kilnproxy.ops.tracing's Tracing when [tracing] is on: ``begin`` a request's trace,
+        self.tracer = None  # kilnproxy.ops.tracing.install's Tracing when [tracing] is on: ``begin`` a request's trace,
         # ``link(generation_id)`` its trace id and URL for the inspector (or None)
         self.draining = False  # set by a graceful shutdown (kilnproxy.ops.lifecycle): /healthz?ready is 503
         self.commit_listeners: list = []  # called with each committed batch; must not block or raise

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from ..config import ServerConfig
 from ..errors import GatewayError, bad_request
-from .event_json import exact_integers, read_stdlib
+from .relay.event_json import exact_integers, read_stdlib
 
 # orjson reads up to 1024 levels of arrays and objects but writes at most 254. Real bodies (JSON
 # schemas included) stay far below 128, which leaves room for what wraps a body (plugins, the

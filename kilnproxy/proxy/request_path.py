@@ -25,15 +25,15 @@ import aiohttp
 from aiohttp import web
 
 from ..errors import GatewayError, UpstreamFailure
-from ..plugins.call import Call, open_call, seal, set_model
+from ..call import Call, open_call, seal, set_model
 from ..plugins.manager import run_request_hooks
 from ..store.limits import Hold
-from ..store.sqlite import store_unavailable
+from ..store.sqlite.ledger import store_unavailable
 from . import rules
 from .forward import forward
 from .gateway import Gateway
 from .request_record import RequestRecord
-from .upstream import Route
+from .upstream.routes import Route
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before any response was sent
@@ -84,8 +84,8 @@ class Api:
 
 
 def refused_while_down(gw: Gateway, org: str, key_id: str, endpoint: str, api: Api) -> web.Response:
-    """The store is down (the SQLite ledger has not committed for a while, ``kilnproxy.store.sqlite``;
-    PostgreSQL cannot take statements, ``kilnproxy.store.postgres``): 503 ``store_unavailable`` at
+    """The store is down (the SQLite ledger has not committed for a while, ``kilnproxy.store.sqlite.ledger``;
+    PostgreSQL cannot take statements, ``kilnproxy.store.postgres.store``): 503 ``store_unavailable`` at
     once, before anything else, so that nothing is served that could not be accounted for. Its row
     waits with the others (in memory; on PostgreSQL, then in the spool) and the answer does not wait
     for it; once ``max_waiting_rows`` rows wait, the refusal has no row and no generation id (as a 401)."""

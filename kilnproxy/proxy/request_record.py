@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from ..plugins.call import Call
+from ..call import Call
 from ..usage import Usage, estimate_prompt_tokens
 
 _second: list = [None, ""]  # the last whole second formatted, and its text

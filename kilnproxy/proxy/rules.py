@@ -11,13 +11,13 @@ from typing import Awaitable
 
 from ..config import KeyConfig, MaintenanceConfig
 from ..errors import GatewayError, bad_request, forbidden, model_not_found
-from ..plugins.call import Call, set_stream
-from ..store.key_usage import period_start
+from ..call import Call, set_stream
+from ..store.tenancy.key_usage import period_start
 from ..store.limits import Admission, Credits, Hold, insufficient_credits
 from ..usage import MAX_CHOICES
-from .auth import check_enabled
+from .tenancy.auth import check_enabled
 from .request_body import read_json_body  # step 3  # noqa: F401 (called as admission.read_json_body)
-from .upstream import Route
+from .upstream.routes import Route
 
 _TRUE = ("true",)
 _FALSE = ("false",)

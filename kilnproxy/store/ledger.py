@@ -1,12 +1,12 @@
 """``Ledger``: the usage store as the request path sees it, one row per request.
 
-``kilnproxy.store.sqlite.SQLiteLedger`` is the store of one gateway process,
-``kilnproxy.store.postgres.PostgresStore`` the one of several replicas.
+``kilnproxy.store.sqlite.ledger.SQLiteLedger`` is the store of one gateway process,
+``kilnproxy.store.postgres.store.PostgresStore`` the one of several replicas.
 
 The request path calls ``submit(row)``, which never blocks and never raises:
 the row goes on a queue and a future is returned. Everything queued is
 inserted in one transaction and the futures resolved: on SQLite, by the event
-loop's own thread once per loop iteration (``kilnproxy.store.loop_commits``;
+loop's own thread once per loop iteration (``kilnproxy.store.sqlite.loop_commits``;
 a commit there is a WAL append that never waits for a lock nor fsyncs), else,
 and on PostgreSQL always, by one writer task (``kilnproxy.store.batches``).
 The request awaits its future before the response ends, so a response a client
@@ -19,7 +19,7 @@ retried with the same rows; none is dropped, and the responses wait. A value
 SQLite cannot bind is stored as text rather than wedge every later commit.
 A store that takes no rows for a while says so (``available`` false) and may
 ask for new requests to be refused at once (``refuses_requests``, read with
-``getattr``: a ledger without it never asks); see ``kilnproxy.store.sqlite``.
+``getattr``: a ledger without it never asks); see ``kilnproxy.store.sqlite.ledger``.
 
 The ledger is a store, not a plugin, and ``record_usage`` plugins are told of
 each row after its commit (``on_commit``, then the gateway's notifier task).

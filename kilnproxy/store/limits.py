@@ -6,7 +6,7 @@ step, or refuses with the documented 429 or 402 (the org's credits, or a key's
 ``limit`` in its period, held the same way: 402 ``key_limit_exceeded``); ``release`` gives both back once
 the request's row has been submitted (the row's cost then replaces the hold).
 ``LocalAdmission`` keeps them in this process (the SQLite set-up);
-``kilnproxy.store.postgres.PostgresStore`` keeps them in PostgreSQL, shared by
+``kilnproxy.store.postgres.store.PostgresStore`` keeps them in PostgreSQL, shared by
 every replica.
 
 ``admit`` is awaited (a shared store needs a round trip), while ``release``

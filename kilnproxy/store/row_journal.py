@@ -8,11 +8,11 @@ appends a lone row here (``append``), its response ends at once, and the loop
 commits the row to SQLite at its next iteration, as it would have. Against a
 killed gateway the line is as durable as a WAL commit at ``synchronous=NORMAL``
 (neither is fsynced): the next start inserts every row of the file whose id the
-table lacks (``kilnproxy.store.sqlite.replay_journal``), then empties it.
+table lacks (``kilnproxy.store.sqlite.ledger.replay_journal``), then empties it.
 
 On PostgreSQL a lone row's settlement is a round trip and the server's WAL
 flush: the store appends the row here, beside its spool, and the settlement
-follows (``kilnproxy.store.postgres``); the next start settles what the file
+follows (``kilnproxy.store.postgres.store``); the next start settles what the file
 holds (settlement is idempotent by id).
 
 The file is ``<database>-rows`` (the SQLite ledger's file, or the spool's), one

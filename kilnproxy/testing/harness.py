@@ -13,7 +13,7 @@ from typing import Any, Callable
 import aiohttp
 
 from ..config import parse_config
-from ..fixtures.format import Fixture
+from ..mock_servers.format import Fixture
 from ..proxy.gateway import GATEWAY, Gateway
 from ..web.app import create_app
 from ..web.server import Running, start_app, start_mock

@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from ..fixtures.format import Fixture, load_all
-from ..fixtures.recorder import SAVED, create_recorder_app
-from ..fixtures.replay_server import create_replay_app
+from ..mock_servers.format import Fixture, load_all
+from ..mock_servers.recorder import SAVED, create_recorder_app
+from ..mock_servers.replay_server import create_replay_app
 from ..sse import COMMENT, DONE, SSEParser
 from ..web.server import Running, start_app
 

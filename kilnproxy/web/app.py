@@ -18,11 +18,12 @@ from ..errors import GatewayError
 from ..inspector import fallback_headers, setup_inspector
 from ..ops import admin, tenancy_api
 from ..plugins.manager import build_plugin_manager
-from ..proxy import apis, read_endpoints
-from ..proxy.completions import chat_completions, completions, hot_routes
+from ..proxy.endpoints import apis
+from ..proxy.endpoints import reads as read_endpoints
+from ..proxy.endpoints.completions import chat_completions, completions, hot_routes
 from ..proxy.discovery import Discovery
 from ..proxy.gateway import GATEWAY, Gateway
-from ..proxy.json_routes import add_fallback, expect_handler
+from ..proxy.endpoints.json_routes import add_fallback, expect_handler
 from .fastpath import HOT_ROUTES
 
 log = logging.getLogger("kilnproxy")

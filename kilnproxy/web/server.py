@@ -32,7 +32,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ..config import Config
-from ..fixtures.mock_upstream import create_mock_app
+from ..mock_servers.mock_upstream import create_mock_app
 from .app import create_app
 from .fastpath import HOT_ROUTES, FastRunner
 from .parser_errors import answer_malformed_requests

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kilnproxy.config import parse_config
-from kilnproxy.fixtures.format import load
+from kilnproxy.mock_servers.format import load
 from kilnproxy.testing import Replay, usage_rows
 from kilnproxy.web.server import start_gateway
 

@@ -1,0 +1,204 @@
+"""Upstream slots: ``max_in_flight`` per upstream URL, and the queue of requests waiting for one.
+
+A model server such as llama.cpp has a fixed number of slots; sent more, it
+queues them out of sight. ``SlotPool`` is one upstream URL's slots in this
+process, shared by every model that lists the URL (and kept across a reload,
+``kilnproxy.ops.reload``). ``take_slot(upstreams, deadline)`` takes a free
+slot on the least busy of a request's candidate upstreams, or queues the
+request until one frees or ``deadline`` passes (then ``UpstreamBusy``).
+
+Waiting is first come, first served: a waiter queues on each of its
+candidate pools at once, each pool hands a freed slot to the oldest live waiter queued on it, and a pool
+with a free slot never has a live waiter (a slot freed, or a limit raised,
+grants at once). So the requests of one model are served in arrival order,
+and a model does not overtake another's older requests on a shared server.
+A waiter that is cancelled (its client left) or times out leaves its place
+at once; a slot granted to it in that moment is given back. When an upstream
+is marked down, the waiters queued on its pool look again (``usable``): they
+stop waiting on the pools of upstreams now down for their model, keeping
+their place in the others; left with none, they get ``NoUpstreamUp`` at once
+rather than a slot on a server marked down, or their ``queue_timeout``. When
+an upstream is found up again (``SlotPool.came_up``), the requests waiting
+for the other upstreams of a model it serves queue for it too, oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Callable, Iterable, Sequence
+
+from ...errors import GatewayError
+
+
+class SlotPool:
+    """The slots of one upstream URL: ``limit`` (None: no cap) and ``busy``, with their queue."""
+
+    __slots__ = ("url", "limit", "busy", "waiters", "refusal")
+
+    def __init__(self, url: str, limit: int | None):
+        self.url = url
+        self.limit = limit
+        self.busy = 0
+        self.waiters: deque[_Waiter] = deque()
+        self.refusal: Callable[[], Exception] | None = None  # the gateway is stopping: no slot is taken
+
+    def refuse(self, error: Callable[[], Exception]) -> None:
+        """From now on no slot is taken: the waiters, and every request after them, get ``error()``."""
+        self.refusal = error
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(error())
+
+    def free(self) -> bool:
+        return self.limit is None or self.busy < self.limit
+
+    def load(self) -> float:
+        """What least-busy balancing compares: the share of the slots in use (requests in flight when
+        the upstream has no cap)."""
+        return self.busy / self.limit if self.limit else float(self.busy)
+
+    def take(self) -> None:
+        self.busy += 1
+
+    def give_back(self) -> None:
+        self.busy -= 1
+        self._grant()
+
+    def set_limit(self, limit: int | None) -> None:
+        """A reload changed ``max_in_flight``: a higher limit serves waiters at once; a lower one
+        lets the requests in flight finish and grants no slot until ``busy`` is below it."""
+        self.limit = limit
+        self._grant()
+
+    def came_up(self) -> None:
+        """An upstream at this URL is up again: the requests waiting for a slot of a model it serves
+        (their ``usable`` says so) queue here too, oldest first, and a free slot serves them at once."""
+        for waiter in list(_waiting):
+            if (not waiter.future.done() and waiter.usable is not None and self not in waiter.pools
+                    and waiter.usable(self)):
+                waiter.pools.append(self)
+                self.waiters.append(waiter)
+        self._grant()
+
+    def marked_down(self) -> None:
+        """An upstream at this URL was marked down (for one model, or for all): its waiters look again."""
+        for waiter in list(self.waiters):
+            if not waiter.future.done() and waiter.usable is not None:
+                waiter.recheck()
+
+    def queued(self) -> int:
+        return sum(1 for w in self.waiters if not w.future.done())
+
+    def _grant(self) -> None:
+        waiters = self.waiters
+        while waiters and self.free():
+            waiter = waiters.popleft()
+            if waiter.future.done():
+                continue  # left already, or served by another of its pools
+            self.busy += 1
+            waiter.future.set_result(self)
+
+
+def anyone_waiting() -> bool:
+    return bool(_waiting)
+
+
+class _Waiter:
+    __slots__ = ("future", "pools", "usable")
+
+    def __init__(self, pools: Sequence[SlotPool], usable: Callable[[SlotPool], bool] | None) -> None:
+        self.future: asyncio.Future[SlotPool] = asyncio.get_running_loop().create_future()
+        self.pools = list(pools)  # the pools it is queued on
+        self.usable = usable
+
+    def recheck(self) -> None:
+        """Stop waiting on the pools no longer ``usable``; with none left, ``NoUpstreamUp``."""
+        keep = [p for p in self.pools if self.usable(p)]
+        if len(keep) == len(self.pools):
+            return
+        for pool in self.pools:
+            if pool not in keep:
+                _remove(pool, self)
+        self.pools = keep
+        if not keep:
+            self.future.set_exception(NoUpstreamUp())
+
+
+_waiting: dict[_Waiter, None] = {}  # every request waiting for a slot, oldest first (came_up)
+
+
+class UpstreamBusy(Exception):
+    """Every slot of the candidate upstreams stayed busy past the wait allowed."""
+
+
+class NoUpstreamUp(Exception):
+    """Every upstream a request was waiting for was marked down while it waited."""
+
+
+def upstream_busy(model: str, retry_after: float) -> GatewayError:
+    seconds = max(1, int(retry_after + 0.999))
+    return GatewayError(503, "upstream_busy",
+                        f"Every upstream slot of model `{model}` is busy. Retry after {seconds} s.",
+                        type="service_unavailable", headers={"Retry-After": str(seconds)})
+
+
+def least_busy(pools: Iterable[SlotPool]) -> SlotPool | None:
+    """The free pool with the lowest load (the first of equals), or None when all are full."""
+    best = None
+    for pool in pools:
+        if pool.free() and (best is None or pool.load() < best.load()):
+            best = pool
+    return best
+
+
+async def take_slot(pools: Sequence[SlotPool], deadline: float | None,
+                    usable: Callable[[SlotPool], bool] | None = None) -> SlotPool:
+    """A slot on one of ``pools``: free now (the least busy), or the first to free before
+    ``deadline`` (loop time; None or past: no waiting). The caller gives it back with
+    ``pool.give_back()``. Raises ``UpstreamBusy``, or a pool's ``refusal``, or (with ``usable``, which
+    says whether the upstream behind a pool may still be sent the request) ``NoUpstreamUp`` once every
+    pool waited on was marked down; cancelled, it leaves nothing taken."""
+    for p in pools:
+        if p.refusal is not None:
+            raise p.refusal()
+    pool = least_busy(pools)  # a pool with a free slot has no live waiter: nobody is overtaken
+    if pool is not None:
+        pool.take()
+        return pool
+    if deadline is None or deadline <= asyncio.get_running_loop().time():
+        raise UpstreamBusy()
+    waiter = _Waiter(pools, usable)
+    for p in pools:
+        p.waiters.append(waiter)
+    _waiting[waiter] = None
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await asyncio.shield(waiter.future)
+    except TimeoutError:
+        _leave(waiter)
+        raise UpstreamBusy() from None
+    except BaseException:
+        _leave(waiter)
+        raise
+    finally:
+        del _waiting[waiter]
+
+
+def _leave(waiter: _Waiter) -> None:
+    """A waiter gives up its place; a slot granted to it in that same moment is given back."""
+    if waiter.future.done():
+        if not waiter.future.cancelled() and waiter.future.exception() is None:
+            waiter.future.result().give_back()
+    else:
+        waiter.future.cancel()
+    for pool in waiter.pools:
+        _remove(pool, waiter)
+
+
+def _remove(pool: SlotPool, waiter: _Waiter) -> None:
+    try:
+        pool.waiters.remove(waiter)
+    except ValueError:
+        pass
