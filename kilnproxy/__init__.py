@@ -1,4 +1,21 @@
-"""kilnproxy: a self-hostable LLM gateway. Plugins import what they need from here."""
+"""kilnproxy: a self-hostable LLM gateway. Plugins import what they need from here.
+
+The package, in layers: each part imports only the parts below it (``setup.cfg`` [importlinter]).
+
+* ``__main__``, ``pytest_plugin``: ``python -m kilnproxy``, and the ``kilnproxy_harness`` fixture;
+* ``cli``, ``testing``: the commands; the ``Harness`` that starts a real gateway for tests;
+* ``web``: the aiohttp app (the composition root) and its servers;
+* ``ops``, ``inspector``: metrics, admin API, reload, drain, tracing; the inspector's UI and API;
+* ``proxy``: the request's path, from the client to the upstream and back, and its usage row;
+* ``plugins``, ``store``, ``mock_servers``: the plugin manager and built-ins; the ledger (SQLite,
+  PostgreSQL); the mock upstream, the recorder and the replay server;
+* ``usage``: a request's token counts and cost;
+* ``config``, ``config_ops``, ``config_reader``: the config loaded and checked; the operator's tables;
+  one TOML table read with its names and types checked;
+* the kernel, which imports nothing above it: ``access`` (operator access), ``aiohttp_internals``
+  (every use of aiohttp's private names), ``call`` (``Call``, what a hook is handed), ``config_types``,
+  ``errors``, ``hookspecs``, ``sse``, ``tasks``, and ``answers`` (a whole non-streamed answer in one write, lowest of all).
+"""
 
 from .errors import GatewayError as Refusal
 from .errors import KilnError

@@ -40,6 +40,9 @@ the recorded body; ``h.fixtures`` are the loaded fixtures. ``Replay``,
 ``Recorder``, ``RECORDINGS`` (the recordings shipped with kilnproxy) and
 ``sse_frames`` / ``sse_events`` come from ``kilnproxy.testing.recordings``.
 
+Its modules: ``harness`` (``Harness`` and the test config), ``postgres`` (a throw-away
+PostgreSQL server in a temporary folder, from Debian's binaries), ``recordings`` (replay and record).
+
 This package may import any part of kilnproxy; nothing in kilnproxy imports it
 but ``kilnproxy.pytest_plugin``.
 """

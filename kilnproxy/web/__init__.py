@@ -2,7 +2,8 @@
 
 * ``app``: builds the aiohttp application: the gateway, its routes, ops and the inspector;
 * ``server``: listens on real sockets (the gateway, and the demo's embedded mock);
-* ``fastpath``: the hot endpoints on aiohttp's low-level server.
+* ``fastpath``: the hot endpoints on aiohttp's low-level server;
+* ``parser_errors``: a request aiohttp's parser refuses is answered as a JSON error, never its text.
 
-May import: every part below it (ops, inspector, proxy, plugins, store, fixtures, the kernel).
+May import: every part below it (ops, inspector, proxy, plugins, store, mock_servers, the kernel).
 """
