@@ -1,6 +1,6 @@
 """The streams of the Responses API and Anthropic Messages: ``event:`` + ``data:`` frames, relayed.
 
-Simpler than the completions relay (``relay.py``), and on purpose separate
+Simpler than the completions relay (``plain_relay``), and on purpose separate
 from it: these formats name each event (``event:`` lines, which pass through
 unchanged), end without ``[DONE]``, and report usage in events of their own
 (docs/reference.md, "The other endpoints"):
@@ -39,7 +39,7 @@ from ...plugins.manager import Impl
 from ...usage import Usage, cap_counts
 from .anthropic_errors import STREAM_TYPES, error_type
 from .event_json import read, read_stdlib, writable, write
-from .plain_relay import _event_only
+from .event_plugins import event_only
 from ..request_record import RequestRecord
 from .errors import StreamPluginError
 
@@ -116,7 +116,7 @@ class FramedRelay:
         self.record = record
         self.endpoint = call.endpoint
         self.impls = impls
-        self.transforms = tuple(_event_only(impl, call) for impl in impls)
+        self.transforms = tuple(event_only(impl, call) for impl in impls)
         self.delta = DELTAS[call.endpoint]
         self.markers = MARKERS[call.endpoint]
         self.marked = MARKED[call.endpoint]

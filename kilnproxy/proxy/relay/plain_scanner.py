@@ -1,6 +1,6 @@
 """Recognising, a whole run at a time, the events that no response rule changes (docs/reference.md).
 
-``EventRelay._event`` decides per event, with substring tests on its payload,
+``PlainDecider._event`` (``plain_decider``) decides per event, with substring tests on its payload,
 whether the event goes out as the upstream's own bytes (with the upstream's
 model name replaced by the catalog id). ``PlainRun.count(run)`` answers the same
 question for a run of whole events in one go, with a fixed handful of bytes
@@ -72,7 +72,10 @@ BACKSLASH = 92  # the byte before a quote that is in a string
 MAX_MISSES = 3
 # A bytes ``in`` first tries its operand as an int, at the cost of a raised error: ``find``, and an
 # int for a single byte (``10 in data``, a memchr), where a stream pays it.
-LF = 10
+LF, CR = 10, 13
+# What a chat chunk that names the role carries when it is more than the chunk before the answer.
+TOOL_CALLS = b'"tool_calls"'
+CONTENT, EMPTY_CONTENT = b'content":"', b'content":""'  # also reasoning_content
 
 
 class PlainRun:
@@ -352,3 +355,9 @@ def closes_top(end: bytes, at: int) -> bool:
     """``"model":`` at ``at`` of an event's last bytes ``end`` is the event's own (``TOP``, when the
     event starts with ``{``): a key, and no ``}`` closes between it and the event's last byte."""
     return at > 0 and end[at - 1] != BACKSLASH and end.find(b"}", at) == len(end) - 1
+
+
+def role_only(payload: bytes) -> bool:
+    """A chat chunk that names the role (callers look for ``ROLE`` first) and carries no text and no tool
+    call: the chunk before the answer, not counted as a streamed token."""
+    return TOOL_CALLS not in payload and CONTENT not in payload.replace(EMPTY_CONTENT, b"")

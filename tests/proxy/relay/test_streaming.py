@@ -225,7 +225,7 @@ async def test_client_leaving_closes_upstream_and_records_disconnect(gw):
 
 
 async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatch):
-    import kilnproxy.proxy.relay.plain_relay as relay
+    from kilnproxy.proxy.relay import plain_bookkeeping, plain_decider, plain_relay as relay, plain_transforms
     parsed = []
     real_loads = relay.orjson.loads
 
@@ -238,7 +238,8 @@ async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatc
             parsed.append(data)
             return real_loads(data)
 
-    monkeypatch.setattr(relay, "orjson", CountingOrjson)
+    for module in (relay, plain_decider, plain_transforms, plain_bookkeeping):  # the relay's parts
+        monkeypatch.setattr(module, "orjson", CountingOrjson)
     async with harness(configure=lambda c: c["models"][0].update(upstream_model=MODEL)) as h:
         _, raw = await stream_bytes(h, {"prompt": "x", "max_tokens": 20})
     assert len(payloads(raw)) == 22  # 20 words, the finish chunk, [DONE]
