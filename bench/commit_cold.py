@@ -20,7 +20,8 @@ from pathlib import Path
 
 import orjson
 
-from kilnproxy.store.sqlite.ledger import _insert_sync, connect_for_the_loop, prepare_file
+from kilnproxy.store.sqlite.inserts import insert_sync as _insert_sync
+from kilnproxy.store.sqlite.schema import connect_for_the_loop, prepare_file
 
 
 def row(i: int) -> dict:

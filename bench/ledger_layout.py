@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kilnproxy.store.sqlite.ledger import INSERT, SCHEMA
+from kilnproxy.store.sqlite.inserts import INSERT
+from kilnproxy.store.sqlite.schema import SCHEMA
 from kilnproxy.usage import COLUMNS
 
 TABLE = SCHEMA.split("CREATE INDEX")[0]

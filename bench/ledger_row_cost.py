@@ -50,7 +50,7 @@ def make_row(i: int, when: datetime, rng: random.Random, one_of_each: bool = Fal
 
 
 async def one_run(rows: int, n: int, in_flight: int, checkpoint_mb: int, null: bool, one_of_each: bool) -> dict:
-    from kilnproxy.inspector.queries import SQLiteReader
+    from kilnproxy.store.sqlite.inspector_reader import SQLiteReader
     from kilnproxy.store.sqlite.checkpoint import Checkpointer
     from kilnproxy.store.sqlite.ledger import SQLiteLedger
     from kilnproxy.store.tenancy.sql import _migrate_file

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kilnproxy.store.sqlite.ledger import prepare_file
+from kilnproxy.store.sqlite.schema import prepare_file
 from kilnproxy.store.tenancy.orgs_keys import TenancyStore
 from kilnproxy.store.tenancy.sql import SQLiteDb
 

@@ -31,7 +31,7 @@ import orjson
 from ..config import load_config
 from ..errors import KilnError, StorageError
 from ..store.reads import pg_close, pg_connect, reason
-from ..store.sqlite.ledger import ADDED_COLUMNS
+from ..store.sqlite.schema import ADDED_COLUMNS
 from ..usage import COLUMNS
 
 BATCH_ROWS = 1000  # rows per kiln_settle call: one transaction, about 400 kB of JSON
@@ -70,7 +70,7 @@ def cmd_import(args) -> int:
         added, present = asyncio.run(import_rows(source, url, args.batch, show))
     finally:
         source.close()
-    from ..store.postgres.store import redacted
+    from ..store.postgres.connection import redacted
     print(f"imported {added} rows from {source.path} into {redacted(url)}"
           f" ({present} already there)")
     return 0
@@ -152,7 +152,7 @@ async def import_rows(source: SQLiteSource, url: str, batch: int, show_progress:
     import asyncpg
     from tqdm import tqdm
 
-    from ..store.postgres.store import redacted
+    from ..store.postgres.connection import redacted
     from ..store.postgres.schema import migrate
     conn = await pg_connect(url)
     added = present = 0

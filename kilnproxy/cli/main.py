@@ -196,12 +196,12 @@ def cmd_check_config(args) -> int:
     config = load_config(args.file)
     build_plugin_manager(config)
     if config.storage.url is None and config.db_path.exists():  # a check makes no file: start-up makes it
-        from ..store.sqlite.ledger import check_writable
+        from ..store.sqlite.schema import check_writable
         check_writable(config.db_path)
     print(f"{args.file}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
     if config.storage.url:
-        from ..store.postgres.store import redacted
+        from ..store.postgres.connection import redacted
         print(f"  storage  {redacted(config.storage.url)} (spool {config.spool_path})")
     else:
         print(f"  storage  {config.db_path}")

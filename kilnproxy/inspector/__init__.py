@@ -24,7 +24,8 @@ from ..proxy.gateway import Gateway
 from .api import InspectorAPI, fallback_headers
 from .capture import CaptureRing
 from .hub import LiveHub
-from .queries import InspectorStore, SharedReader, SQLiteReader
+from ..store.sqlite.inspector_reader import SQLiteReader
+from .queries import InspectorStore, SharedReader
 from .replica_feed import ReplicaFeed
 
 __all__ = ["fallback_headers", "setup_inspector"]

@@ -31,10 +31,10 @@ import asyncio
 import logging
 from typing import Any
 
-from ..store.postgres.store import ROWS_CHANNEL
+from ..store.inspector_tables import SELECT_COLUMNS
+from ..store.postgres.settlement import ROWS_CHANNEL
 from ..tasks import cancelled, woken
 from .hub import LiveHub
-from .queries import SELECT_COLUMNS
 
 log = logging.getLogger("kilnproxy.inspector")
 

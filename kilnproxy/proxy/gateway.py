@@ -52,7 +52,8 @@ class Gateway:
         if ledger is None and config.storage.url:
             from ..store.postgres.store import PostgresStore  # asyncpg is imported only when PostgreSQL is configured
             ledger = admission = PostgresStore(config, self.credits, on_commit=self._committed)
-        self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed)
+        self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed,
+                                                   inspector_tables=config.inspector.enabled)
         self.admission: Admission = admission or LocalAdmission(self.credits)
         self._settled = getattr(self.admission, "settled", None)  # optional: see Admission.settled
         self.session: aiohttp.ClientSession | None = None  # off the request path: health checks, discovery, plugins

@@ -28,7 +28,7 @@ from ..errors import GatewayError, UpstreamFailure
 from ..call import Call, open_call, seal, set_model
 from ..plugins.manager import run_request_hooks
 from ..store.limits import Hold
-from ..store.sqlite.ledger import store_unavailable
+from ..store.ledger import store_unavailable
 from . import rules
 from .forward import forward
 from .gateway import Gateway

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 from ..config import Config
 from ..errors import StorageError
 from ..usage import round_usd
-from .sqlite.ledger import prepare_file
+from .sqlite.schema import prepare_file
 from .tenancy.orgs_keys import TenancyStore
 from .tenancy.sql import PostgresDb, SQLiteDb
 

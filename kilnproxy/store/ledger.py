@@ -44,7 +44,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Protocol
 
+from ..errors import GatewayError
+
 CommitListener = Callable[[list[tuple[dict[str, Any], Any]]], None]
+
+CANNOT_WRITE_MESSAGE = "The gateway cannot write its usage database. Retry with exponential backoff."
+UNREACHABLE_MESSAGE = "The gateway's database cannot be reached. Retry with exponential backoff."
+
+
+def store_unavailable(message: str = CANNOT_WRITE_MESSAGE) -> GatewayError:
+    """503 ``store_unavailable``, the one answer of a store that cannot serve now, ``message`` saying why:
+    a new request while the store is down (``refuses_requests``; the default message), PostgreSQL out of
+    reach (``UNREACHABLE_MESSAGE``), a read past its time, an org whose row is locked."""
+    return GatewayError(503, "store_unavailable", message, type="service_unavailable")
 
 
 class Ledger(Protocol):

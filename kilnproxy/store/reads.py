@@ -14,7 +14,7 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from ..errors import StorageError
-from .sqlite.ledger import read_rows
+from .sqlite.schema import read_rows
 
 CONNECT_TIMEOUT = 10.0
 
@@ -23,7 +23,7 @@ async def pg_connect(url: str):
     """One asyncpg connection to ``url``, or a ``StorageError`` saying why not (password hidden)."""
     import asyncpg
 
-    from .postgres.store import redacted
+    from .postgres.connection import redacted
     try:
         return await asyncpg.connect(url, timeout=CONNECT_TIMEOUT)
     except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
@@ -35,7 +35,7 @@ async def pg_fetch(url: str, sql: str, params: Iterable[Any] = ()) -> list[dict[
     """The rows of a read query written with ``?`` placeholders, from the database at ``url``."""
     import asyncpg
 
-    from .postgres.store import numbered, redacted
+    from .postgres.connection import numbered, redacted
     conn = await pg_connect(url)
     try:
         return [dict(r) for r in await conn.fetch(numbered(sql), *params)]

@@ -10,7 +10,7 @@ import sys
 import asyncpg
 import pytest
 
-from kilnproxy.store.sqlite.ledger import SCHEMA
+from kilnproxy.store.sqlite.schema import SCHEMA
 from kilnproxy.testing import MODEL, OTHER_KEY, completion_body, free_port, pg_usage_rows, usage_rows
 
 ROWS = 2500  # the synthetic ledger: three batches of 1000

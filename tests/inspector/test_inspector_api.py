@@ -320,7 +320,8 @@ async def test_usage_up_to_now_counts_a_row_of_this_very_millisecond(tmp_path, m
     from datetime import datetime, timezone
 
     from kilnproxy.inspector import queries as store_module
-    from kilnproxy.inspector.queries import InspectorStore, SQLiteReader
+    from kilnproxy.inspector.queries import InspectorStore
+    from kilnproxy.store.sqlite.inspector_reader import SQLiteReader
     from kilnproxy.store.sqlite.ledger import SQLiteLedger
     from kilnproxy.usage import COLUMNS
 

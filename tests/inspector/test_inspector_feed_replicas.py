@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 from processes import GatewayProcess, gateway_config
 
-from kilnproxy.store.postgres.store import NOTICE_BYTES, row_notices
+from kilnproxy.store.postgres.settlement import NOTICE_BYTES, row_notices
 from kilnproxy.testing import KEY, completion_body
 from kilnproxy.web.server import start_mock
 

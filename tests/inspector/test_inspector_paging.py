@@ -9,10 +9,11 @@ import asyncpg
 import orjson
 import pytest
 
-from kilnproxy.inspector.queries import INDEXES, page_query, usage_query
-from kilnproxy.store.postgres.store import numbered
+from kilnproxy.inspector.queries import page_query, usage_query
+from kilnproxy.store.inspector_tables import SQLITE_TABLES as INDEXES
+from kilnproxy.store.postgres.connection import numbered
 from kilnproxy.store.postgres.schema import migrate
-from kilnproxy.store.sqlite.ledger import SCHEMA
+from kilnproxy.store.sqlite.schema import SCHEMA
 
 ROWS = 1_000_000
 START = 1_764_000_000  # unix seconds of row 0; row i is i seconds later

@@ -7,7 +7,8 @@ import sqlite3
 import pytest
 
 from kilnproxy.proxy.request_path import new_generation_id
-from kilnproxy.store.sqlite.ledger import ROWS_PER_INSERT, SQLiteLedger
+from kilnproxy.store.sqlite.inserts import ROWS_PER_INSERT
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.usage import COLUMNS
 
 

@@ -8,9 +8,12 @@ import sqlite3
 
 import pytest
 
-from kilnproxy.inspector import queries
-from kilnproxy.inspector.queries import FILL_ROWS, INDEXES, InspectorStore, SQLiteReader, cursor_of, page_query
-from kilnproxy.store.sqlite.ledger import SCHEMA, SQLiteLedger
+from kilnproxy.inspector.queries import InspectorStore, cursor_of, page_query
+from kilnproxy.store.inspector_tables import SQLITE_TABLES as INDEXES
+from kilnproxy.store.sqlite import inspector_reader
+from kilnproxy.store.sqlite.inspector_reader import FILL_ROWS, SQLiteReader
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
+from kilnproxy.store.sqlite.schema import SCHEMA
 from kilnproxy.store.tenancy.sql import migrate_sqlite
 from kilnproxy.usage import COLUMNS
 
@@ -181,7 +184,7 @@ async def test_a_model_table_far_behind_is_filled_a_part_at_a_time(tmp_path):
 
 async def test_pages_answer_while_another_program_holds_the_write_lock(tmp_path, caplog, monkeypatch):
     """The inspector's tables cannot be filled then: the usage table answers alone, the same rows."""
-    monkeypatch.setattr(queries, "FILL_WAIT_MS", 1)  # each read's wait for the lock: not half a second
+    monkeypatch.setattr(inspector_reader, "FILL_WAIT_MS", 1)  # each read's wait for the lock: not half a second
     path = tmp_path / "usage.db"
     old_file(path, 300)
     ledger = SQLiteLedger(path)

@@ -3,7 +3,8 @@ a file made before keeps its page size, and its rows and new ones are read and w
 
 import sqlite3
 
-from kilnproxy.store.sqlite.ledger import NEW_FILE_PAGE_SIZE, SCHEMA, SQLiteLedger
+from kilnproxy.store.sqlite.ledger import SQLiteLedger
+from kilnproxy.store.sqlite.schema import NEW_FILE_PAGE_SIZE, SCHEMA
 from kilnproxy.usage import COLUMNS
 
 

@@ -28,6 +28,7 @@ import logging
 from typing import Any, Callable
 
 from ...errors import GatewayError
+from ..ledger import store_unavailable
 
 log = logging.getLogger("kilnproxy.ledger")
 
@@ -40,9 +41,9 @@ SELECT org FROM kiln_orgs WHERE org = ANY($1::text[]) AND org NOT IN (SELECT org
 
 
 def org_locked(org: str) -> GatewayError:
-    return GatewayError(503, "store_unavailable",
-                        f"The gateway cannot record the usage of org {org!r} now: its row in the database is "
-                        "locked by another session. Retry with exponential backoff.", type="service_unavailable")
+    """503 ``store_unavailable`` for a request of an org set aside."""
+    return store_unavailable(f"The gateway cannot record the usage of org {org!r} now: its row in the database is "
+                             "locked by another session. Retry with exponential backoff.")
 
 
 class OrgLocks:

@@ -77,7 +77,7 @@ class Heartbeat:
             return
         if self.in_touch_since is None:
             self.in_touch_since = asyncio.get_running_loop().time()
-        store._load_spent(rows)
+        store.load_spent(rows)
         if not store.available and store.spooled and not await store.flush_spool(batches=1):
             return  # the database answers, but does not take rows yet
         store.reached()

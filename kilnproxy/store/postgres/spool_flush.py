@@ -64,7 +64,7 @@ async def _settled(store, rows: list[dict[str, Any]], locked: set[str]) -> list[
     settled: list[dict[str, Any]] = []
     for org in sorted({r["org"] for r in held} - locked):
         mine = [r for r in held if r["org"] == org]
-        if await store._settle(mine):
+        if await store.settle(mine):
             settled += mine
         elif store.locked_now:
             locked.add(org)
@@ -76,7 +76,7 @@ async def _settled(store, rows: list[dict[str, Any]], locked: set[str]) -> list[
                 return None
             settled += some
     while free:
-        if await store._settle(free):
+        if await store.settle(free):
             settled += free
             break
         if store.locked_now:  # some org of ``free`` found locked: set aside, the others tried again
@@ -97,8 +97,8 @@ async def _one_by_one(store, rows: list[dict[str, Any]]) -> list[dict[str, Any]]
     """The rows of a refused batch, each alone; those settled (``None`` if the store went down)."""
     settled = []
     for row in rows:
-        if (await store._settle([row], say=False)
-                or store.settle_error is not None and await store._settle([without_nuls(row)], say=False)):
+        if (await store.settle([row], say=False)
+                or store.settle_error is not None and await store.settle([without_nuls(row)], say=False)):
             settled.append(row)
         elif store.locked_now:  # its org's row is locked: left in the spool for the next flush
             continue

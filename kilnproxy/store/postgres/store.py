@@ -51,126 +51,45 @@ small pool and gives it back.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import asyncpg
 import orjson
 
 from ...config import Config
-from ...errors import GatewayError, StorageError
+from ...errors import StorageError
 from ...usage import COLUMNS
-from . import spool_flush
+from .admission import Admitting
 from ..batches import Batches, GroupCommitted
-from ..limits import Counts, Credits, Hold, insufficient_credits, key_limit_exceeded, per_minute_exceeded, rate_limited
-from .org_locks import OrgLocks, org_locked
+from ..ledger import UNREACHABLE_MESSAGE, store_unavailable
+from ..limits import Counts, Credits
+from .connection import (CONNECT_TIMEOUT, LOCK_TIMEOUT, POOL_SIZE, REMIND_SECONDS, SERVER_STATEMENT_TIMEOUT,
+                         STATEMENT_TIMEOUT, UNREACHABLE, down_error, nothing_to_reset, numbered, reason,
+                         redacted, session_settings)
+from .org_locks import OrgLocks
 from .pinned import Pinned
 from .schema import migrate
 from .replicas import Heartbeat
-from ..row_journal import RowJournal, read_rows
+from ..row_journal import RowJournal
+from .settlement import Settling
 from .spool import Damaged, Spool
-from .sqlstates import database_state
 
 log = logging.getLogger("kilnproxy.ledger")
 
-
-class OneLine(logging.Filter):
-    """asyncpg's pool logs a traceback at each failed reconnect while PostgreSQL is away, which the
-    gateway reports in its own line: its records keep the exception's type and message, one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            exc = record.exc_info[1]
-            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", ()
-            record.exc_info = record.exc_text = None
-        return True
-
-
-logging.getLogger("asyncpg.pool").addFilter(OneLine())
-
-POOL_SIZE = 5  # besides the admitter's and the writer's own connections (``Pinned``)
-STATEMENT_TIMEOUT = 3.0  # seconds: a database that does not answer is treated as out of reach
-LOCK_TIMEOUT = 2.0  # seconds a statement may wait for a lock, in the server (another session's lock)
-SERVER_STATEMENT_TIMEOUT = 2.5  # seconds a statement may run, in the server: ended there before the client's
-REMIND_SECONDS = 60.0  # while down, how often the log says so again
-SPOOL_RETRY_SECONDS = 0.2  # while the spool cannot be written, how often it (and PostgreSQL) is tried again
 LAST_TRY_SECONDS = 5.0  # at a stop, how long rows that neither PostgreSQL nor the spool takes are still tried
 # Rows waiting (in memory and in the spool) past which a request refused while the store is down gets
 # no row: a long outage under traffic does not fill the spool's disk with refusals (about 60 MB).
 MAX_WAITING_ROWS = 200_000
-CONNECT_TIMEOUT = 5.0
-# What a lost connection raises. InternalClientError: asyncpg's protocol state after a session was
-# terminated mid-statement (MagicStack/asyncpg#1069); the pool's connections are then replaced.
-UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
-               asyncpg.OperatorInterventionError, asyncpg.InternalClientError)
-
-
-def down_error(exc: BaseException) -> bool:
-    """Whether ``exc`` means the store cannot take statements now (rather than this batch failed):
-    out of reach, or PostgreSQL refusing them (read-only, a full disk, a lock or statement timeout,
-    too many connections, a password or a table gone)."""
-    if isinstance(exc, UNREACHABLE):
-        return True
-    return isinstance(exc, asyncpg.PostgresError) and database_state(exc.sqlstate)
-
-
-# Only the columns read, in the order ``admit`` unpacks them (not ``r_id``: a string decoded a row for nothing).
-ADMIT = "SELECT r_verdict, r_spent FROM kiln_admit($1::jsonb, $2, $3)"
 SELECT_ROW = f"SELECT {', '.join(COLUMNS)} FROM usage_events WHERE id = $1"
-SETTLE = "SELECT * FROM kiln_settle($1::jsonb, $2)"
-# The same, and in its transaction (so delivered at its commit, and only if it commits) one NOTIFY per
-# notice of ``row_notices``: the inspectors of the other replicas show the rows as they are committed.
-SETTLE_AND_TELL = ("SELECT * FROM kiln_settle($1::jsonb, $2)"
-                   " WHERE (SELECT count(pg_notify($3, n)) FROM unnest($4::text[]) n) >= 0")
-ROWS_CHANNEL = "kiln_rows"
-NOTICE_BYTES = 7900  # a NOTIFY payload must stay under 8000 bytes
 
 
-def row_notices(replica: str, ids: list[str]) -> list[str]:
-    """``"<replica> <id> <id> ..."``, as few as fit under ``NOTICE_BYTES`` each."""
-    notices, start = [], len(replica.encode())
-    notice, size = [replica], start  # a notice's parts and its length in bytes so far
-    for generation_id in ids:
-        length = len(generation_id.encode()) + 1
-        if size + length > NOTICE_BYTES and len(notice) > 1:
-            notices.append(" ".join(notice))
-            notice, size = [replica], start
-        notice.append(generation_id)
-        size += length
-    return notices + [" ".join(notice)]
-
-
-def _per_minute(hold: Hold, item: dict[str, Any]) -> None:
-    """The hold's per-minute bounds, as ``kiln_admit`` reads them, into its admission's ``item``
-    (absent: no bound; ``kiln_admit`` reads a missing key as NULL)."""
-    for name, rpm, tpm in hold.per_minute:
-        who = "org" if name.startswith("org:") else "key"
-        item[f"{who}_rpm"], item[f"{who}_tpm"] = rpm, tpm
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    user = netloc[0].partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
-
-
-def store_unavailable() -> GatewayError:
-    return GatewayError(503, "store_unavailable",
-                        "The gateway's database cannot be reached. Retry with exponential backoff.",
-                        type="service_unavailable")
-
-
-class PostgresStore(GroupCommitted):
+class PostgresStore(Admitting, Settling, GroupCommitted):
     """``Ledger`` and ``Admission`` on PostgreSQL (see the module's docstring)."""
 
     STATEMENT_TIMEOUT = STATEMENT_TIMEOUT
@@ -233,8 +152,8 @@ class PostgresStore(GroupCommitted):
         finally:
             await conn.close()
         self.pool = await asyncpg.create_pool(
-            self.url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT, reset=_nothing_to_reset,
-            server_settings=self._session())
+            self.url, min_size=1, max_size=POOL_SIZE, timeout=CONNECT_TIMEOUT, reset=nothing_to_reset,
+            server_settings=session_settings(self.replica))
         await self.heartbeat.beat()
         try:
             self.spooled = await asyncio.to_thread(self.spool.open)
@@ -247,7 +166,7 @@ class PostgresStore(GroupCommitted):
             await self.pool.close()
             raise StorageError(f"cannot open the spool {str(self.spool.path)!r}: {exc}"
                                " (check [storage] spool_path and its permissions)") from None
-        await self._replay_journal()
+        await self.replay_journal()
         self.journal.open()
         self.rows.start()
         self.admissions.start()
@@ -256,14 +175,9 @@ class PostgresStore(GroupCommitted):
             log.warning("%d usage rows spooled by an earlier run; settling them now", self.spooled)
             await self.flush_spool()
 
-    def _session(self) -> dict[str, str]:
-        return {"application_name": f"kilnproxy {self.replica}",
-                "lock_timeout": str(int(LOCK_TIMEOUT * 1000)),
-                "statement_timeout": str(int(SERVER_STATEMENT_TIMEOUT * 1000))}
-
     async def connect(self) -> asyncpg.Connection:
         """A new connection of this replica, outside the pool (``Pinned``)."""
-        return await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT, server_settings=self._session())
+        return await asyncpg.connect(self.url, timeout=CONNECT_TIMEOUT, server_settings=session_settings(self.replica))
 
     async def close(self) -> None:
         """Settle everything submitted (into the spool if the database is out of reach), then disconnect.
@@ -295,249 +209,11 @@ class PostgresStore(GroupCommitted):
                 log.error("usage row not committed: %s", orjson.dumps(row, default=str).decode())
 
     def _reason(self, exc: BaseException) -> str:
-        return _reason(exc, urlsplit(self.url).password)
-
-    # -- admission (request rule 5 (docs/reference.md)) -------------------------------------------------
-
-    async def admit(self, hold: Hold, limit: int) -> None:
-        """One ``kiln_admit`` for every request admitted at the same moment. A request cancelled
-        while waiting may still get its hold; its row, submitted as always, deletes it."""
-        if not self.available:
-            raise store_unavailable()
-        # an org set aside: its rows cannot be charged, and served it would keep its slot and hold
-        if self.org_locks.orgs and hold.org in self.org_locks.orgs:
-            raise org_locked(hold.org)
-        item = {
-            "id": hold.id, "org": hold.org, "limit": limit, "granted": self.credits.granted.get(hold.org, 0.0),
-            "amount": hold.amount, "prompt_cost": hold.prompt_cost, "prompt_tokens": hold.prompt_tokens,
-            "created_at": hold.created_at, "key_id": hold.key_id, "model": hold.model, "endpoint": hold.endpoint,
-            "stream": hold.stream, "key_limit": hold.key_limit, "key_since": hold.key_since, "tokens": hold.tokens}
-        if hold.per_minute:
-            _per_minute(hold, item)
-        verdict, spent = await self.admissions.add(item)
-        self.credits.spent[hold.org] = spent
-        if verdict == "rate_limited":
-            raise rate_limited(hold.org, limit)
-        if verdict == "insufficient_credits":
-            raise insufficient_credits(hold.org, holding=True)
-        if verdict in ("org_per_minute", "key_per_minute"):
-            raise per_minute_exceeded(f"org:{hold.org}" if verdict == "org_per_minute" else f"key:{hold.key_id}")
-        if verdict == "key_limit_exceeded":
-            raise key_limit_exceeded(hold.key_id, hold.key_limit)
-        self.counts.taken(hold.org)
-
-    async def _admit(self, holds: list[dict[str, Any]]) -> list[asyncpg.Record]:
-        """Each hold's (verdict, spending of its org), in the order of ``holds``."""
-        await self._journal_settled_all()  # this replica's requests whose responses ended count as settled
-        if not self.available:  # went down while these waited for the batch before: refused at once
-            raise store_unavailable()
-        try:
-            verdicts = await self.admitter.run("fetch", ADMIT, orjson.dumps(holds).decode(), self.replica,
-                                               self.timeout)
-        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
-            if not self.lost(exc):  # a deadlock: these requests get 503, the next batch is tried anew
-                log.error("admission of %d requests failed: %s", len(holds), exc)
-            raise store_unavailable() from None
-        return verdicts  # records of (r_verdict, r_spent): unpacked as pairs
-
-    async def rehold(self, hold: Hold, new: Hold) -> None:
-        """A fallback's prices: one ``kiln_rehold`` round trip under the org's admission lock."""
-        if not self.available:
-            raise store_unavailable()
-        try:
-            row = await self.run("fetchrow", "SELECT * FROM kiln_rehold($1::jsonb, $2)", orjson.dumps({
-                "id": hold.id, "org": hold.org, "granted": self.credits.granted.get(hold.org, 0.0),
-                "amount": new.amount, "prompt_cost": new.prompt_cost, "prompt_tokens": new.prompt_tokens,
-                "key_id": hold.key_id, "model": new.model, "requested_model": hold.model,
-                "key_limit": hold.key_limit, "key_since": hold.key_since}).decode(), self.timeout)
-        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
-            if not self.lost(exc):
-                log.error("re-placing the hold of %s failed: %s", hold.id, exc)
-            raise store_unavailable() from None
-        self.credits.spent[hold.org] = row["r_spent"]
-        if row["r_verdict"] == "insufficient_credits":
-            raise insufficient_credits(hold.org, holding=True)
-        if row["r_verdict"] == "key_limit_exceeded":
-            raise key_limit_exceeded(hold.key_id, hold.key_limit)
+        return reason(exc, urlsplit(self.url).password)
 
     def keeps_refused_rows(self) -> bool:
         """While down: whether the row of a request refused now can still wait (``max_waiting_rows``)."""
         return self.queue_depth() + self._spooling + self.spooled < self.max_waiting_rows
-
-    def release(self, hold: Hold) -> None:
-        """Local bookkeeping only: the hold's row in PostgreSQL goes with the request's row."""
-        self.counts.given_back(hold.org)
-
-    def settled(self, hold: Hold | None, row: dict[str, Any]) -> None:
-        """Nothing to keep here: ``kiln_admit`` reads a key's spending from its rows, and the rows'
-        settlement (``kiln_settle``) settles their per-minute tokens."""
-
-    def count(self, org: str) -> int:
-        return self.counts.count(org)
-
-    def snapshot(self) -> dict[str, int]:
-        return self.counts.snapshot()
-
-    # -- settlement ---------------------------------------------------------------
-
-    def journal_when(self, alone: Callable[[], bool]) -> None:
-        """Append a lone row to the row journal only while ``alone()``: the request submitting it is the
-        only one in progress."""
-        self.alone = alone
-
-    def submit(self, row: dict[str, Any], tag: Any = None) -> asyncio.Future:
-        """Queue ``row``; the future resolves once it is durable: settled (or spooled), or, for a lone
-        row, appended to the row journal (``kilnproxy.store.row_journal``), its settlement under way."""
-        settled = self.rows.add(row, tag)
-        if self.available and self.rows.lone() and self.alone() and self.journal.append(row):
-            self.journaled[row["id"]] = settled
-            settled.add_done_callback(functools.partial(self._journal_settled, row["id"]))
-            settled = settled.get_loop().create_future()
-            settled.set_result(None)
-        return settled
-
-    def _journal_settled(self, generation_id: str, settled: asyncio.Future) -> None:
-        del self.journaled[generation_id]
-        if not settled.cancelled() and settled.exception() is None:
-            self.journal.committed(1)  # else its line stays in the file, for the next start
-
-    async def _journal_settled_all(self) -> None:
-        """Return once every row journaled so far is settled (or spooled, or given up)."""
-        if self.journaled:
-            await asyncio.wait(list(self.journaled.values()))
-
-    async def _replay_journal(self) -> None:
-        """Settle (or spool) the rows of the row journal a replica using this spool left: killed between
-        a response and its row's settlement. Settlement is idempotent by id: a row already settled is
-        not charged again, a ``replica_lost`` row of it is replaced."""
-        rows, bad = await asyncio.to_thread(read_rows, self.journal.path)
-        for line in bad:
-            log.error("usage ledger: a line of %s is not a usage row, left out: %r", self.journal.path, line[:200])
-        if rows:
-            await self._commit(rows)
-            log.warning("%d usage rows of responses that ended before the gateway stopped were in %s; settled",
-                        len(rows), self.journal.path)
-
-    async def _commit(self, rows: list[dict[str, Any]]) -> None:
-        """Rows are durable once settled in PostgreSQL, or else in the spool (those of an org set
-        aside, ``org_locks``, go there at once)."""
-        if self.available and not self.org_locks.orgs and await self._settle(rows, self.writer.run):
-            return  # (the common case: one statement, no sorting of rows)
-        # an org set aside before, or found locked just now: the other orgs' rows are settled
-        aside = (await self._settle_around(rows, self.writer.run)
-                 if self.available and self.org_locks.orgs else None)
-        if aside is None:
-            await self._spool(rows)
-        elif aside:
-            await self._spool(aside)
-
-    async def _settle_around(self, rows: list[dict[str, Any]], run=None,
-                             say: bool = True) -> list[dict[str, Any]] | None:
-        """Settle ``rows`` but those of orgs set aside (``org_locks``), including any found locked on the
-        way: the rows left out (``[]``: all committed), or ``None`` when none committed (``_settle``)."""
-        aside: list[dict[str, Any]] = []
-        while True:
-            rows, held = self.org_locks.split(rows)
-            aside += held
-            if not rows or await self._settle(rows, run, say):
-                return aside
-            if not self.locked_now:  # each round sets aside at least one more org of ``rows``
-                return None
-
-    async def _settle(self, rows: list[dict[str, Any]], run=None, say: bool = True) -> bool:
-        """One ``kiln_settle`` transaction (sent with ``run``, by default ``self.run``); False when it
-        did not commit (the rows must be kept): ``settle_error`` says why, unless the store is down or
-        an org's row is locked (``locked_now``: that org is set aside). A refusal is logged if ``say``."""
-        run = run or self.run
-        self.locked_now = False
-        try:
-            body = orjson.dumps(rows).decode()
-            if self.tell_rows:
-                spent = await run("fetch", SETTLE_AND_TELL, body, self.replica, ROWS_CHANNEL,
-                                  row_notices(self.replica, [r["id"] for r in rows]))
-            else:
-                spent = await run("fetch", SETTLE, body, self.replica)
-        except (*UNREACHABLE, asyncpg.PostgresError) as exc:
-            self.commit_failures += 1
-            self.settle_error = None
-            if isinstance(exc, asyncpg.LockNotAvailableError) and await self._orgs_locked(rows, run):
-                return False
-            if not self.lost(exc):  # a deadlock, a value refused: kept in the spool and retried
-                self.settle_error = exc
-                if say:
-                    log.error("usage settlement of %d rows failed, spooled for a retry: %s", len(rows), exc)
-            return False
-        except Exception as exc:  # a bug must not stop the writer: the rows are spooled, the responses go on
-            self.commit_failures += 1
-            self.settle_error = exc
-            log.exception("usage settlement of %d rows failed, spooled for a retry", len(rows))
-            return False
-        self._load_spent(spent)
-        self.org_locks.settled(rows)
-        return True
-
-    async def _orgs_locked(self, rows: list[dict[str, Any]], run) -> bool:
-        """After a lock timeout: whether some org of ``rows`` has its row locked (set aside, ``locked_now``)
-        rather than the store refusing statements. A probe that fails says nothing."""
-        try:
-            self.locked_now = bool(await self.org_locks.probe(run, rows))
-        except (*UNREACHABLE, asyncpg.PostgresError):
-            self.locked_now = False
-        return self.locked_now
-
-    async def _spool(self, rows: list[dict[str, Any]]) -> None:
-        """Keep ``rows`` in the spool. While it cannot be written (a full disk), the responses waiting
-        for them wait: it is tried again every ``SPOOL_RETRY_SECONDS``, and so is PostgreSQL once
-        the store is up; the log says so once, when the error changes, then once a minute. Stopping,
-        rows are given up after ``LAST_TRY_SECONDS`` (``not_committed``)."""
-        self._spooling = len(rows)
-        try:
-            await self._keep(rows)
-        finally:
-            self._spooling = 0
-
-    async def _keep(self, rows: list[dict[str, Any]]) -> None:
-        loop = asyncio.get_running_loop()
-        failing_since = said_at = None
-        error = ""
-        while True:
-            try:
-                await asyncio.to_thread(self.spool.add, rows)
-            except Exception as exc:
-                self.commit_failures += 1
-                now = loop.time()
-                if failing_since is None or str(exc) != error or now - said_at >= REMIND_SECONDS:
-                    log.error("cannot write %d usage rows to the spool %s: %s; tried again every %g s, and "
-                              "PostgreSQL once it is up; the responses waiting for them wait", len(rows),
-                              self.spool.path, exc, SPOOL_RETRY_SECONDS)
-                    said_at = now
-                failing_since, error = failing_since or now, str(exc)
-                if self._give_up_at is not None and now >= self._give_up_at:
-                    self.not_committed += rows
-                    return
-                await asyncio.sleep(SPOOL_RETRY_SECONDS)
-                aside = await self._settle_around(rows, self.writer.run) if self.available else None
-                if aside is not None and len(aside) < len(rows):
-                    log.warning("%d usage rows the spool could not take are settled in PostgreSQL",
-                                len(rows) - len(aside))
-                    if not aside:
-                        return
-                    rows = aside
-                continue
-            self.spooled += len(rows)
-            if failing_since is not None:
-                log.warning("the spool takes rows again after %.1f s", loop.time() - failing_since)
-            return
-
-    async def tell_reaped(self) -> None:
-        """Rows were reaped (``replica_lost``): ``"<replica> *"`` tells every inspector to reload its list."""
-        if self.tell_rows:
-            await self.attempt("execute", "SELECT pg_notify($1, $2)", ROWS_CHANNEL, f"{self.replica} *")
-
-    async def flush_spool(self, batches: int | None = None) -> bool:
-        """Settle the spooled rows in PostgreSQL (``kilnproxy.store.postgres.spool_flush``)."""
-        async with self._flushing:
-            return await spool_flush.flush(self, batches)
 
     # -- reachability ----------------------------------------------------------------
 
@@ -605,7 +281,7 @@ class PostgresStore(GroupCommitted):
             self._down_since = None
         self.available, self.refuses_requests = True, False
 
-    def _load_spent(self, records: Iterable[asyncpg.Record]) -> None:
+    def load_spent(self, records: Iterable[asyncpg.Record]) -> None:
         for org, spent in records:
             self.credits.spent[org] = spent
 
@@ -631,36 +307,19 @@ class PostgresStore(GroupCommitted):
     async def _read(self, method: str, sql: str, *args):
         """A read of the store that sees the row of every response this replica has ended (their
         settlements are waited for: ``journaled``)."""
-        await self._journal_settled_all()
+        await self.journal_settled_all()
         if not self.available:
-            raise store_unavailable()
+            raise store_unavailable(UNREACHABLE_MESSAGE)
         try:
             return await self.run(method, sql, *args)
         except asyncpg.QueryCanceledError:  # ran past the statement timeout: this read, not the store
-            raise GatewayError(503, "store_unavailable", "The gateway's database did not answer this query "
-                               f"within {SERVER_STATEMENT_TIMEOUT:g} s; ask for less (a shorter span) or retry.",
-                               type="service_unavailable") from None
+            raise store_unavailable("The gateway's database did not answer this query within "
+                                    f"{SERVER_STATEMENT_TIMEOUT:g} s; ask for less (a shorter span) or retry.") from None
         except (*UNREACHABLE, asyncpg.PostgresError) as exc:
             if not self.lost(exc):
                 raise
-            raise store_unavailable() from None
+            raise store_unavailable(UNREACHABLE_MESSAGE) from None
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "spooled": self.spooled, "store_up": int(self.available),
                 "refused_unrecorded": self.refused_unrecorded}
-
-
-async def _nothing_to_reset(conn: asyncpg.Connection) -> None:
-    """The pool's check-in: the store changes no session state (only ``SET LOCAL``), so the
-    round trip of asyncpg's default reset (``RESET ALL; UNLISTEN *; ...``) is saved."""
-
-
-def numbered(sql: str) -> str:
-    """``?`` placeholders as PostgreSQL's ``$1, $2, ...`` (the queries hold no literal ``?``)."""
-    parts = sql.split("?")
-    return "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
-
-
-def _reason(exc: BaseException, secret: str | None = None) -> str:
-    text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
-    return text.replace(secret, "***") if secret else text

@@ -24,113 +24,34 @@ the process to the file is opened anew (``_reopen``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import os
 import sqlite3
 import time
-from operator import itemgetter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable
 
 import aiosqlite
 import orjson
 
-from ...errors import GatewayError, StorageError
 from ...tasks import cancelled
-from ...usage import COLUMNS
 from ..batches import Batches, GroupCommitted
 from .checkpoint import Checkpointer
-from ..ledger import CommitListener
+from ..ledger import CommitListener, store_unavailable
+from .inserts import ROWS_PER_INSERT, insert_rows, insert_sync, replay_journal, storable, values
 from .loop_commits import LoopCommits
-from ..row_journal import RowJournal, read_rows as read_journal
+from .reopen import WATCH_SECONDS, FileUser, Reopening, file_ids
+from ..row_journal import RowJournal
+from .schema import LOCK_WAIT_SECONDS, cannot_open, connect_for_the_loop, prepare_file
 
 log = logging.getLogger("kilnproxy.ledger")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage_events (
-    id TEXT PRIMARY KEY,
-    created_at TEXT NOT NULL,
-    org TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    model TEXT,
-    endpoint TEXT NOT NULL,
-    stream INTEGER NOT NULL,
-    status INTEGER NOT NULL,
-    error_code TEXT,
-    prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    completion_tokens INTEGER NOT NULL DEFAULT 0,
-    cached_tokens INTEGER NOT NULL DEFAULT 0,
-    total_tokens INTEGER NOT NULL DEFAULT 0,
-    cost REAL NOT NULL DEFAULT 0,
-    duration_ms REAL,
-    ttft_ms REAL,
-    finish_reason TEXT,
-    disconnected INTEGER NOT NULL DEFAULT 0,
-    requested_model TEXT
-);
-CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, created_at);
-"""
-
-# Columns added since the first release: a file made before gets them when it is opened, filled in
-# from the row's other columns (``requested_model``: rows from before fallbacks existed were served by
-# the model asked for).
-ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
-    ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
-)
-
-# The table keeps the indexes of the gateway's own reads: the id's (a generation looked up, a row written
-# twice), the org's (its usage and credits) and the key's (``tenancy_sql``: its usage in its period). Every
-# index is one more b-tree written in every request's commit: the inspector's reads by time and by model go
-# through tables of its own, filled when it reads them (``kilnproxy.inspector.queries``). The indexes an
-# older kilnproxy made for those are dropped when the file is opened.
-DROPPED_INDEXES = ("usage_events_created", "usage_events_model_created")
-
-# A new file's page size. Each commit appends every page it changed (the table's last leaf and one leaf
-# per index) to the WAL: 1 KiB pages make a one-row commit append about a third of what 4 KiB pages do
-# (bench/ledger_layout.py). SQLite fixes the size when a file is created; existing files keep theirs.
-NEW_FILE_PAGE_SIZE = 1024
-
-LOCK_WAIT_SECONDS = 2.0  # how long to wait for another program's lock on the file
 
 DOWN_AFTER_SECONDS = 5.0  # no commit for this long (failing, or one blocked): the ledger is down
 MAX_WAITING_ROWS = 50_000  # rows kept in memory while down (about 80 MB) before refusals get no row
 LAST_TRY_SECONDS = 5.0  # at a stop, how long rows that cannot be committed are still retried
 REMIND_SECONDS = 60.0  # while down, how often the log says so again
-WATCH_SECONDS = 0.5  # how often the ledger checks how long it has gone without a commit
-
-INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-REPLAY = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")  # a row the table has is left as it is
-ROWS_PER_INSERT = 64  # rows in one INSERT statement; every size up to it stays in sqlite3's statement cache
 
 
-@functools.lru_cache(maxsize=None)
-def _insert_rows(n: int) -> str:
-    return INSERT + f", ({', '.join('?' * len(COLUMNS))})" * (n - 1)
-
-
-_values = itemgetter(*COLUMNS)  # row dict -> tuple in column order
-
-_COLUMN_LIST = list(COLUMNS)
-
-
-def _params(rows: list[dict[str, Any]]) -> list[Any]:
-    """The rows' values, one flat list in column order. A row whose keys are the columns in their
-    order (``RequestRecord.row``'s) is read as it is: one pass over its values, not 19 lookups."""
-    params: list[Any] = []
-    for row in rows:
-        params += row.values() if list(row) == _COLUMN_LIST else _values(row)
-    return params
-
-
-def store_unavailable() -> GatewayError:
-    """The answer to a new request while the ledger is down."""
-    return GatewayError(503, "store_unavailable",
-                        "The gateway cannot write its usage database. Retry with exponential backoff.",
-                        type="service_unavailable")
-
-
-class SQLiteLedger(GroupCommitted):
+class SQLiteLedger(Reopening, GroupCommitted):
     """Rows are committed on the loop's thread (``self.here``) on a plain ``sqlite3`` connection,
     handed to the writer thread (``self.rows``, aiosqlite) whenever that could wait or fsync.
     While the file cannot be written, see the module's docstring."""
@@ -138,8 +59,9 @@ class SQLiteLedger(GroupCommitted):
     RETRY_SECONDS = 0.2
 
     def __init__(self, path: Path, on_commit: CommitListener | None = None,
-                 checkpointer: Checkpointer | None = None):
+                 checkpointer: Checkpointer | None = None, inspector_tables: bool = True):
         self.path = Path(path)
+        self.inspector_tables = inspector_tables  # the file gets the inspector's tables (``schema.prepare_file``)
         self.on_commit = on_commit
         self.checkpointer = checkpointer or Checkpointer(self.path)
         self._db: aiosqlite.Connection | None = None
@@ -182,14 +104,14 @@ class SQLiteLedger(GroupCommitted):
             raise cannot_open(self.path, exc) from None
         self.journal.open()
         await self.checkpointer.start()
-        self._files = _file_ids(self.path)
+        self._files = file_ids(self.path)
         self.here.loop = asyncio.get_running_loop()
         self.rows.start()
         self._watch_task = asyncio.create_task(self._watch(), name="kilnproxy-ledger-watch")
 
     async def _connect(self) -> None:
         # Checked with plain sqlite3 first: aiosqlite's thread outlives a failed connect.
-        await asyncio.to_thread(prepare_file, self.path)
+        await asyncio.to_thread(prepare_file, self.path, self.inspector_tables)
         self._loop_db = await asyncio.to_thread(connect_for_the_loop, self.path)
         # autocommit: one INSERT of many rows is one transaction and one trip to the db thread
         self._db = await aiosqlite.connect(self.path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
@@ -240,7 +162,7 @@ class SQLiteLedger(GroupCommitted):
         """One transaction on the loop's connection; raises (rolled back) if it cannot commit now."""
         self._last_here = True
         try:
-            _insert_sync(self._loop_db, rows)
+            insert_sync(self._loop_db, rows)
         except BaseException:
             if self._loop_db.in_transaction:
                 self._loop_db.execute("ROLLBACK")
@@ -257,7 +179,7 @@ class SQLiteLedger(GroupCommitted):
         one given up is kept in ``not_committed`` and written to the log by ``close``)."""
         self._last_here = False
         self._in_commit = len(rows)
-        params = [_values(r) for r in rows]
+        params = [values(r) for r in rows]
         try:
             while True:
                 async with self._file_lock:  # not while the file is opened anew (nor that, while one is tried)
@@ -287,7 +209,7 @@ class SQLiteLedger(GroupCommitted):
             self._failed(len(params), exc)
         except (sqlite3.Error, OverflowError) as exc:  # a value SQLite cannot bind: store it as text
             log.error("usage ledger commit of %d rows failed, storing odd values as text: %s", len(params), exc)
-            params = [tuple(map(_storable, p)) for p in params]
+            params = [tuple(map(storable, p)) for p in params]
         if self._db is not None:
             try:
                 await self._db.rollback()
@@ -331,7 +253,7 @@ class SQLiteLedger(GroupCommitted):
             self.journal.check()
             if self._reopening is not None and not self._reopening.done():
                 continue
-            if self._db is None or _file_ids(self.path) != self._files:
+            if self._db is None or file_ids(self.path) != self._files:
                 self._reopening = asyncio.ensure_future(self._reopen())  # a stop waits for it (``close``)
                 self._reopening.add_done_callback(self._reopen_ended)
 
@@ -370,12 +292,12 @@ class SQLiteLedger(GroupCommitted):
         if self._db is None:
             raise sqlite3.OperationalError("the database is not open (it is being opened anew)")
         if len(values) <= ROWS_PER_INSERT:
-            await self._db.execute(_insert_rows(len(values)), [v for row in values for v in row])
+            await self._db.execute(insert_rows(len(values)), [v for row in values for v in row])
             return
         await self._db.execute("BEGIN")
         for start in range(0, len(values), ROWS_PER_INSERT):
             part = values[start:start + ROWS_PER_INSERT]
-            await self._db.execute(_insert_rows(len(part)), [v for row in part for v in row])
+            await self._db.execute(insert_rows(len(part)), [v for row in part for v in row])
         await self._db.execute("COMMIT")
 
     async def close(self) -> None:
@@ -422,227 +344,3 @@ class SQLiteLedger(GroupCommitted):
         async with self._db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
             row = await cur.fetchone()
         return dict(row) if row is not None else None
-
-    def _reopen_ended(self, task: asyncio.Future) -> None:
-        exc = None if task.cancelled() else task.exception()
-        if exc is not None and repr(exc) != self._reopen_error:  # a bug: said once, the next check tries again
-            self._reopen_error = repr(exc)
-            log.error("usage ledger: opening %s anew failed", self.path, exc_info=exc)
-
-    async def _reopen(self) -> None:
-        """The -wal or -shm file (or the database) was deleted while the gateway had it open. Its
-        connections still write to the deleted file: a row committed there is in no file another program
-        reads, and lost if the process dies; and a program that opens the database meanwhile makes a new
-        -shm and writes beside the gateway, which corrupts the file. So: every commit waits, every row
-        committed so far is copied from the open WAL into the database file (a checkpoint; a deleted
-        database is written anew from the open one, ``VACUUM INTO``), every connection of the process to
-        the file is closed (``file_users`` too), and all are opened again, on new files. A failure leaves
-        the ledger unable to commit (down after a while), and it is tried again at the next check."""
-        files = _file_ids(self.path)
-        gone = [name for name, now, then in zip(("database", "-wal", "-shm"), files, self._files) if now != then]
-        if self._db is not None and files[0] is not None and files[0] != self._files[0]:
-            if self._reopen_error != "replaced":
-                self._reopen_error = "replaced"  # another file put in its place: the rows stay in the one open
-                log.error("usage ledger: %s was replaced by another file while the gateway runs; rows still go "
-                          "to the file it has open, which only a restart of the gateway leaves", self.path)
-            return
-        if self._db is not None and not self._reopen_error:  # said once, not at each try
-            log.error("usage ledger: the %s file of %s was deleted while the gateway runs; copying the rows "
-                      "committed since into the database and opening the files anew", " and ".join(gone),
-                      self.path)
-        await self.checkpointer.detach()  # from here every commit is the writer's, and the writer waits
-        async with self._file_lock:
-            paused = []
-            closed = self._db is None
-            try:
-                for user in self.file_users:
-                    await user.pause()
-                    paused.append(user)
-                if not closed:
-                    await self._save_and_close(files[0] is None)
-                    closed = True
-                await self._connect()
-                await self.checkpointer.attach()
-            except (sqlite3.Error, OSError) as exc:
-                if str(exc) != self._reopen_error:
-                    log.error("usage ledger: cannot open %s anew: %s (tried again every %g s)", self.path, exc,
-                              WATCH_SECONDS)
-                self._reopen_error = str(exc)
-                if closed:  # no connection left: every commit fails until a try succeeds
-                    await self._close_connections()
-                else:  # still on the deleted files: the commits go on there until the next try
-                    await self.checkpointer.attach()
-                return
-            finally:
-                for user in paused:
-                    try:
-                        await user.resume()
-                    except Exception as exc:  # its own operations will fail, and say so
-                        log.error("cannot open %s anew for %r: %s", self.path, user, exc)
-        self._files = _file_ids(self.path)
-        self._reopen_error = ""
-        log.warning("usage ledger: %s opened anew; every row committed is in it", self.path)
-
-    async def _save_and_close(self, database_gone: bool) -> None:
-        """Every row committed into the database file (or a new one), then every connection closed."""
-        if database_gone:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            await self._db.execute_fetchall("VACUUM INTO ?", (str(self.path),))
-        else:
-            (busy, frames, copied), = await self._db.execute_fetchall("PRAGMA wal_checkpoint(FULL)")
-            if busy or frames != copied:
-                raise sqlite3.OperationalError(f"the checkpoint copied {copied} of {frames} WAL frames")
-        await self._close_connections()
-
-
-class FileUser(Protocol):
-    """Another connection of the gateway's process to the ledger's file (``SQLiteLedger.file_users``)."""
-
-    async def pause(self) -> None:
-        """Close the connection; operations wait until ``resume``."""
-
-    async def resume(self) -> None:
-        """Open it again."""
-
-
-def _file_ids(path: Path) -> tuple:
-    """(device, inode) of the database, its -wal and its -shm; None for a file that is not there."""
-    ids = []
-    for name in (str(path), f"{path}-wal", f"{path}-shm"):
-        try:
-            st = os.stat(name)
-        except OSError:
-            ids.append(None)
-        else:
-            ids.append((st.st_dev, st.st_ino))
-    return tuple(ids)
-
-
-def _insert_sync(db: sqlite3.Connection, rows: list[dict[str, Any]]) -> None:
-    """``rows`` in one transaction on an autocommit ``sqlite3`` connection."""
-    if len(rows) <= ROWS_PER_INSERT:
-        db.execute(_insert_rows(len(rows)), _params(rows))
-        return
-    db.execute("BEGIN IMMEDIATE")
-    for start in range(0, len(rows), ROWS_PER_INSERT):
-        part = rows[start:start + ROWS_PER_INSERT]
-        db.execute(_insert_rows(len(part)), _params(part))
-    db.execute("COMMIT")
-
-
-def replay_journal(path: Path, journal: Path) -> int:
-    """Insert every row of the ``RowJournal`` file a gateway left (killed between a response and its
-    row's commit) whose id ``usage_events`` lacks, then empty the file; the number inserted. A line that
-    is not a row (cut short by a power cut) and a row the table refuses are written to the log as the
-    rows a stop could not commit are."""
-    rows, bad = read_journal(journal)
-    if not rows and not bad:
-        return 0
-    db = sqlite3.connect(path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
-    inserted = 0
-    try:
-        db.execute("BEGIN IMMEDIATE")
-        for row in rows:
-            try:
-                inserted += db.execute(REPLAY, [row.get(c) for c in COLUMNS]).rowcount
-            except sqlite3.Error as exc:
-                log.error("usage row not committed: %s (%s)", orjson.dumps(row).decode(), exc)
-        db.execute("COMMIT")
-    finally:
-        db.close()
-    for line in bad:
-        log.error("usage ledger: a line of %s is not a usage row, left out: %r", journal, line[:200])
-    if inserted:
-        log.warning("usage ledger: %d usage rows of responses that ended before the gateway stopped were in %s; "
-                    "inserted", inserted, journal)
-    os.truncate(journal, 0)
-    return inserted
-
-
-def connect_for_the_loop(path: Path) -> sqlite3.Connection:
-    """The connection the loop's thread commits on: never waits for a lock (busy_timeout 0),
-    never fsyncs at a commit (WAL, ``synchronous=NORMAL``), never checkpoints."""
-    db = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)
-    try:
-        for pragma in ("synchronous=NORMAL", "wal_autocheckpoint=0"):
-            db.execute(f"PRAGMA {pragma}").fetchall()
-    except BaseException:
-        db.close()
-        raise
-    return db
-
-
-def _storable(value: Any) -> Any:
-    if type(value) is int:
-        return value if -2**63 <= value < 2**63 else str(value)
-    return value if value is None or isinstance(value, (float, str)) else str(value)
-
-
-def prepare_file(path: Path) -> None:
-    """Create the table in WAL mode and prove the file can be written now, rather than lose rows later
-    (the ledger at start-up; the commands that write the file, before a gateway ever ran on it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(path, timeout=LOCK_WAIT_SECONDS, isolation_level=None)
-    try:
-        db.execute(f"PRAGMA page_size={NEW_FILE_PAGE_SIZE}")  # a no-op on a file that has pages already
-        db.execute("PRAGMA journal_mode=WAL")
-        db.executescript(SCHEMA)
-        add_missing_columns(db)
-        drop_old_indexes(db)
-        db.execute("BEGIN IMMEDIATE")
-        db.execute("ROLLBACK")
-    finally:
-        db.close()
-
-
-def check_writable(path: Path) -> None:
-    """``prepare_file``, a failure raised as the one line a gateway's start-up gives (``cannot_open``)."""
-    try:
-        prepare_file(path)
-    except (sqlite3.Error, OSError) as exc:
-        raise cannot_open(path, exc) from None
-
-
-def cannot_open(path: Path, exc: BaseException) -> StorageError:
-    """The one line saying that the ledger at ``path`` cannot be opened for writing, and why."""
-    return StorageError(f"cannot open the usage database {str(path)!r} for writing: {exc}"
-                        " (check [storage] path, its permissions, and that no other program holds a lock on it)")
-
-
-def add_missing_columns(db: sqlite3.Connection) -> None:
-    """Bring a ledger (or spool) file made by an older kilnproxy to the current columns."""
-    present = {r[1] for r in db.execute("PRAGMA table_info(usage_events)")}
-    for name, add, filled_from in ADDED_COLUMNS:
-        if name not in present:
-            with db:
-                db.execute("BEGIN IMMEDIATE")
-                db.execute(add)
-                db.execute(f"UPDATE usage_events SET {name} = {filled_from}")
-
-
-def drop_old_indexes(db: sqlite3.Connection) -> None:
-    """Drop the ``DROPPED_INDEXES`` a file made by an older kilnproxy has (no write when it has none)."""
-    present = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-    for name in DROPPED_INDEXES:
-        if name in present:
-            db.execute(f"DROP INDEX IF EXISTS {name}")
-
-
-def read_rows(path: Path, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
-    """Read the ledger from another process (the ``usage`` command), read-only. A file that is
-    missing, a directory or no readable SQLite database is a ``StorageError``."""
-    if not Path(path).exists():
-        raise StorageError(f"no usage database at {str(path)!r} (check [storage] path)")
-    if Path(path).is_dir():
-        raise StorageError(f"{str(path)!r} is a directory, not a usage database (check [storage] path)")
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-    except sqlite3.Error as exc:
-        raise StorageError(f"cannot open the usage database {str(path)!r}: {exc}") from None
-    try:
-        db.row_factory = sqlite3.Row
-        return db.execute(sql, tuple(params)).fetchall()
-    except sqlite3.Error as exc:
-        raise StorageError(f"cannot read the usage database {str(path)!r}: {exc}") from None
-    finally:
-        db.close()

@@ -16,7 +16,7 @@ import logging
 import asyncpg
 import orjson
 
-from kilnproxy.store.postgres.store import down_error
+from kilnproxy.store.postgres.connection import down_error
 from kilnproxy.store.postgres.schema import migrate
 from kilnproxy.store.postgres.replicas import Heartbeat
 
