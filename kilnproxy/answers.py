@@ -17,7 +17,7 @@ pre-built in one buffer::
 
 through the request's writer (``write_eof``: the writer counts the bytes for
 ``output_size`` and the access log's ``body_length``, and waits for the
-transport to drain as it does for any answer). ``tests/test_answers.py``
+transport to drain as it does for any answer). ``tests/kernel/test_answers.py``
 compares these bytes with ``web.Response``'s, header by header.
 
 The usual exchange is: HTTP/1.1, a connection the response keeps alive (so no

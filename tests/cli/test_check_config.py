@@ -9,7 +9,7 @@ from processes import gateway_config, toml
 
 from kilnproxy.cli.main import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def check(path: Path) -> subprocess.CompletedProcess:

@@ -1,37 +1,17 @@
 """Running it (docs/reference.md): `python -m kilnproxy` with no config serves a working demo; mock-upstream runs alone."""
 
 import asyncio
-import os
 import re
 import shlex
-import signal
 import socket
 import sqlite3
 import sys
 from pathlib import Path
 
 import aiohttp
+from commands import ROOT, start, stop
 
 from kilnproxy.testing import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-async def start(args, cwd, ready: bytes):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kilnproxy", *args, cwd=cwd, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    out = b""
-    while ready not in out:
-        line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        assert line, (out + await proc.stderr.read()).decode()
-        out += line
-    return proc, out
-
-
-async def stop(proc):
-    proc.send_signal(signal.SIGINT)
-    assert await asyncio.wait_for(proc.wait(), 30) == 0
 
 
 async def test_demo_without_config_prints_key_and_a_curl_that_streams(tmp_path):

@@ -5,7 +5,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 BUILT_INS = """\
 upstream_body  (built-in)

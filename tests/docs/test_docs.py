@@ -18,7 +18,7 @@ import importlib
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "kilnproxy"
 DOCS = REPO / "docs"
 REFERENCE = DOCS / "reference.md"
@@ -181,7 +181,7 @@ def accepted_config_keys(monkeypatch) -> dict[str, set[str]]:
     readers = [c for c in vars(module).values()  # the reader class it uses, defined there or imported
                if isinstance(c, type) and c.__module__.startswith("kilnproxy.")
                and callable(getattr(c, "done", None)) and callable(getattr(c, "fail", None))]
-    assert readers, f"{module.__name__} has no reader class with done(): update tests/test_docs.py"
+    assert readers, f"{module.__name__} has no reader class with done(): update tests/docs/test_docs.py"
     seen: dict[str, set[str]] = {}
     for reader in readers:
         original = reader.done
@@ -242,7 +242,7 @@ def test_every_error_code_is_in_the_errors_table():
     codes = emitted_codes()
     for expected in ("invalid_api_key", "forbidden", "insufficient_credits", "maintenance", "request_too_large",
                      "invalid_request", "model_not_found", "rate_limit_exceeded", "shutting_down", "replica_lost"):
-        assert expected in codes, f"the scan of kilnproxy/ missed {expected!r}: update tests/test_docs.py"
+        assert expected in codes, f"the scan of kilnproxy/ missed {expected!r}: update tests/docs/test_docs.py"
     documented = first_cells(section(REFERENCE.read_text(encoding="utf-8"), "Errors"))
     missing = {code: sorted(where) for code, where in codes.items() if code not in documented}
     assert not missing, f"error codes the code emits but docs/reference.md's Errors table lacks: {missing}"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOC = (REPO / "docs" / "plugins.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC, re.S)
 

@@ -5,19 +5,13 @@ The detail view's screenshot is saved to tests/artifacts/ (or $KILNPROXY_ARTIFAC
 """
 
 import json
-import os
-from contextlib import asynccontextmanager
-from pathlib import Path
 
+
+from browser import ARTIFACTS, chromium_page, stream_through
 from otlp_receiver import Receiver
-from playwright.async_api import async_playwright
 
 from kilnproxy.testing import UPSTREAM_MODEL
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
-ARTIFACTS = Path(os.environ.get("KILNPROXY_ARTIFACTS", Path(__file__).parent / "artifacts"))
 
 PLUGIN = '''
 from kilnproxy import hookimpl
@@ -27,33 +21,6 @@ def transform_event(event):
     for choice in event.get("choices") or []:
         choice["text"] = choice["text"].upper()
 '''
-
-
-@asynccontextmanager
-async def chromium_page():
-    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} is missing: run `make browser` (apt-get install chromium)"
-    async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            page = await browser.new_page(viewport={"width": 1440, "height": 1100})
-            errors = page.kiln_errors = []  # a test may take out an error it expects
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            # the page must work within its Content-Security-Policy: anything it refuses is an error too
-            page.on("console", lambda msg: errors.append(msg.text)
-                    if msg.type == "error" and "Content Security Policy" in msg.text else None)
-            yield page
-            assert errors == [], errors
-        finally:
-            await browser.close()
-
-
-async def stream_through(h, prompt: str) -> str:
-    body = {"model": h.model, "prompt": prompt, "max_tokens": 6, "stream": True,
-            "stream_options": {"include_usage": True}, "mock": {"delay": 0.02}}
-    async with h.post("/v1/completions", body) as resp:
-        assert resp.status == 200
-        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
-        return resp.headers["X-Neocloud-Generation-Id"]
 
 
 async def test_a_streamed_request_appears_live_and_opens_on_both_streams(harness, tmp_path):

@@ -1,6 +1,7 @@
 """The inspector page's "save as fixture" link, in the headless chromium of test_inspector_browser."""
 
-from test_inspector_browser import chromium_page, stream_through
+
+from browser import chromium_page, stream_through
 
 from kilnproxy.mock_servers.format import load
 

@@ -2,7 +2,7 @@
 names and references chosen by clients and upstreams, and the numbers and NULs of its own query strings.
 
 Each test holds one defect a bug hunt found to the fixed behaviour: API answers through a real gateway
-(raw query strings, both stores), the page in Debian's chromium (as tests/test_inspector_browser.py).
+(raw query strings, both stores), the page in Debian's chromium (as tests/inspector/test_inspector_browser.py).
 """
 
 import base64
@@ -13,8 +13,8 @@ import orjson
 import pytest
 import yarl
 from aiohttp import web
-from test_inspector_browser import chromium_page
-from test_json_odd_upstreams import answering, http
+from browser import chromium_page
+from raw_upstreams import answering, http
 
 from kilnproxy.testing import MODEL
 
@@ -154,7 +154,6 @@ async def test_every_inspector_answer_carries_the_headers_of_an_admin_page(harne
             assert headers["Referrer-Policy"] == "no-referrer", name
             expected = "no-cache" if name.startswith("/ui/static") or name == "/ui/" or "events" in name else "no-store"
             assert headers["Cache-Control"] == expected, name
-
 
 
 def assert_admin_page_headers(headers, name):

@@ -1,7 +1,8 @@
-"""The inspector's "Orgs & keys" page in Debian's chromium (Playwright, as tests/test_inspector_browser.py):
+"""The inspector's "Orgs & keys" page in Debian's chromium (Playwright, as tests/inspector/test_inspector_browser.py):
 create a key and see its secret once, use it, grant credits, revoke it."""
 
-from test_inspector_browser import ARTIFACTS, chromium_page
+
+from browser import ARTIFACTS, chromium_page
 
 from kilnproxy.testing import completion_body
 

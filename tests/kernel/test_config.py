@@ -9,7 +9,7 @@ import pytest
 from kilnproxy.config import load_config, sha256_hex
 from kilnproxy.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD = """
 [[models]]
 id = "m"

@@ -11,24 +11,13 @@ import re
 
 import aiohttp
 import pytest
+from admin_calls import NOTHING, api, call
 from replicas import stop_all, two_replicas
 
 from kilnproxy.testing import KEY, MODEL, completion_body
 
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00")
-NOTHING = object()
 GEN = "X-Neocloud-Generation-Id"
-
-
-async def call(session, url, method, path, body=NOTHING, *, raw=None, headers=None):
-    """``(status, JSON body)`` of one request."""
-    kwargs = {"data": raw} if raw is not None else {} if body is NOTHING else {"json": body}
-    async with session.request(method, f"{url}{path}", headers=headers, **kwargs) as resp:
-        return resp.status, await resp.json()
-
-
-def api(h):
-    return lambda method, path, body=NOTHING, **kw: call(h.session, h.url, method, path, body, **kw)
 
 
 def org(id, granted=0.0, spent=0.0, source="api", max_in_flight=None, disabled=False, **extra):

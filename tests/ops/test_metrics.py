@@ -1,9 +1,10 @@
 """GET /metrics on a real gateway process, parsed with prometheus_client's own parser."""
 
 import aiohttp
-from aiohttp import web
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from odd_labels import odd_org_and_discovered_models
 from processes import GatewayProcess, gateway_config
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -205,16 +206,6 @@ async def metrics_text(h) -> str:
     async with h.session.get(f"{h.url}/metrics") as r:
         assert r.status == 200
         return await r.text()
-
-
-def odd_org_and_discovered_models(config: dict) -> None:
-    """The test config with its model's ids taken from the mock's own list (``served_models``) and an org,
-    with a key ``sk-odd``, whose id holds a quote and a backslash."""
-    model = config["models"][0]
-    model.update(id="", discover=True, upstream_model="mock-vllm")
-    del model["reject_chat_params"]
-    config["orgs"].append({"id": 'or"g\\x', "credits": 10.0})
-    config["keys"].append({"key": "sk-odd", "org": 'or"g\\x', "id": "odd-key"})
 
 
 async def test_model_and_org_label_values_are_escaped_and_read_back_whole(harness):

@@ -7,12 +7,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from odd_labels import odd_org_and_discovered_models
 from prometheus import PROMTOOL, Prometheus
-from test_metrics import odd_org_and_discovered_models
 
 from kilnproxy.testing import MODEL, OTHER_KEY, completion_body, free_port
 
-RULES_DIR = Path(__file__).resolve().parent.parent / "docs" / "prometheus"
+RULES_DIR = Path(__file__).resolve().parents[2] / "docs" / "prometheus"
 RULES = RULES_DIR / "kilnproxy-alerts.yml"
 RULE_TESTS = RULES_DIR / "kilnproxy-alerts.test.yml"
 GHOST = "ghost"  # a model whose only upstream refuses connections

@@ -1,6 +1,6 @@
 """Each hook does what kilnproxy/hookspecs.py promises, through a real gateway.
 
-Every hook has a ``test_hook_<name>`` here (tests/test_plugin_meta.py checks it).
+Every hook has a ``test_hook_<name>`` here (tests/plugins/test_plugin_meta.py checks it).
 """
 
 import asyncio

@@ -1,6 +1,6 @@
 """A plugin that raises fails only its own request, whichever hook it raised in.
 
-For each hook there is a ``test_raising_in_<hook>`` (tests/test_plugin_meta.py
+For each hook there is a ``test_raising_in_<hook>`` (tests/plugins/test_plugin_meta.py
 checks it): the failing request gets a clear error naming the plugin, its
 usage row and in-flight slot are handled as for any failure (the org may have
 only one request in flight, so a leaked slot would make the next request a

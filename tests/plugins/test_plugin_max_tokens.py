@@ -7,7 +7,7 @@ import pytest
 
 from kilnproxy import KilnError
 
-PLUGIN = Path(__file__).parent.parent / "plugins" / "max_tokens.py"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "max_tokens.py"
 SETTINGS = {"max_tokens": {"default": 3, "cap": 5, "orgs": {"globex": {"default": 1, "cap": 2}}}}
 
 

@@ -11,7 +11,7 @@ from kilnproxy import hookspecs
 from kilnproxy.config import parse_config
 from kilnproxy.plugins.manager import HOOK_NAMES, Hooks, build_plugin_manager
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).parent
 
 
@@ -42,9 +42,9 @@ def test_hook_is_documented(hook):
 @pytest.mark.parametrize("hook", HOOK_NAMES)
 def test_hook_has_tests(hook):
     assert f"test_hook_{hook}" in functions_in(TESTS / "test_hooks.py"), \
-        f"tests/test_hooks.py needs test_hook_{hook}: what the hook promises"
+        f"tests/plugins/test_hooks.py needs test_hook_{hook}: what the hook promises"
     assert f"test_raising_in_{hook}" in functions_in(TESTS / "test_plugin_isolation.py"), \
-        f"tests/test_plugin_isolation.py needs test_raising_in_{hook}: a plugin raising there fails one request"
+        f"tests/plugins/test_plugin_isolation.py needs test_raising_in_{hook}: a plugin raising there fails one request"
 
 
 @pytest.mark.parametrize("plugin", sorted(p.stem for p in (REPO / "plugins").glob("*.py")))
@@ -53,7 +53,7 @@ def test_example_plugin_is_documented_and_tested(plugin):
     doc = ast.get_docstring(ast.parse(source))
     assert doc and f"[plugins.settings.{plugin}]" in doc and f'"plugins/{plugin}.py"' in doc, \
         f"plugins/{plugin}.py: the docstring says what it does, how to install it and its settings"
-    assert (TESTS / f"test_plugin_{plugin}.py").is_file(), f"plugins/{plugin}.py needs tests/test_plugin_{plugin}.py"
+    assert (TESTS / f"test_plugin_{plugin}.py").is_file(), f"plugins/{plugin}.py needs tests/plugins/test_plugin_{plugin}.py"
     assert f"plugins/{plugin}.py" in (REPO / "docs" / "plugins.md").read_text()
 
 

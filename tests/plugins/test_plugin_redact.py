@@ -6,7 +6,7 @@ import pytest
 
 from kilnproxy import KilnError
 
-PLUGIN = Path(__file__).parent.parent / "plugins" / "redact.py"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "redact.py"
 SECRETS = ("Mail jane.doe+ops@example.co.uk, key sk-proj-4f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c, "
            "AWS AKIAIOSFODNN7EXAMPLE, header Authorization: Bearer abcdefghijklmnop1234.")
 SCRUBBED = ("Mail [REDACTED], key [REDACTED], AWS [REDACTED], header Authorization: Bearer [REDACTED].")

@@ -6,7 +6,7 @@ import pytest
 
 from kilnproxy import KilnError
 
-PLUGIN = Path(__file__).parent.parent / "plugins" / "stop_filter.py"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "stop_filter.py"
 PROMPT = "The capital of France is"  # the mock answers " Paris is the capital of France and a city on the Seine."
 
 

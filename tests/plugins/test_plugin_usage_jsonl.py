@@ -8,7 +8,7 @@ import pytest
 
 from kilnproxy import KilnError
 
-PLUGIN = Path(__file__).parent.parent / "plugins" / "usage_jsonl.py"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "usage_jsonl.py"
 
 
 def lines(path: Path) -> list[dict]:

@@ -8,7 +8,7 @@ from aiohttp import web
 from kilnproxy import KilnError
 from kilnproxy.web.server import start_app
 
-PLUGIN = Path(__file__).parent.parent / "plugins" / "webhook.py"
+PLUGIN = Path(__file__).resolve().parents[2] / "plugins" / "webhook.py"
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
-from test_cli import start, stop
+from commands import start, stop
 
 from kilnproxy.mock_servers.mock_upstream import OPTIONS
 from kilnproxy.proxy import discovery
@@ -267,7 +267,6 @@ async def test_only_the_first_models_of_a_long_list_are_served_and_the_cut_is_sa
         await more(3)
         assert discovery_lines(caplog)[3:] == [cut_at(base, limit + 4000)]
         assert await catalog(h) == [f"m{i:05d}" for i in range(limit)]
-
 
 
 async def test_two_upstreams_listing_the_same_full_list_cut_nothing(tmp_path, caplog, monkeypatch):

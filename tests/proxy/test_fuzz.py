@@ -12,7 +12,7 @@ log shows no bug and no org has a request left in flight.
 so a run is repeatable. ``KILNPROXY_FUZZ_EXAMPLES=N`` runs N random examples
 per property instead (4 properties: N=25000 is 100,000 requests)::
 
-    KILNPROXY_FUZZ_EXAMPLES=25000 .venv/bin/python -m pytest tests/test_fuzz.py
+    KILNPROXY_FUZZ_EXAMPLES=25000 .venv/bin/python -m pytest tests/proxy/test_fuzz.py
 """
 
 from __future__ import annotations

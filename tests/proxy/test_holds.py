@@ -2,7 +2,7 @@
 
 A hold is the most a request can cost: a bound on its prompt (its UTF-8 bytes
 plus a chat template's tokens) plus ``max_tokens`` (or the model's
-``context_window``) at the completion price (tests/test_hold_bounds.py). An org whose remaining credits minus its other holds are not above zero
+``context_window``) at the completion price (tests/proxy/test_hold_bounds.py). An org whose remaining credits minus its other holds are not above zero
 gets 402, so it is never overdrawn by more than one request.
 """
 

@@ -1,40 +1,17 @@
 """Rows are committed on the event loop's thread when the file is free, and handed to the writer
 thread whenever that could wait (a lock) or fsync (a WAL starting over): in order, each row once,
 and the request's future resolves only once its row is committed, or for a lone row appended to
-the row journal, once it is there (tests/test_ledger_row_journal.py)."""
+the row journal, once it is there (tests/store/test_ledger_row_journal.py)."""
 
 import asyncio
 import sqlite3
 import threading
 
 import pytest
+from ledger_rows import commit, row, stored_ids
 
 from kilnproxy.store.sqlite.loop_commits import GATHER_ROWS
 from kilnproxy.store.sqlite.ledger import SQLiteLedger
-from kilnproxy.usage import COLUMNS
-
-
-def row(i: int) -> dict:
-    values = dict.fromkeys(COLUMNS, 0)
-    values.update(id=f"gen-{i:024x}", created_at="2026-11-30T10:00:00.000+00:00", org="acme", key_id="acme-key",
-                  model="m", endpoint="completions", error_code=None, finish_reason="stop", requested_model="m")
-    return values
-
-
-def stored_ids(path) -> list[str]:
-    """Ids in the table, in the order they were inserted."""
-    db = sqlite3.connect(path)
-    try:
-        return [r[0] for r in db.execute("SELECT id FROM usage_events ORDER BY rowid")]
-    finally:
-        db.close()
-
-
-async def commit(ledger: SQLiteLedger, *rows: dict) -> None:
-    """Submit ``rows`` and return once each is committed (a lone row's future resolves at its journal append)."""
-    await asyncio.gather(*(ledger.submit(r) for r in rows))
-    for r in rows:
-        assert await ledger.get(r["id"]) is not None
 
 
 @pytest.fixture
@@ -60,7 +37,6 @@ async def test_rows_of_one_loop_iteration_are_committed_together_on_the_loops_th
     assert threads == [threading.get_ident()]  # one INSERT, on this (the loop's) thread
     assert ledger.stats()["rows_handed_to_writer"] == handed
     assert stored_ids(ledger.path) == [row(i)["id"] for i in range(4)]
-
 
 
 async def test_a_lone_row_is_committed_at_the_first_flush(ledger):

@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+from ledger_rows import commit, row, stored_ids
 from processes import GatewayProcess, gateway_config
 
 from kilnproxy.store import row_journal
@@ -19,7 +20,6 @@ from kilnproxy.store.sqlite import ledger as sqlite_ledger
 from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.testing import KEY, MODEL, completion_body
 from kilnproxy.web.server import start_mock
-from test_ledger_loop_commits import commit, row, stored_ids
 
 
 def journal_lines(ledger: SQLiteLedger) -> list[dict]:

@@ -24,9 +24,9 @@ from pathlib import Path
 import aiohttp
 import asyncpg
 import pytest
+from faulty_ledgers import AUTH, GEN, fill, health, metric, mounted, post
 from processes import GatewayProcess
 from replicas import Ledger, replica, replica_config, stop_all
-from test_ledger_faults import AUTH, GEN, fill, health, metric, mounted, post
 
 from kilnproxy.testing import KEY, completion_body
 from kilnproxy.testing.postgres import PostgresServer

@@ -17,7 +17,7 @@ Each traced request is on the gateway's hot path, so the encoding is written
 for CPU: the children's shared fields joined once, a child with no attributes
 (or an attempt's that repeat) one ``struct`` pack, the values that repeat
 (models, token counts, statuses) encoded once and taken from tables; the bytes
-are those ``otlp_wire``'s generic calls write (``tests/test_tracing_wire.py``).
+are those ``otlp_wire``'s generic calls write (``tests/ops/tracing/test_tracing_wire.py``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ serialised by the request's writer as aiohttp serialises any head (the same
 refusal of a header with a line break), chunked by it, and held back for the
 first body bytes or sent at once as ``StreamResponse`` does (``hold``). The
 body goes through ``StreamResponse``'s own ``write`` and ``write_eof``.
-``tests/test_stream_response.py`` compares these bytes with ``StreamResponse``'s.
+``tests/proxy/relay/test_stream_response.py`` compares these bytes with ``StreamResponse``'s.
 
 The usual exchange: HTTP/1.1, a connection the response keeps alive (the
 request did not ask to close, the shutdown's drain did not mark it, nobody

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from otlp_receiver import decode
-from test_tls_upstream import certificates  # noqa: F401 (a fixture: the test CA and a certificate it signed)
+from tls import certificates  # noqa: F401 (a fixture: the test CA and a certificate it signed)
 
 from kilnproxy.config_types import TracingConfig
 from kilnproxy.ops.tracing import otlp_wire as wire

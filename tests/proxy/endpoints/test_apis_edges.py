@@ -6,7 +6,7 @@ import asyncio
 import orjson
 import pytest
 from aiohttp import web
-from test_streaming import raw_upstream
+from raw_upstreams import raw_upstream
 
 from kilnproxy.testing import MODEL
 

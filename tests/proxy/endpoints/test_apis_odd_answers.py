@@ -1,14 +1,17 @@
-"""Leftovers of the Responses API and Anthropic Messages, through a running gateway on a real port, driven by
-the official SDKs or raw HTTP: what the client gets, byte for byte where it matters, and the usage row.
+"""Odd answers on the Responses API and Anthropic Messages, through a running gateway on a real port in front of
+an upstream that sends the exact bytes, driven by the official SDKs or raw HTTP: what the client gets, byte for
+byte where it matters, and the usage row.
 
 - a lone surrogate escape (half an emoji: a server that cuts a code point between two tokens, or stops in the
   middle of one) is JSON like any other, streamed or not: read, ruled (model, usage, cost, errors) and written
-  back with the escape as the upstream sent it, as on the completion endpoints;
-- a Responses follow-up (``previous_response_id``) reaches the upstream that holds its previous response;
-- a failed Responses answer records its error code, streamed or not.
+  back with the escape as the upstream sent it, as on the completion endpoints; an event too deep to write back
+  ends the stream blaming no plugin;
+- a Responses follow-up (``previous_response_id``) reaches the upstream that holds its previous response, and is
+  held for a whole context window of prompt;
+- a failed Responses answer records its error code, streamed or not; a background response is a clear 400;
+- a token count is answered while every generation slot is busy.
 
-The helpers here (frames, answers, the mock-less upstreams' configuration) serve test_framed_stream_edges.py
-and test_embeddings_input.py too.
+The frames and the SDK helpers are tests/framed_streams.py's, the raw upstreams tests/raw_upstreams.py's.
 """
 
 from __future__ import annotations
@@ -17,32 +20,15 @@ import asyncio
 import json
 from contextlib import asynccontextmanager
 
-import anthropic
 import openai
 import orjson
 import pytest
 from aiohttp import web
-from test_json_odd_upstreams import answering, http
-from test_streaming import raw_upstream
+from framed_streams import CUT_TEXT, HIGH, MESSAGE, MESSAGES_END, PROMPT, USAGE, claude, cost, event, failed_messages_stream, lone, messages_stream, response, responses_stream, serving
+from raw_upstreams import answering, http, raw_upstream
 
 from kilnproxy import hookimpl
 from kilnproxy.testing import MODEL
-
-PROMPT, COMPLETION = 0.10 / 1e6, 0.30 / 1e6
-HIGH, LOW = "\\ud83d", "\\ude00"  # the two halves of U+1F600, as a JSON escape each
-
-
-def cost(prompt: int, completion: int) -> float:
-    return round(prompt * PROMPT + completion * COMPLETION, 10)
-
-
-def lone(data: bytes) -> bytes:
-    """``data`` with each ``"HIGH"``/``"LOW"`` written as the escape of that lone surrogate."""
-    return data.replace(b"<HIGH>", HIGH.encode()).replace(b"<LOW>", LOW.encode())
-
-
-def event(kind: str, **data) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + lone(orjson.dumps({"type": kind, **data})) + b"\n\n"
 
 
 def row_of(row: dict) -> tuple:
@@ -50,41 +36,7 @@ def row_of(row: dict) -> tuple:
             row["completion_tokens"], row["cost"])
 
 
-def serving(url: str, endpoint: str):
-    return lambda config: config["models"][0].update(upstreams=[url], endpoints=[endpoint])
-
-
-def claude(h) -> anthropic.AsyncAnthropic:
-    client = anthropic.AsyncAnthropic(base_url=h.url, api_key=h.key, max_retries=0)
-    h._clients.append(client)
-    return client
-
-
 # -- 1. a lone surrogate escape ------------------------------------------------------------------------------
-
-
-def response(status: str, text: str | None, usage: dict | None) -> dict:
-    output = [] if text is None else [{"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
-                                       "content": [{"type": "output_text", "text": text, "annotations": []}]}]
-    return {"id": "resp_1", "object": "response", "created_at": 1, "status": status, "model": "org/Up-7B",
-            "output": output, "usage": usage}
-
-
-USAGE = {"input_tokens": 2, "output_tokens": 2, "total_tokens": 4}
-CUT_TEXT = "Hi <HIGH>"  # max_output_tokens stopped the answer in the middle of an emoji
-
-
-def responses_stream(final: dict) -> list[bytes]:
-    item = {"id": "msg_1", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
-    return [event("response.created", sequence_number=0, response=response("in_progress", None, None)),
-            event("response.output_item.added", sequence_number=1, output_index=0, item=item),
-            event("response.output_text.delta", sequence_number=2, item_id="msg_1", output_index=0, content_index=0,
-                  delta="Hi "),
-            event("response.output_text.delta", sequence_number=3, item_id="msg_1", output_index=0, content_index=0,
-                  delta="<HIGH>"),
-            event("response.output_text.done", sequence_number=4, item_id="msg_1", output_index=0, content_index=0,
-                  text=CUT_TEXT),
-            event("response.completed", sequence_number=5, response=final)]
 
 
 async def test_a_responses_stream_cut_in_the_middle_of_an_emoji_ends_as_the_upstream_ended_it(harness):
@@ -111,38 +63,6 @@ async def test_a_responses_stream_cut_in_the_middle_of_an_emoji_ends_as_the_upst
     assert [e.type for e in events][-1] == "response.completed"
     assert events[-1].response.output_text == "Hi \ud83d"
     assert events[-1].response.usage.model_extra["cost"] == cost(2, 2)
-
-
-MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": "org/Up-7B", "content": [],
-           "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}
-
-
-def messages_stream(*texts: str) -> list[bytes]:
-    return [event("message_start", message=MESSAGE),
-            event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
-            *[event("content_block_delta", index=0, delta={"type": "text_delta", "text": t}) for t in texts]]
-
-
-MESSAGES_END = [event("content_block_stop", index=0),
-                event("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
-                      usage={"output_tokens": 3}),
-                event("message_stop")]
-
-
-async def failed_messages_stream(h) -> tuple[bytes, dict, anthropic.APIStatusError]:
-    """The same streamed ``/v1/messages`` request through ``h`` twice: raw (its bytes and its usage row), then by
-    the Anthropic SDK, which must raise; returns the bytes, the row and what the SDK raised."""
-    body = {"model": MODEL, "max_tokens": 9, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    async with h.post("/v1/messages", body) as resp:
-        assert resp.status == 200
-        raw = await resp.read()
-        row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
-    with pytest.raises(anthropic.APIStatusError) as caught:
-        async with claude(h).messages.stream(model=MODEL, max_tokens=9,
-                                              messages=[{"role": "user", "content": "hi"}]) as stream:
-            async for _ in stream:
-                pass
-    return raw, row, caught.value
 
 
 async def test_an_anthropic_error_event_with_a_lone_surrogate_ends_the_stream_as_the_upstreams_error(harness):
@@ -237,7 +157,6 @@ async def test_an_upstream_event_too_deep_to_write_back_ends_the_stream_blaming_
         "error", error={"type": "api_error", "message": "The upstream sent an event nested deeper than the gateway "
                                                         "can write JSON back (254 levels)."})
     assert (row["status"], row["error_code"]) == (200, "upstream_bad_response")
-
 
 
 # -- 2. the Responses API's stored conversations ------------------------------------------------------------------

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import openai
 import pytest
 from aiohttp import web
-from test_apis_leftovers import PROMPT, cost
+from framed_streams import PROMPT, cost
 
 from kilnproxy.testing import MODEL
 
@@ -134,8 +134,6 @@ async def test_an_encoding_or_dimensions_openai_refuses_is_a_clear_400(harness, 
         assert caught.value.body == {"message": message, "type": "invalid_request_error", "param": field,
                                      "code": "invalid_request"}
         assert await h.mock_requests() == []
-
-
 
 
 async def test_the_sdks_default_base64_embeddings_come_back_as_the_same_vectors(harness):

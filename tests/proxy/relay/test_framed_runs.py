@@ -11,8 +11,8 @@ import json
 
 import orjson
 import pytest
-from test_apis_leftovers import MESSAGES_END, claude, event, messages_stream, responses_stream, serving
-from test_streaming import raw_upstream
+from framed_streams import MESSAGES_END, claude, event, messages_stream, responses_stream, serving
+from raw_upstreams import raw_upstream
 
 from kilnproxy.config import Pricing
 from kilnproxy.call import Call

@@ -11,10 +11,9 @@ from contextlib import asynccontextmanager
 
 import anthropic
 import pytest
+from framed_streams import CUT_TEXT, MESSAGE, MESSAGES_END, USAGE, claude, cost, event, failed_messages_stream, lone, messages_stream, response, responses_stream, serving
+from raw_upstreams import raw_upstream
 from rawhttp import raw_server, read_request
-from test_apis_leftovers import (CUT_TEXT, MESSAGE, MESSAGES_END, USAGE, claude, cost, event, failed_messages_stream,
-                                 lone, messages_stream, response, responses_stream, serving)
-from test_streaming import raw_upstream
 
 from kilnproxy import hookimpl
 from kilnproxy.testing import MODEL
@@ -74,8 +73,6 @@ async def test_a_timeout_on_messages_is_anthropics_timeout_error_before_and_duri
             "type": "timeout_error", "message": "The request took longer than the model's request_timeout."}}
         assert [(r["status"], r["error_code"]) for r in await h.rows()] == [(504, "upstream_timeout"),
                                                                             (200, "upstream_timeout")]
-
-
 
 
 @asynccontextmanager

@@ -3,11 +3,11 @@ client gets and the usage row. Each upstream answers one request per connection 
 
 import gzip
 import logging
-from contextlib import asynccontextmanager
 
 import orjson
 import pytest
-from rawhttp import exchange_all, raw_server, read_request, request
+from raw_upstreams import answering, http
+from rawhttp import exchange_all, request
 
 from kilnproxy.store.sqlite.ledger import SQLiteLedger
 from kilnproxy.testing import KEY, MODEL
@@ -16,26 +16,6 @@ from kilnproxy.usage import COLUMNS, MAX_TOKENS
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "up",
           "choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
           "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
-
-
-def http(body: bytes, status: str = "200 OK", **headers: str) -> bytes:
-    """A response of ``body``; ``headers`` (``Content_Type=...``) replace the usual ones, an empty one drops it."""
-    head = {"Content-Type": "application/json", "Content-Length": str(len(body)),
-            **{name.replace("_", "-"): value for name, value in headers.items()}}
-    return (f"HTTP/1.1 {status}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items() if v)
-            + "\r\n").encode("utf-8", "surrogateescape") + body
-
-
-@asynccontextmanager
-async def answering(raw: bytes):
-    """An upstream that answers every request with ``raw``, then closes the connection: its base URL."""
-    async def serve(reader, writer):
-        await read_request(reader)
-        writer.write(raw)
-        await writer.drain()
-        writer.close()
-    async with raw_server(serve) as url:
-        yield url
 
 
 async def answered(harness, raw: bytes) -> tuple[int, dict, bytes, dict]:

@@ -1,4 +1,4 @@
-"""Three leftovers of the streamed relay, each through a running gateway on a real port, in front of a raw
+"""The streamed relay, each case through a running gateway on a real port, in front of a raw
 upstream that sends the exact bytes: what the client gets, byte for byte, and the usage row.
 
 - the model's name is replaced only at the event's top level, never in an object nested inside it, however
@@ -15,11 +15,9 @@ from contextlib import asynccontextmanager
 
 import orjson
 import pytest
+from raw_upstreams import raw_upstream
 from rawhttp import raw_server, read_request
-from test_relay_chunks import PLUGINS, assert_same, relay_for, run
-from test_relay_odd_upstreams import DONE, END, HELLO, WORLD, frame, renamed, text_chunk, usage
-from test_relay_odd_upstreams import relayed as odd_relayed
-from test_streaming import cost, raw_upstream
+from relays import DONE, END, HELLO, PLUGINS, WORLD, assert_same, cost, frame, relay_for, relayed as odd_relayed, renamed, run, text_chunk, usage
 
 from kilnproxy import hookimpl
 from kilnproxy.proxy.relay.plain_relay import EventRelay

@@ -4,56 +4,16 @@ relay takes its events together, as it does from a fast server."""
 
 import orjson
 import pytest
-from test_streaming import WHOLE_MESSAGES_STREAM, raw_upstream
+from raw_upstreams import WHOLE_MESSAGES_STREAM, raw_upstream
+from relays import DONE, END, HELLO, WORLD, frame, relayed, renamed, text_chunk, usage
 
 from kilnproxy import DROP, hookimpl
 from kilnproxy.proxy.relay.framed_relay import FramedRelay
 from kilnproxy.proxy.relay.plain_relay import EventRelay
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
 
-DONE = b"data: [DONE]\n\n"
 
-
-def frame(obj) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def text_chunk(text: str, finish: str | None = None, model: str = UPSTREAM_MODEL, **extra) -> dict:
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
-
-
-def usage(prompt: int, completion: int) -> dict:
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": UPSTREAM_MODEL, "choices": [],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion}}
-
-
-def renamed(obj: dict) -> bytes:
-    """``frame`` of ``obj`` as the client gets it: the catalog id for the model."""
-    return frame({**obj, "model": MODEL})
-
-
-HELLO, WORLD, END = text_chunk("Hello"), text_chunk(" world"), text_chunk("!", "stop")
 TEXT = frame(HELLO) + frame(WORLD) + frame(END)
-
-
-async def relayed(harness, stream: bytes, body: dict | None = None, path: str = "/v1/completions",
-                  plugins=(), *, upstream=raw_upstream, model: dict | None = None) -> tuple[bytes, dict]:
-    """What the client got for ``stream`` from the upstream (``upstream(stream=...)``, a context manager
-    giving its URL), and the request's row; ``model``: changes to the catalog model (its ``upstream_model``)."""
-    async with upstream(stream=stream) as url:
-        configure = lambda c: c["models"][0].update(upstreams=[url], **(model or {}))  # noqa: E731
-        async with harness(configure=configure, plugins=list(plugins)) as h:
-            request = {"model": MODEL, "stream": True, **({"prompt": "hi there"} if path == "/v1/completions"
-                                                          else {"messages": [{"role": "user", "content": "hi"}]}),
-                       **(body or {})}
-            async with h.post(path, request) as resp:
-                assert resp.status == 200, await resp.text()
-                raw = await resp.read()
-                row = await h.row(resp.headers["X-Neocloud-Generation-Id"])
-    assert b"HTTP/1.1" not in raw
-    return raw, row
 
 
 async def test_choices_that_are_not_a_list_beside_usage_are_relayed(harness):

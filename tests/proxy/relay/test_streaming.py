@@ -2,26 +2,20 @@
 
 import asyncio
 
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import orjson
 import pytest
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
+from raw_upstreams import WHOLE_MESSAGES_STREAM, WHOLE_STREAM, raw_upstream
 from rawhttp import raw_server, read_request
+from relays import cost
 
 from kilnproxy.testing import MODEL, UPSTREAM_MODEL
-from kilnproxy.usage import round_usd
 
 GEN = "X-Neocloud-Generation-Id"
 FIXED = {"id": "cmpl-fixed", "created": 1700000000}
-PRICE = {"prompt": 0.10, "completion": 0.30, "cached_prompt": 0.05}
-
-
-def cost(prompt, completion, cached=0):
-    return round_usd(((prompt - cached) * PRICE["prompt"] + cached * PRICE["cached_prompt"]
-                      + completion * PRICE["completion"]) / 1_000_000)
 
 
 def events(raw: bytes) -> list[bytes]:
@@ -248,31 +242,6 @@ async def test_events_are_parsed_only_when_a_rule_needs_them(harness, monkeypatc
     assert b'"finish_reason":"length"' in parsed[0] and b'"usage"' in parsed[1]
 
 
-def sse_frame(data: dict) -> bytes:
-    return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1,
-                                     "model": UPSTREAM_MODEL, **data}) + b"\n\n"
-
-
-WHOLE_STREAM = (b"".join(sse_frame({"choices": [{"index": 0, "text": w, "finish_reason": None}]}) for w in ("a", " b"))
-                + sse_frame({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-                + sse_frame({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
-                + b"data: [DONE]\n\n")
-
-
-def anthropic_frame(kind: str, data: dict) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
-
-
-MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": UPSTREAM_MODEL, "content": [],
-           "stop_reason": None, "usage": {"input_tokens": 3, "output_tokens": 0}}
-WHOLE_MESSAGES_STREAM = b"".join((
-    anthropic_frame("message_start", {"message": MESSAGE}),
-    anthropic_frame("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
-    *(anthropic_frame("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": w}})
-      for w in ("a", " b")),
-    anthropic_frame("content_block_stop", {"index": 0}),
-    anthropic_frame("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 2}}),
-    anthropic_frame("message_stop", {})))
 # path, the client's body, what the upstream sends in one write
 WHOLE = {
     "completions": ("/v1/completions", {"model": MODEL, "stream": True, "prompt": "x",
@@ -280,24 +249,6 @@ WHOLE = {
     "messages": ("/v1/messages", {"model": MODEL, "stream": True, "max_tokens": 2,
                                   "messages": [{"role": "user", "content": "x"}]}, WHOLE_MESSAGES_STREAM),
 }
-
-
-@asynccontextmanager
-async def raw_upstream(go: asyncio.Event | None = None, stream: bytes = WHOLE_STREAM):
-    """An upstream that sends its head and, once ``go`` is set (at once without one), ``stream`` in
-    one write: its base URL."""
-    async def serve(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
-                     % len(stream))
-        if go is not None:
-            await writer.drain()
-            await go.wait()
-        writer.write(stream)
-        await writer.drain()
-        writer.close()
-    async with raw_server(serve) as url:
-        yield url
 
 
 def sent_by_server(monkeypatch) -> list[bytes]:

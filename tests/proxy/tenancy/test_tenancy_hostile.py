@@ -13,8 +13,8 @@ import zlib
 
 import aiohttp
 import orjson
+from admin_calls import api, call
 from processes import GatewayProcess, gateway_config
-from test_admin_api import api, call
 
 from kilnproxy.testing import completion_body
 

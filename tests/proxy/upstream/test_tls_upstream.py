@@ -10,40 +10,13 @@ for 127.0.0.1."""
 from __future__ import annotations
 
 import ssl
-import subprocess
-from pathlib import Path
 
 import pytest
 from aiohttp import web
+from tls import certificates  # noqa: F401 (a fixture: the test CA and a certificate it signed)
 
 from kilnproxy.mock_servers.mock_upstream import create_mock_app
 from kilnproxy.testing import completion_body
-
-LEAF_EXTENSIONS = """\
-basicConstraints = critical, CA:FALSE
-keyUsage = critical, digitalSignature
-extendedKeyUsage = serverAuth
-subjectAltName = IP:127.0.0.1
-subjectKeyIdentifier = hash
-authorityKeyIdentifier = keyid
-"""
-
-
-@pytest.fixture(scope="module")
-def certificates(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """The CA's certificate, the server's certificate and its key (EC P-256: quick to make)."""
-    folder = tmp_path_factory.mktemp("tls")
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kilnproxy test CA",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
-    (folder / "leaf.ext").write_text(LEAF_EXTENSIONS)
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "server.pem", "-days", "2", "-extfile", "leaf.ext")
-    return folder / "ca.pem", folder / "server.pem", folder / "server.key"
 
 
 @pytest.fixture
