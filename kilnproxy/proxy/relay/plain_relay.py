@@ -29,7 +29,7 @@ cache), so the per-event path has no call it did not have as one class.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import orjson
 
@@ -45,27 +45,38 @@ from .plain_decider import PlainDecider
 from .plain_scanner import CR, ERROR, EVENT_SEP, FINISH, FINISH_NULL, LF, ROLE, USAGE, USAGE_NULL, PlainRun, role_only
 from .plain_transforms import PluggedEvents
 from ..request_record import RequestRecord
-from ..upstream.routes import Route
+
+
+class ModelNames(Protocol):
+    """What the relay reads of the model it streams: ``b'"model":"<name>"'`` as the catalog lists it and as the
+    upstream names it (both the same when the catalog does not rename it). The request's upstream route
+    (``upstream.routes.Route``) is one."""
+
+    @property
+    def model_bytes(self) -> bytes: ...
+
+    @property
+    def upstream_model_bytes(self) -> bytes: ...
 
 
 class EventRelay(PlainDecider, PluggedEvents, Bookkeeping):
     """One stream's relay: ``feed_chunk()`` for each chunk the upstream sends, ``close()`` at its
     end of body, ``tail()`` for what follows the last event."""
 
-    __slots__ = ("call", "route", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
+    __slots__ = ("call", "names", "record", "impls", "transforms", "parse_all", "rename", "catalog_key",
                  "upstream_key", "own_start", "own_end", "own_end_key", "ended", "error",
                  "usage_raw", "raw_counts", "usage_event", "last_event", "clean_end", "parser", "rest", "plain", "by_parser", "crlf",
                  "choice_usage", "request_usage", "chat", "several",
                  "finished_choices")
 
-    def __init__(self, call: Call, route: Route, record: RequestRecord, impls: tuple[Impl, ...]):
+    def __init__(self, call: Call, names: ModelNames, record: RequestRecord, impls: tuple[Impl, ...]):
         self.call = call
-        self.route = route
+        self.names = names
         self.record = record
         self.impls = impls
         self.parse_all = bool(impls)
         self.transforms = tuple([event_only(impl, call) for impl in impls]) if impls else ()
-        self.catalog_key, self.upstream_key = route.model_bytes, route.upstream_model_bytes  # b'"model":"<name>"'
+        self.catalog_key, self.upstream_key = names.model_bytes, names.upstream_model_bytes  # b'"model":"<name>"'
         self.rename = self.catalog_key != self.upstream_key
         # the bytes of an event that showed its own model to be the upstream's name (``_own_model``), from its
         # start or from the byte before the key to its end: a stream's events share them (none, at first)
@@ -81,7 +92,7 @@ class EventRelay(PlainDecider, PluggedEvents, Bookkeeping):
         self.clean_end = False  # the upstream finished its answer ([DONE], an error event): read it to its end
         self.parser = SSEParser()
         self.rest: list[bytes] = []  # the start of an event whose blank line has not come yet
-        self.plain = PlainRun(route.upstream_model_bytes, route.model_bytes)
+        self.plain = PlainRun(names.upstream_model_bytes, names.model_bytes)
         self.by_parser = False  # the parser is inside an event, or a CR was seen: it takes every chunk
         self.crlf = False  # a CR was seen: the parser for good
         self.choice_usage: dict[Any, Usage] = {}  # the latest report on each choice's chunks, by index
