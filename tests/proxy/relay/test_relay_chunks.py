@@ -8,47 +8,12 @@ from pathlib import Path
 
 import orjson
 import pytest
+from relays import PLUGINS, assert_same, cuts, relay_for, run
 
-from kilnproxy.config import ModelConfig, Pricing, ServerConfig
 from kilnproxy.mock_servers.mock_upstream import _Generation
-from kilnproxy.call import DROP, STOP, Call
-from kilnproxy.plugins.manager import Impl
 from kilnproxy.proxy.relay.plain_scanner import PlainRun, _common_ends
+from kilnproxy.testing import UPSTREAM_MODEL
 from kilnproxy.proxy.relay.plain_relay import EventRelay
-from kilnproxy.proxy.request_record import RequestRecord
-from kilnproxy.proxy.relay.errors import StreamPluginError
-from kilnproxy.proxy.upstream.routes import Route
-from kilnproxy.sse import DONE_FRAME, SSEParser
-
-UPSTREAM_MODEL = "org/Test-Model-7B"
-
-
-def relay_for(catalog_id: str, include_usage: bool, endpoint: str = "completions", impls=(),
-              upstream_model: str = UPSTREAM_MODEL) -> EventRelay:
-    route = Route(ModelConfig(catalog_id, ("http://127.0.0.1:1/v1",), upstream_model,
-                              pricing=Pricing(0.1, 0.3)), ServerConfig())
-    call = Call("gen-test", "acme", "key", endpoint, model=catalog_id, stream=True, include_usage=include_usage,
-                pricing=route.pricing)
-    return EventRelay(call, route, RequestRecord(call), impls)
-
-
-def run(relay: EventRelay, chunks: list[bytes], bulk: bool) -> tuple:
-    """``bulk``: the relay's own path; else every chunk parsed and relayed event by event."""
-    parser = SSEParser()
-    out = []  # what each chunk gives: the same bytes at the same time
-    try:
-        for chunk in chunks:
-            out.append(relay.feed_chunk(chunk) if bulk else relay.feed(parser.feed(chunk)))
-            if relay.ended:
-                break
-        else:
-            out.append(relay.close() if bulk else relay.feed(parser.close()))
-        out.append(relay.tail())
-    except StreamPluginError as exc:
-        out.append(exc.before + exc.frame() + DONE_FRAME)
-    rec = relay.record
-    return (out, rec.streamed_chunks, rec.finish_reason, rec.error_code, relay.ended, relay.clean_end,
-            rec.usage)
 
 
 def mock_stream(flavor: str, chat: bool, words: int = 40, **opts) -> bytes:
@@ -56,29 +21,6 @@ def mock_stream(flavor: str, chat: bool, words: int = 40, **opts) -> bytes:
     gen = _Generation(body, {"flavor": flavor, "delay": 0, "context_window": 4096, **opts}, chat, 3, words)
     frames = [b"data: " + orjson.dumps(f) + b"\n\n" for f in gen.frames()]
     return b"".join(frames) + b"data: [DONE]\n\n"
-
-
-def cuts(stream: bytes, seed: int = 0, random_cuts: int = 20) -> dict[str, list[bytes]]:
-    rng = random.Random(seed)
-    fixed = {
-        "whole": [stream],
-        "halves": [stream[:len(stream) // 2], stream[len(stream) // 2:]],
-        "1500 bytes": [stream[i:i + 1500] for i in range(0, len(stream), 1500)],
-        "1031 bytes": [stream[i:i + 1031] for i in range(0, len(stream), 1031)],
-        "7 bytes": [stream[i:i + 7] for i in range(0, len(stream), 7)],
-    }
-    for i in range(random_cuts):
-        at = sorted(rng.sample(range(1, len(stream)), rng.choice((1, 2, 3, 8, 30, len(stream) // 40))))
-        fixed[f"random {seed}/{i}: {at}"] = [stream[a:b] for a, b in zip([0, *at], [*at, len(stream)])]
-    return fixed
-
-
-def assert_same(stream: bytes, catalog_id: str, include_usage: bool, endpoint: str = "completions",
-                seed: int = 0) -> None:
-    for name, chunks in cuts(stream, seed).items():
-        bulk = run(relay_for(catalog_id, include_usage, endpoint), chunks, bulk=True)
-        plain = run(relay_for(catalog_id, include_usage, endpoint), chunks, bulk=False)
-        assert bulk == plain, name
 
 
 @pytest.mark.parametrize("flavor", ["vllm", "vllm_old", "llamacpp", "ollama"])
@@ -254,71 +196,6 @@ def test_odd_streams_relay_the_same_in_bulk_with_plugins_that_act(name, plugins)
         assert runs[0] == runs[1], cut
 
 
-def _upper(event):
-    for choice in event.get("choices") or ():
-        if choice.get("text"):
-            choice["text"] = choice["text"].upper()
-
-
-def _drop_some(call, event):
-    call.state["n"] = call.state.get("n", 0) + 1
-    return DROP if call.state["n"] % 3 == 0 else None
-
-
-def _stop_late(event, call):
-    call.state["n"] = call.state.get("n", 0) + 1
-    return STOP if call.state["n"] == 20 else None
-
-
-def _raise_late(call):
-    call.state["n"] = call.state.get("n", 0) + 1
-    if call.state["n"] == 9:
-        raise ValueError("boom")
-
-
-def _not_json_late(call, event):
-    call.state["n"] = call.state.get("n", 0) + 1
-    if call.state["n"] == 7:
-        event["x"] = {1, 2}
-
-
-class _Tagger:
-    """A plugin object: its hook a method, ``call`` first (bound to the stream's call as the method's
-    own ``self`` is bound to the object)."""
-
-    def transform_event(self, call, event):
-        event["gen"] = call.generation_id
-        event.setdefault("seen", []).append(type(self).__name__)
-
-
-def _change_the_last_too(call, event):
-    """Keeps each event and changes it again when the next comes: what goes out is the event as
-    it was when the plugin returned."""
-    last = call.state.get("last")
-    if last is not None:
-        last["late"] = True
-    event["late"] = False
-    call.state["last"] = event
-
-
-PLUGINS = {
-    "no-op": [Impl("noop", "transform_event", lambda event: None, ("event",))],
-    "takes no argument": [Impl("nothing", "transform_event", lambda: None, ())],
-    "returns another event": [Impl("other", "transform_event", lambda event: {"id": "other"}, ("event",))],
-    "a method, call first": [Impl("tagger", "transform_event", _Tagger().transform_event, ("call", "event"))],
-    "changes the event before": [Impl("late", "transform_event", _change_the_last_too, ("call", "event"))],
-    "two, the second dropping": [Impl("upper", "transform_event", _upper, ("event",)),
-                                 Impl("drop", "transform_event", _drop_some, ("call", "event"))],
-    "raises alone": [Impl("raise", "transform_event", _raise_late, ("call",))],
-    "leaves the event not JSON": [Impl("set", "transform_event", _not_json_late, ("call", "event"))],
-    "changes text": [Impl("upper", "transform_event", _upper, ("event",))],
-    "drops every third": [Impl("drop", "transform_event", _drop_some, ("call", "event"))],
-    "stops at the 20th": [Impl("stop", "transform_event", _stop_late, ("event", "call"))],
-    "two, one raising": [Impl("upper", "transform_event", _upper, ("event",)),
-                         Impl("raise", "transform_event", _raise_late, ("call",))],
-}
-
-
 @pytest.mark.parametrize("plugins", list(PLUGINS))
 @pytest.mark.parametrize("flavor", ["vllm", "llamacpp", "ollama"])
 @pytest.mark.parametrize("chat", [False, True])
@@ -352,7 +229,7 @@ def test_a_last_event_with_no_blank_line_counts_at_the_end_of_the_body(ending):
         assert bulk[1] == 21, name
 
 
-RECORDED = sorted((Path(__file__).parent / "data" / "streams").glob("*.sse"))  # tests/e2e/record_streams.py
+RECORDED = sorted((Path(__file__).resolve().parents[2] / "data" / "streams").glob("*.sse"))  # tests/e2e/record_streams.py
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda path: path.stem)
