@@ -1,5 +1,5 @@
 """The request rules (docs/reference.md), steps 1 to 7, one function each, called in order
-by ``completions.handle`` (step 3, the body, is ``kilnproxy.proxy.request_body``).
+by ``request_path.handle`` for every API (step 3, the body, is ``kilnproxy.proxy.request_body``).
 
 Each check raises ``GatewayError`` with the status and code docs/reference.md gives;
 the first that fails answers the request.
@@ -16,7 +16,7 @@ from ..store.tenancy.key_usage import period_start
 from ..store.limits import Admission, Credits, Hold, insufficient_credits
 from ..usage import MAX_CHOICES
 from .tenancy.auth import check_enabled
-from .request_body import read_json_body  # step 3  # noqa: F401 (called as admission.read_json_body)
+from .request_body import read_json_body  # step 3  # noqa: F401 (called as rules.read_json_body, beside the other steps)
 from .upstream.routes import Route
 
 _TRUE = ("true",)

@@ -25,7 +25,7 @@ thread where it prepares the file (``asyncio.to_thread``), after creating
 ``usage_events``; an aiosqlite connection is never used for it.
 
 PostgreSQL's tables are the same, created by the migration that follows
-``usage_events`` in ``kilnproxy.pg_schema.MIGRATIONS`` (run at start-up by
+``usage_events`` in ``kilnproxy.store.postgres.schema.MIGRATIONS`` (run at start-up by
 the first replica, under its advisory lock).
 """
 
@@ -244,7 +244,7 @@ def numbered(sql: str) -> str:
 
 class PostgresDb(_Rows):
     """PostgreSQL through an asyncpg pool (a gateway's) or one connection (a command's, a test's;
-    then one operation at a time). The schema is ``kilnproxy.pg_schema``'s, migrated by its opener.
+    then one operation at a time). The schema is ``kilnproxy.store.postgres.schema``'s, migrated by its opener.
     ``timeout`` (seconds) bounds each statement and each wait for a pooled connection: past it,
     ``asyncio.TimeoutError``, which the gateway answers as 503 ``store_unavailable``."""
 
