@@ -2,7 +2,7 @@
 
 They open the store the config names (``--config FILE``, or
 ``$KILNPROXY_CONFIG``): the SQLite file or PostgreSQL, whether or not a
-gateway runs; a running gateway sees the change within a second by itself.
+gateway runs; with no config, the demo's store (``./kilnproxy.db``, its org ``demo``); a running gateway sees the change within a second by itself.
 The checks and rules are the admin API's (``kilnproxy.proxy.tenancy.changes``):
 the same 400 / 404 / 409 refusals, printed as one line on stderr with exit
 status 2, and nothing changed. Audit events name the actor ``cli``.
@@ -25,10 +25,11 @@ from typing import Any, Callable, NoReturn
 
 from ..config import load_config
 from ..errors import GatewayError, KilnError, StorageError
-from ..proxy.tenancy.changes import TenancyChanges, store_unavailable
+from ..proxy.tenancy.changes import TenancyChanges, is_store_outage
 from ..proxy.tenancy.views import Books, TenancyView
 from ..store.reads import reason
 from ..store.books import open_command_store
+from .demo import demo_config
 from .tenancy_text import render
 
 ACTOR = "cli"
@@ -201,9 +202,7 @@ async def revoke_key(args, changes: TenancyChanges) -> Any:
 # -- running one ---------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace, action: Callable) -> int:
-    if not args.config:
-        raise KilnError("name the config whose store to change: --config FILE (or set KILNPROXY_CONFIG)")
-    config = load_config(args.config)
+    config = load_config(args.config) if args.config else _demo_store()
     out = asyncio.run(_run(config, args, action))
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0
@@ -217,10 +216,19 @@ async def _run(config, args: argparse.Namespace, action: Callable) -> Any:
     except GatewayError as exc:
         raise KilnError(_message(exc)) from None
     except Exception as exc:
-        if not store_unavailable(exc):
+        if not is_store_outage(exc):
             raise
         where = "PostgreSQL" if config.storage.url else f"the database {str(config.db_path)!r}"
         raise StorageError(f"cannot reach {where}: {reason(exc, config.storage.url or '')}") from None
+
+
+def _demo_store() -> Any:
+    """With no config, the store of the demo that ``python -m kilnproxy`` serves from this folder."""
+    config = demo_config("http://127.0.0.1/v1", "127.0.0.1", 8080)  # the upstream is never reached here
+    if not config.db_path.exists():
+        raise KilnError(f"no config given and no demo store {str(config.db_path)!r} here: run the command "
+                        "where the demo runs, or name a config: --config FILE (or set KILNPROXY_CONFIG)")
+    return config
 
 
 def _message(exc: GatewayError) -> str:
