@@ -286,6 +286,10 @@ def routes_from(models: tuple[ModelConfig, ...], server: ServerConfig,
     upstreams answered no list."""
     routes: dict[str, Route] = {}
     pools: dict[str, SlotPool] = {}  # models listing the same upstream URL share its slots
+    for m in models:  # the cap is the URL's, whichever model gives it (config refuses two different caps)
+        for i, u in enumerate(m.upstreams):
+            if (limit := m.max_in_flight_of(i)) is not None:
+                pools.setdefault(u, SlotPool(u, limit))
     for m in models:
         if not m.discover:
             routes[m.id] = Route(m, server, pools)
