@@ -24,14 +24,11 @@ from collections import OrderedDict, deque
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from ..mock_servers.format import Chunk, Fixture
 from ..mock_servers.scrub import Scrubber
 from ..proxy.relay.event_json import read, write
-from ..proxy.relay.plain_relay import EventRelay
 from ..proxy.request_record import RequestRecord
-from ..proxy.upstream.routes import Route
 from ..sse import COMMENT, SSEParser
 
 
@@ -101,7 +98,7 @@ class Tap:
         copy.upstream_chunks, copy.client_writes = list(self.upstream_chunks), list(self.client_writes)
         return copy
 
-    # -- called by the request path ---------------------------------------------
+    # -- called by the request path (kilnproxy.proxy.request_observers.Tap) ------
 
     def sent_upstream(self, payload: bytes) -> None:
         self.upstream_body = self.keep(payload)
@@ -109,11 +106,6 @@ class Tap:
     def answer(self, upstream: bytes, client: bytes) -> None:
         self.upstream_answer = self.keep(upstream)
         self.client_answer = self.keep(client)
-
-    def stream(self, record: RequestRecord, route: Route, impls: tuple,
-               headers: dict) -> tuple[web.StreamResponse, EventRelay]:
-        """The response and relay of a streamed answer, recording what passes through them."""
-        return TappedResponse(self, status=200, headers=headers), TappedRelay(self, record, route, impls)
 
     def upstream_chunk(self, chunk: bytes) -> None:
         kept = self.keep(chunk)
@@ -124,39 +116,6 @@ class Tap:
         kept = self.keep(bytes(data))
         if kept:
             self.client_writes.append((self.ms(), kept))
-
-
-class TappedRelay(EventRelay):
-    """``EventRelay`` that shows each chunk of upstream bytes to its tap first."""
-
-    __slots__ = ("tap",)
-
-    def __init__(self, tap: Tap, record: RequestRecord, route: Route, impls: tuple):
-        super().__init__(record.call, route, record, impls)
-        self.tap = tap
-
-    def feed_chunk(self, chunk: bytes) -> bytes:
-        """Every chunk through the parser, event by event (no bulk fast path); the tap keeps
-        the raw chunk, and the capture's reader parses it as the relay did."""
-        self.tap.upstream_chunk(chunk)
-        return self.feed(self.parser.feed(chunk))
-
-
-class TappedResponse(web.StreamResponse):
-    """``StreamResponse`` that shows its tap every write (events, keep-alives, ``[DONE]``)."""
-
-    def __init__(self, tap: Tap, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._tap = tap
-
-    async def write(self, data: bytes) -> None:
-        self._tap.client_write(data)
-        await super().write(data)
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        if data:
-            self._tap.client_write(data)
-        await super().write_eof(data)
 
 
 # -- what the API shows -----------------------------------------------------------

@@ -24,6 +24,7 @@ from .request_body import ENCODINGS, inflate
 from .request_record import RequestRecord
 from .upstream.routes import Route
 from .upstream.connections import UpstreamBadResponse
+from .upstream.responses import UpstreamResponse
 
 PASS_THROUGH_STATUSES = (400, 422)
 MAX_REJECTION_BYTES = 16 * 1024 * 1024  # a rejection's body, decoded
@@ -61,7 +62,7 @@ async def forward(request: web.BaseRequest, gw: Gateway, call: Call, key: KeyCon
             resp.close()  # cut short: hang up so the model server stops generating
 
 
-async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: RequestRecord,
+async def pass_through(gw: Gateway, resp: UpstreamResponse, record: RequestRecord,
                        headers: dict) -> Answer:
     """Upstream 400/422: the model server rejected the request; same status, same body."""
     raw = await read_upstream(resp)
@@ -82,7 +83,7 @@ async def pass_through(gw: Gateway, resp: aiohttp.ClientResponse, record: Reques
     return Answer(raw, resp.status, resp.headers.get("Content-Type", "application/json"), headers)
 
 
-async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aiohttp.ClientResponse,
+async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: UpstreamResponse,
                       headers: dict, api) -> Answer:
     """A non-streamed answer: what the API reads of it (usage, finish reason), then the plugins'. JSON that
     orjson refuses but the json module reads (a string escaping a lone surrogate) is read and written back
@@ -118,7 +119,7 @@ async def json_answer(gw: Gateway, call: Call, record: RequestRecord, resp: aioh
     return Answer(out, headers=headers)
 
 
-async def read_upstream(resp: aiohttp.ClientResponse) -> bytes:
+async def read_upstream(resp: UpstreamResponse) -> bytes:
     try:
         return await resp.read()
     except DeadlinePassed as exc:

@@ -24,12 +24,13 @@ from .gateway import Gateway
 from .request_record import RequestRecord
 from .stream_writer import KeepAlive, ShuttingDown, end_stream, start_stream, stream_response
 from .relay.errors import StreamPluginError
+from .upstream.responses import UpstreamResponse
 
 log = logging.getLogger("kilnproxy")
 
 
 async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record: RequestRecord,
-                       upstream: aiohttp.ClientResponse, headers: dict, first: bytes | None = None,
+                       upstream: UpstreamResponse, headers: dict, first: bytes | None = None,
                        ) -> web.StreamResponse:
     """``first``: the stream's first bytes when they were read already (to meet a first-byte deadline)."""
     response = stream_response(headers, upstream, first)
@@ -47,7 +48,7 @@ async def relay_framed(request: web.BaseRequest, gw: Gateway, call: Call, record
     return response
 
 
-async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: FramedRelay,
+async def _pump(upstream: UpstreamResponse, response: web.StreamResponse, relay: FramedRelay,
                 record: RequestRecord, keepalive: KeepAlive, first: bytes | None) -> bytes:
     """Relay until the upstream ends; return what must close the body, written once the row is committed
     (the last chunk's events, an error event, or nothing)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import aiohttp
 import pluggy
@@ -27,6 +27,7 @@ from ..store.sqlite.ledger import SQLiteLedger
 from ..store.tenancy.orgs_keys import TenancyStore
 from ..store.tenancy.sql import PostgresDb, SQLiteDb
 from .tenancy.auth import KeyRing
+from .request_observers import RequestTrace, Tap
 from .request_record import RequestRecord
 from .tenancy.key_ring import Tenants
 from .upstream.routes import Route, client_session, routes_from
@@ -34,6 +35,40 @@ from .upstream.client import UpstreamClient
 from .upstream.responses import UpstreamResponse
 
 log = logging.getLogger("kilnproxy")
+
+
+# What the gateway is handed by the parts above the proxy, and calls (each ``None`` or empty when its part is
+# off); what a request's record carries for them (its tap, its trace) is in ``request_observers``.
+
+class Capture(Protocol):
+    """``Gateway.capture``: the inspector's capture (``[inspector] capture``), a ``Tap`` for each request."""
+
+    def tap(self, record: RequestRecord, body: dict) -> Tap:
+        """The request's tap, given the client's body as parsed (before any rule or plugin touched it)."""
+
+
+class Tracer(Protocol):
+    """``Gateway.tracer``: the tracing (``[tracing]``)."""
+
+    def begin(self, headers: Mapping[str, str], endpoint: str, call: Call) -> RequestTrace:
+        """The request's trace, a child of the client's ``traceparent`` when it sent a valid one."""
+
+    def link(self, generation_id: str) -> dict | None:
+        """A recent request's trace id and URL, for the inspector (None when it is not known)."""
+
+
+class RowObserver(Protocol):
+    """An entry of ``Gateway.row_observers`` (the metrics, the access log): told of each request's row
+    where it is built, with its record. What it raises is logged; it must not block."""
+
+    def __call__(self, row: dict, record: RequestRecord) -> None: ...
+
+
+class CommitListener(Protocol):
+    """An entry of ``Gateway.commit_listeners`` (the inspector's live feed): told of each batch of rows the
+    store committed, as ``(row, call)`` pairs, on the store's commit; it must not block or raise."""
+
+    def __call__(self, rows: list[tuple[dict, Call]]) -> None: ...
 
 
 class Gateway:
@@ -62,14 +97,15 @@ class Gateway:
         self.tenants: Tenants | None = None
         self.started_at = int(time.time())
         # Called with (row, record) once per request, where its row is built (metrics, access log).
-        self.row_observers: tuple = ()
+        self.row_observers: tuple[RowObserver, ...] = ()
         # Upstream responses being relayed, so a shutdown can end them (kilnproxy.ops.lifecycle).
         self.open_upstreams: set[UpstreamResponse] = set()
-        self.capture = None  # the inspector's CaptureRing when [inspector] capture is on
-        self.tracer = None  # kilnproxy.ops.tracing.install's Tracing when [tracing] is on: ``begin`` a request's trace,
+        self.capture: Capture | None = None  # the inspector's CaptureRing when [inspector] capture is on
+        # kilnproxy.ops.tracing.install's Tracing when [tracing] is on: ``begin`` a request's trace,
         # ``link(generation_id)`` its trace id and URL for the inspector (or None)
+        self.tracer: Tracer | None = None
         self.draining = False  # set by a graceful shutdown (kilnproxy.ops.lifecycle): /healthz?ready is 503
-        self.commit_listeners: list = []  # called with each committed batch; must not block or raise
+        self.commit_listeners: list[CommitListener] = []  # called with each committed batch; must not block or raise
         self.fallback_counts: dict[tuple[str, str], int] = {}  # (requested model, fallback) -> requests sent
         self._usage_queue: asyncio.Queue | None = None
         self._usage_task: asyncio.Task | None = None

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 
 from ..errors import GatewayError, UpstreamFailure
@@ -33,6 +32,7 @@ from . import rules
 from .forward import forward
 from .gateway import Gateway
 from .request_record import RequestRecord
+from .upstream.responses import UpstreamResponse
 from .upstream.routes import Route
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
@@ -56,7 +56,7 @@ def _generation_ids():
 
 new_generation_id = _generation_ids().__next__
 
-Relay = Callable[[web.BaseRequest, Gateway, Call, Route, RequestRecord, aiohttp.ClientResponse, dict, bytes | None],
+Relay = Callable[[web.BaseRequest, Gateway, Call, Route, RequestRecord, UpstreamResponse, dict, bytes | None],
                  Awaitable[web.StreamResponse]]
 
 

@@ -10,6 +10,7 @@ import orjson
 
 from ..call import Call
 from ..usage import Usage, estimate_prompt_tokens
+from .request_observers import RequestTrace, Tap
 
 _second: list = [None, ""]  # the last whole second formatted, and its text
 # The most characters a row keeps of a text that a client or an upstream chose: the model a client
@@ -58,12 +59,12 @@ class RequestRecord:
         self.body: dict | None = None
         self.submitted = False
         self.committed = None  # the ledger's future for this row, once submitted
-        self.tap = None  # the inspector's capture of this request, when capture is on
+        self.tap: Tap | None = None  # the inspector's capture of this request, when capture is on
         self.responded = False  # the status line has gone to the client (a stream was prepared)
         self.hold = None  # the in-flight slot and credit hold taken at step 5, until the row is submitted
         self.requested_model: str | None = None  # the catalog id asked for (the model that served may differ)
         self.admitted = 0.0  # loop time of admission (step 5), where request_timeout starts
-        self.trace = None  # this request's spans when tracing is on (Gateway.tracer)
+        self.trace: RequestTrace | None = None  # this request's spans when tracing is on (Gateway.tracer)
         self.sent = False  # the body is with an upstream (``Route.open``; not one that failed): a prompt to pay for
 
     def fail(self, status: int, code: str | None) -> None:

@@ -26,6 +26,8 @@ from .relay.plain_relay import EventRelay
 from .request_record import RequestRecord
 from .relay.errors import StreamPluginError, error_frame
 from .relay.sse_response import SSE_HEADERS, SSEResponse
+from .relay.tapped_stream import TappedRelay, TappedResponse
+from .upstream.responses import UpstreamResponse
 from .upstream.routes import Route
 
 log = logging.getLogger("kilnproxy")
@@ -51,14 +53,15 @@ class ShuttingDown(aiohttp.ClientError):
 
 
 async def relay_stream(request: web.Request, gw: Gateway, call: Call, route: Route, record: RequestRecord,
-                       upstream: aiohttp.ClientResponse, headers: dict, first: bytes | None = None,
+                       upstream: UpstreamResponse, headers: dict, first: bytes | None = None,
                        ) -> web.StreamResponse:
     """``first``: the stream's first bytes when they were read already (to meet a first-byte deadline)."""
     if record.tap is None:
         response = stream_response(headers, upstream, first)
         relay = EventRelay(call, route, record, gw.hooks.transform_event)
-    else:  # the inspector's capture: the same relay and response, recording what passes
-        response, relay = record.tap.stream(record, route, gw.hooks.transform_event, {**SSE_HEADERS, **headers})
+    else:  # the inspector's capture: the same relay and response, showing the tap what passes
+        response = TappedResponse(record.tap, status=200, headers={**SSE_HEADERS, **headers})
+        relay = TappedRelay(record.tap, call, route, record, gw.hooks.transform_event)
     keepalive = await start_stream(request, gw, record, response)
     try:
         tail = await _pump(upstream, response, relay, record, keepalive, first)
@@ -94,7 +97,7 @@ async def start_stream(request: web.BaseRequest, gw: Gateway, record: RequestRec
 
 
 async def end_stream(gw: Gateway, record: RequestRecord, response: web.StreamResponse, keepalive: "KeepAlive",
-                     tail: bytes, finished: aiohttp.ClientResponse | None) -> None:
+                     tail: bytes, finished: UpstreamResponse | None) -> None:
     """The row committed, then ``tail`` with the end of the chunked body (one write); an upstream that
     ``finished`` its answer is read to its end, so that its connection goes back to the pool."""
     keepalive.cancel()
@@ -104,7 +107,7 @@ async def end_stream(gw: Gateway, record: RequestRecord, response: web.StreamRes
         await _drain(finished)
 
 
-async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse, relay: EventRelay,
+async def _pump(upstream: UpstreamResponse, response: web.StreamResponse, relay: EventRelay,
                 record: RequestRecord, keepalive: "KeepAlive", first: bytes | None) -> bytes:
     """Relay until the upstream ends; return what must follow (the last chunk's events, the usage chunk,
     ``[DONE]``): written in one go once the row is committed."""
@@ -168,7 +171,7 @@ def _tail(relay: EventRelay, record: RequestRecord) -> bytes:
         return _bug(record)
 
 
-async def _drain(upstream: aiohttp.ClientResponse) -> None:
+async def _drain(upstream: UpstreamResponse) -> None:
     """Read the few bytes after ``[DONE]`` so the connection can be reused."""
     try:
         async with asyncio.timeout(1.0):

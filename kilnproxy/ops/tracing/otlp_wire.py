@@ -55,7 +55,8 @@ def field(tag: bytes, payload: bytes) -> bytes:
     return tag + varint(n) + payload
 
 
-_NAMES: dict[str, bytes] = {}
+# The encoded name field of each span name seen (at most ``SEEN_AT_MOST``), shared with request_trace.
+NAME_FIELDS: dict[str, bytes] = {}
 
 
 _KEYS: dict[str, bytes] = {}
@@ -129,11 +130,11 @@ def status(message: str | None) -> bytes:
 
 def name_field(name: str) -> bytes:
     """A span's name (field 5), kept for the names seen (at most ``SEEN_AT_MOST``)."""
-    found = _NAMES.get(name)
+    found = NAME_FIELDS.get(name)
     if found is None:
         found = field(b"*", name.encode())
-        if len(_NAMES) < SEEN_AT_MOST:
-            _NAMES[name] = found
+        if len(NAME_FIELDS) < SEEN_AT_MOST:
+            NAME_FIELDS[name] = found
     return found
 
 
@@ -146,11 +147,11 @@ def span(trace_id: bytes, span_id: bytes, parent_id: bytes | None, trace_state: 
          start_ns: int, end_ns: int, attrs: bytes, events: bytes, status_bytes: bytes, flags: int) -> bytes:
     """One span as a ``ScopeSpans.spans`` field. ``attrs``, ``events``, ``status_bytes``: already encoded
     (``attribute``, ``event``, ``status``); ``trace_state``: the encoded field 3, or ``b""``."""
-    name_field = _NAMES.get(name)
+    name_field = NAME_FIELDS.get(name)
     if name_field is None:
         name_field = field(b"*", name.encode())
-        if len(_NAMES) < SEEN_AT_MOST:
-            _NAMES[name] = name_field
+        if len(NAME_FIELDS) < SEEN_AT_MOST:
+            NAME_FIELDS[name] = name_field
     body = b"".join((b"\n\x10", trace_id, b"\x12\x08", span_id, trace_state,
                      b'"\x08' + parent_id if parent_id else b"", name_field, b"0", _BYTE[kind],
                      _TIMES(0x39, start_ns, 0x41, end_ns), attrs, events, status_bytes,
@@ -170,11 +171,11 @@ _LOCAL = _FLAGS(0x85, 0x01, FLAGS_LOCAL)
 def child_span(prefix: bytes, span_id: bytes, name: str, kind: int, start_ns: int, end_ns: int, attrs: bytes,
                events: bytes, status_bytes: bytes) -> bytes:
     """``span`` of a span whose parent is local, from its request's ``span_prefix``."""
-    name_field = _NAMES.get(name)
+    name_field = NAME_FIELDS.get(name)
     if name_field is None:
         name_field = field(b"*", name.encode())
-        if len(_NAMES) < SEEN_AT_MOST:
-            _NAMES[name] = name_field
+        if len(NAME_FIELDS) < SEEN_AT_MOST:
+            NAME_FIELDS[name] = name_field
     return field(b"\x12", b"".join((prefix, b"\x12\x08", span_id, name_field, b"0", _BYTE[kind],
                                     _TIMES(0x39, start_ns, 0x41, end_ns), attrs, events, status_bytes, _LOCAL)))
 

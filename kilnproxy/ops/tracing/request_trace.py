@@ -325,7 +325,7 @@ class RequestTrace:
 _UPSTREAM_DONE: dict[tuple, tuple] = {}  # (base_url, status, prefix length) -> child_packer's and the span's rest
 _ENDED: dict[int, tuple] = {}  # prefix length -> the commit's and the admission's child_packer
 _COMMIT_REST, _ADMISSION_REST = _COMMIT.rest, _ADMISSION.rest
-_NAMES, _DOUBLE = wire._NAMES, wire.DOUBLE
+_NAMES, _DOUBLE = wire.NAME_FIELDS, wire.DOUBLE
 _SHORT_SPAN = 2048  # spans shorter than this have their tag and length from a table (a request's: about 400 bytes)
 _SPAN_HEADS = [b"\x12" + wire.varint(n) for n in range(_SHORT_SPAN)]
 

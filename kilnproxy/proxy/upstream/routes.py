@@ -33,6 +33,8 @@ from .deadlines import first_byte_missed
 from .client import RequestTarget, UpstreamClient
 from .connections import UpstreamBadResponse
 from .responses import UpstreamResponse
+from ..request_observers import RequestTrace
+from ..request_record import RequestRecord
 from .slots import NoUpstreamUp, SlotPool, UpstreamBusy, anyone_waiting, take_slot, upstream_busy
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
@@ -154,7 +156,7 @@ class Route:
 
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
-                   trace=None, elsewhere: int | None = None, record=None,
+                   trace: RequestTrace | None = None, elsewhere: int | None = None, record: RequestRecord | None = None,
                    ) -> tuple[Upstream, UpstreamResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``

@@ -223,7 +223,7 @@ async def test_a_span_holds_the_model_a_client_names_as_the_usage_row_does(harne
             async with h.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}) as resp:
                 assert resp.status == 404, name
         assert [r["model"] for r in await h.rows()] == list(shown.values())
-        kept = [k[1] for k in request_trace._MODELS] + list(otlp_wire._NAMES)
+        kept = [k[1] for k in request_trace._MODELS] + list(otlp_wire.NAME_FIELDS)
         assert max(len(v) for v in kept) <= MAX_ROW_TEXT + len("text_completion ")
     roots = [s for s in receiver.spans if s["name"].startswith("text_completion ")]
     assert [r["attributes"]["gen_ai.request.model"] for r in roots] == list(shown.values())
