@@ -1,1 +1,16 @@
-"""TODO"""
+"""The upstreams: reaching a model's servers (where routing goes).
+
+* ``routes``: ``Route``, a model's upstreams: balancing, failover and marking down, and sending a
+  request on a slot;
+* ``slots``: each upstream's ``max_in_flight`` slots and the queue of requests waiting for one;
+* ``deadlines``: a model's ``first_byte_timeout`` (fail over) and ``request_timeout`` (give up);
+* ``client``: the gateway's HTTP/1.1 client for the model servers' POSTs;
+* ``connections``: its kept-alive connections, one pool per origin;
+* ``responses``: ``UpstreamResponse``, one answer as the relays read it (status, headers, the body as
+  it arrives).
+
+Below the request's path (setup.cfg: the ``proxy_layers`` contract): may import only
+``request_record`` and ``request_observers`` of proxy/, besides the kernel; knows nothing of the
+relays or the tenancy. Used by the request's path (``gateway``, ``fallbacks``, ``forward``, ...) and
+the endpoints.
+"""
