@@ -9,9 +9,10 @@ import sys
 
 import asyncpg
 import pytest
+from closed_ports import refused_port
 
 from kilnproxy.store.sqlite.schema import SCHEMA
-from kilnproxy.testing import MODEL, OTHER_KEY, completion_body, free_port, pg_usage_rows, usage_rows
+from kilnproxy.testing import MODEL, OTHER_KEY, completion_body, pg_usage_rows, usage_rows
 
 ROWS = 2500  # the synthetic ledger: three batches of 1000
 
@@ -187,7 +188,7 @@ async def test_a_file_that_is_not_a_ledger_is_one_line_and_exit_2(postgres, tmp_
 @pytest.mark.parametrize("case", ["no-url", "no-config", "wrong-password", "nobody-listening"])
 async def test_a_config_without_a_reachable_database_is_one_line_and_exit_2(ledger, postgres, tmp_path, case):
     url = {"no-url": None, "no-config": None, "wrong-password": postgres.url(password="not-the-secret"),
-           "nobody-listening": f"postgresql://kiln:not-the-secret@127.0.0.1:{free_port()}/kiln"}[case]
+           "nobody-listening": f"postgresql://kiln:not-the-secret@127.0.0.1:{refused_port()}/kiln"}[case]
     args = () if case == "no-config" else ("--config", write_config(tmp_path, url))
     code, out, err = await run(str(ledger), *args)
     assert (code, out) == (2, "")

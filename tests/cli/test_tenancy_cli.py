@@ -12,11 +12,12 @@ import sys
 import time
 
 import pytest
+from closed_ports import refused_port
 from processes import toml
 
 from kilnproxy.config import load_config
 from kilnproxy.store.books import open_command_store
-from kilnproxy.testing import KEY, completion_body, free_port
+from kilnproxy.testing import KEY, completion_body
 
 CONFIG = {
     "models": [{"id": "m", "upstreams": ["http://127.0.0.1:1/v1"], "upstream_model": "m"}],
@@ -166,7 +167,7 @@ async def test_refusals_are_one_line_and_change_nothing(config_file):
 
 
 async def test_a_database_out_of_reach_is_one_line_without_the_password(tmp_path):
-    url = f"postgresql://kiln:hunter2@127.0.0.1:{free_port()}/nowhere"
+    url = f"postgresql://kiln:hunter2@127.0.0.1:{refused_port()}/nowhere"
     (tmp_path / "kiln.toml").write_text(toml({"storage": {"url": url}, **CONFIG}))
     result = await kiln(tmp_path, "orgs", "list", "--config", "kiln.toml")
     assert result.code == 2 and len(result.err.splitlines()) == 1, result.err

@@ -10,6 +10,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 import pytest
+from closed_ports import refused_port
 
 from kilnproxy.mock_servers.format import FORMAT, load
 from kilnproxy.testing import Recorder
@@ -111,8 +112,7 @@ async def test_no_secret_is_written_in_any_encoding(tmp_path):
 
 
 async def test_an_unreachable_upstream_is_a_502(tmp_path):
-    from kilnproxy.testing import free_port
-    async with Recorder(f"http://127.0.0.1:{free_port()}/v1", tmp_path) as rec, aiohttp.ClientSession() as http:
+    async with Recorder(f"http://127.0.0.1:{refused_port()}/v1", tmp_path) as rec, aiohttp.ClientSession() as http:
         async with http.post(f"{rec.url}/v1/completions", json={"model": "m"}) as resp:
             assert resp.status == 502 and (await resp.text()).startswith("Bad gateway: ")
     assert rec.saved == [] and list(tmp_path.iterdir()) == []

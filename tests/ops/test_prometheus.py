@@ -7,10 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from closed_ports import refused_port
 from odd_labels import odd_org_and_discovered_models
 from prometheus import PROMTOOL, Prometheus
 
-from kilnproxy.testing import MODEL, OTHER_KEY, completion_body, free_port
+from kilnproxy.testing import MODEL, OTHER_KEY, completion_body
 
 RULES_DIR = Path(__file__).resolve().parents[2] / "docs" / "prometheus"
 RULES = RULES_DIR / "kilnproxy-alerts.yml"
@@ -51,7 +52,7 @@ async def prometheus_for():
 
 def with_ghost(config):
     config["server"].update(upstream_max_failures=1, upstream_down_seconds=600)  # one failure marks it down
-    config["models"].append({"id": GHOST, "upstreams": [f"http://127.0.0.1:{free_port()}/v1"],
+    config["models"].append({"id": GHOST, "upstreams": [f"http://127.0.0.1:{refused_port()}/v1"],
                              "upstream_model": "ghost", "pricing": {"prompt": 1.0, "completion": 1.0}})
 
 

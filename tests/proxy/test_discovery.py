@@ -5,6 +5,7 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
+from closed_ports import refused_port
 from commands import start, stop
 
 from kilnproxy.mock_servers.mock_upstream import OPTIONS
@@ -73,7 +74,7 @@ async def test_a_prefix_names_the_discovered_models(tmp_path):
 
 
 async def test_a_server_without_a_list_serves_the_alias_alone_under_its_upstream_model(tmp_path):
-    dead = f"http://127.0.0.1:{free_port()}/v1"
+    dead = f"http://127.0.0.1:{refused_port()}/v1"
 
     def configure(config):
         discovering()(config)

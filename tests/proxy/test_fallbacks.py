@@ -5,16 +5,17 @@ import sqlite3
 import time
 
 import pytest
+from closed_ports import refused_port
 
 from kilnproxy.mock_servers.mock_upstream import OPTIONS, STATS
 from kilnproxy.store.sqlite.ledger import SQLiteLedger
-from kilnproxy.testing import MODEL, free_port
+from kilnproxy.testing import MODEL
 from kilnproxy.web.server import start_mock
 
 GEN = "X-Neocloud-Generation-Id"
 SMALL = "small-model"
 OTHER = "other-model"
-DEAD = f"http://127.0.0.1:{free_port()}/v1"
+DEAD = f"http://127.0.0.1:{refused_port()}/v1"
 
 
 @pytest.fixture

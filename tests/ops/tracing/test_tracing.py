@@ -7,10 +7,11 @@ import re
 
 import pytest
 from aiohttp import web
+from closed_ports import refused_port
 from otlp_receiver import Receiver
 
 from kilnproxy.answers import Answer
-from kilnproxy.testing import MODEL, free_port
+from kilnproxy.testing import MODEL
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -76,7 +77,7 @@ async def test_a_malformed_traceparent_is_ignored_and_a_new_trace_begins(harness
 
 
 async def test_failover_shows_each_upstream_attempt(harness, receiver):
-    dead = f"http://127.0.0.1:{free_port()}/v1"
+    dead = f"http://127.0.0.1:{refused_port()}/v1"
 
     def two_upstreams(config):
         model = config["models"][0]
@@ -121,7 +122,7 @@ async def test_a_stream_the_client_leaves_ends_its_spans_with_the_disconnect(har
 
 
 async def test_an_unreachable_endpoint_costs_requests_nothing_and_is_said_once_a_minute(harness, caplog):
-    dead = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens: every export is refused
+    dead = f"http://127.0.0.1:{refused_port()}/v1/traces"  # nothing listens: every export is refused
     tracing = {"enabled": True, "endpoint": dead, "timeout": 2, "max_queue_size": 40}
     caplog.set_level(logging.INFO)
     async with harness(overrides={"tracing": tracing}) as h:

@@ -7,12 +7,13 @@ import asyncio
 from contextlib import asynccontextmanager
 
 import pytest
+from closed_ports import refused_port
 from rawhttp import raw_server, read_request
 
-from kilnproxy.testing import MODEL, free_port
+from kilnproxy.testing import MODEL
 
 GEN = "X-Neocloud-Generation-Id"
-DEAD = f"http://127.0.0.1:{free_port()}/v1"
+DEAD = f"http://127.0.0.1:{refused_port()}/v1"
 
 
 class NotHttp:

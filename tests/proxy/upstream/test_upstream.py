@@ -3,9 +3,10 @@
 
 import orjson
 import pytest
+from closed_ports import refused_port
 
 from kilnproxy.mock_servers.mock_upstream import OPTIONS
-from kilnproxy.testing import MODEL, free_port
+from kilnproxy.testing import MODEL
 from kilnproxy.web.server import start_mock
 
 GEN = "X-Neocloud-Generation-Id"
@@ -74,7 +75,7 @@ async def test_hanging_upstream_times_out_as_502(harness):
 
 
 async def test_refused_connection_is_502_then_503_once_marked_down(harness):
-    dead = f"http://127.0.0.1:{free_port()}/v1"
+    dead = f"http://127.0.0.1:{refused_port()}/v1"
     async with harness(configure=lambda c: c["models"][0].update(upstreams=[dead]),
                        overrides={"server": {"upstream_max_failures": 2, "upstream_down_seconds": 60}}) as h:
         statuses = []
@@ -89,7 +90,7 @@ async def test_refused_connection_is_502_then_503_once_marked_down(harness):
 
 
 async def test_failover_to_the_next_upstream_before_anything_is_sent(harness):
-    dead = f"http://127.0.0.1:{free_port()}/v1"
+    dead = f"http://127.0.0.1:{refused_port()}/v1"
     def configure(c):
         c["models"][0]["upstreams"] = [dead, c["models"][0]["upstreams"][0]]
     async with harness(configure=configure) as h:

@@ -193,6 +193,7 @@ async def test_a_settlement_retried_after_its_commit_charges_nothing_twice(pg_ur
             async with session.post(f"{a.url}/v1/completions", json=completion_body(),
                                     headers={"Authorization": f"Bearer {KEY}"}) as resp:
                 assert resp.status == 200
+            await db.settled(resp.headers[GEN])  # settled just after the response ended: the retry comes after it
             rows = await db.rows()
             before = await db.spent()
             payload = [{k: v for k, v in row.items() if k not in ("rowid", "replica")} for row in rows]
