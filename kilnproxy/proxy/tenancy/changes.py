@@ -15,7 +15,7 @@ e.g. ``admin-api`` or ``cli``), ``after_change`` runs (a gateway: refresh its
 in-memory orgs and keys, so the change is in force before the answer), and the
 answer is the changed object as ``TenancyView`` shows it.
 
-``store_unavailable(exc)`` says whether an exception means the database is out
+``is_store_outage(exc)`` says whether an exception means the database is out
 of reach (PostgreSQL down, a statement timed out, the SQLite file locked too
 long); inside ``answer_store_trouble()`` such an exception becomes the HTTP
 answer 503 ``store_unavailable``; a command prints one line instead.
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 from ...errors import GatewayError
 from ...store.tenancy import validation as bodies
+from ...store.ledger import UNREACHABLE_MESSAGE, store_unavailable
 from ...store.postgres.sqlstates import database_state
 from .views import TenancyView, grant_object
 
@@ -62,7 +63,7 @@ def conflict(org_id: str) -> GatewayError:
     return GatewayError(409, "conflict", f"An org with id `{org_id}` already exists.", param="id")
 
 
-def store_unavailable(exc: BaseException) -> bool:
+def is_store_outage(exc: BaseException) -> bool:
     """True when ``exc`` says the database is out of reach or refuses statements now (read-only, a
     lock held, a full disk: ``kilnproxy.store.postgres.sqlstates``), not that the gateway has a bug."""
     if isinstance(exc, (OSError, asyncio.TimeoutError, sqlite3.OperationalError)):
@@ -81,11 +82,9 @@ def answer_store_trouble() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if not store_unavailable(exc):
+        if not is_store_outage(exc):
             raise
-        raise GatewayError(503, "store_unavailable",
-                           "The gateway's database cannot be reached. Retry with exponential backoff.",
-                           type="service_unavailable") from None
+        raise store_unavailable(UNREACHABLE_MESSAGE) from None
 
 
 async def _nothing() -> None:
