@@ -19,6 +19,23 @@ from kilnproxy.web.app import create_app
 
 
 class NullLedger:
+    available, refuses_requests = True, False
+    pool = file_users = None
+    commits = refused = refused_unrecorded = 0
+
+    def __init__(self) -> None:
+        self.journaled: dict = {}
+        self.not_committed: list = []
+
+    def journal_when(self, alone) -> None:
+        pass
+
+    def keeps_refused_rows(self) -> bool:
+        return True
+
+    async def org_spent(self, org):
+        return None
+
     async def open(self) -> None:
         pass
 

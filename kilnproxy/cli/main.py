@@ -64,6 +64,13 @@ def parser() -> argparse.ArgumentParser:
     mock.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                       help="a model name to serve (repeat for several; vLLM's flag): /v1/models lists them and "
                            "another name gets vLLM's 404. Default: any name")
+    mock.add_argument("--prompt-cache-slots", type=int, default=0, metavar="N",
+                      help="model a server's prompt cache: N slots, each keeping its last prompt, reused by the "
+                           "next prompt that begins the same way (reported as cached_tokens and on /metrics); "
+                           "requests wait while all N are busy. Default 0: no cache")
+    mock.add_argument("--prefill-seconds-per-token", type=float, default=0.0, metavar="SECONDS",
+                      help="with --prompt-cache-slots: the time each prompt token not in the cache takes "
+                           "before the answer starts. Default 0")
     mock.set_defaults(func=cmd_mock)
     from .fixtures import add_fixture_commands, add_replay_options
     add_replay_options(mock)
@@ -153,7 +160,7 @@ async def _serve(config: Config | None, host: str | None, port: int | None, upst
     finally:
         if mock is not None:
             await mock.stop()
-    not_committed = getattr(gateway.app[GATEWAY].ledger, "not_committed", None)
+    not_committed = gateway.app[GATEWAY].ledger.not_committed
     if not_committed:  # the SQLite file could not be written up to the end: the rows are in the log
         raise KilnError(f"stopped with usage rows not committed to the ledger: {len(not_committed)}; each is in "
                         "the log above, on a line 'usage row not committed: ' and the row as JSON")
@@ -166,12 +173,18 @@ def cmd_mock(args) -> int:
         return serve_replay(args)
     if args.timing:
         raise KilnError("--timing only applies with --replay DIR")
+    if args.prompt_cache_slots < 0 or args.prefill_seconds_per_token < 0:
+        raise KilnError("--prompt-cache-slots and --prefill-seconds-per-token must be 0 or more")
+    if args.prefill_seconds_per_token and not args.prompt_cache_slots:
+        raise KilnError("--prefill-seconds-per-token only applies with --prompt-cache-slots N")
 
     async def main() -> None:
         running = await server.start_mock(args.host, args.port, delay=args.delay,
                                           context_window=args.context_window, flavor=args.flavor,
                                           prompt_tokens_details=args.enable_prompt_tokens_details,
-                                          served_models=tuple(args.served_model_name))
+                                          served_models=tuple(args.served_model_name),
+                                          prompt_cache_slots=args.prompt_cache_slots,
+                                          prefill_per_token=args.prefill_seconds_per_token)
         try:
             await server.wait_for_signal(lambda: print(f"mock upstream ({args.flavor}) on {running.url}/v1",
                                                        flush=True))

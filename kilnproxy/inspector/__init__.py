@@ -1,7 +1,8 @@
 """The inspector: a live view of the gateway in the browser, at ``/ui``.
 
-* ``queries``: reads of the usage ledger (pages of requests, usage buckets), on
-  SQLite or on the shared PostgreSQL store, and the indexes that keep them fast;
+* ``queries``: reads of the usage ledger (pages of requests, one request, usage buckets), on
+  SQLite or on the shared PostgreSQL store: the API's parameters parsed, the SQL, the tables and the
+  SQLite reader the store's (``kilnproxy.store.inspector_tables``, ``kilnproxy.store.sqlite.inspector_reader``);
 * ``hub``: committed rows fanned out to the page's live feed (SSE);
 * ``replica_feed``: on PostgreSQL, the rows the other replicas commit, into the hub;
 * ``capture``: the opt-in ring of request bodies and both streams;
@@ -43,7 +44,7 @@ def setup_inspector(app: web.Application, gateway: Gateway) -> None:
     shared = gateway.config.storage.url is not None  # PostgreSQL: read every replica's rows through its pool
     reader = SharedReader(gateway.ledger) if shared else SQLiteReader(gateway.config.db_path)
     store = InspectorStore(reader)
-    file_users = None if shared else getattr(gateway.ledger, "file_users", None)  # the SQLite ledger's
+    file_users = None if shared else gateway.ledger.file_users  # the SQLite ledger's
     feed = None
     if shared:  # one process on SQLite sees every row it commits; replicas tell each other theirs
         gateway.ledger.tell_rows = True

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import base64
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from ..store.inspector_tables import SELECT_BY_ID, page_sql
 from ..store.inspector_tables import usage_sql as usage_query
@@ -114,6 +114,10 @@ def parse_time(value: str, param: str) -> str:
 class Reader(Protocol):
     """Where the inspector's queries run."""
 
+    read_filled: Callable[[str, Iterable[Any], tuple[str, list[Any]]], Awaitable[list[dict[str, Any]]]] | None
+    """SQLite's read through the inspector's own tables, filled first (``SQLiteReader.read_filled``);
+    None where the store's indexes serve every query (PostgreSQL)."""
+
     async def open(self) -> None: ...
 
     async def close(self) -> None: ...
@@ -125,6 +129,8 @@ class Reader(Protocol):
 class SharedReader:
     """The shared store's pool (``PostgresStore.fetch``): opened and closed with the gateway, not here.
     A database out of reach is its 503 ``store_unavailable``."""
+
+    read_filled = None  # (``Reader.read_filled``) the schema's indexes serve every query
 
     def __init__(self, store: Any):
         self.fetch = store.fetch
@@ -183,7 +189,7 @@ class InspectorStore:
         the inspector's own tables where the query has a form for them (``SQLiteReader.read_filled``;
         a reader without ``read_filled`` reads the usage table alone)."""
         shared = query(*args, **kwargs)
-        read_filled = getattr(self.reader, "read_filled", None)
+        read_filled = self.reader.read_filled
         if read_filled is not None:
             sql, params = query(*args, own_tables=True, **kwargs)
             if "inspector_" in sql:

@@ -49,9 +49,7 @@ def install(app: web.Application) -> None:
     app[HEALTH] = health
     app[SHUTDOWN] = shutdown = Shutdown(gw)
     app.middlewares.append(shutdown.middleware)
-    journal_when = getattr(gw.ledger, "journal_when", None)  # SQLite's row journal: for a request served alone
-    if journal_when is not None:
-        journal_when(shutdown.alone)
+    gw.ledger.journal_when(shutdown.alone)  # the row journal: for a request served alone
     app.on_shutdown.append(shutdown.drain)
     app.cleanup_ctx.append(_operations_ctx)
     app.router.add_post("/admin/reload", reload_config, expect_handler=expect_handler)

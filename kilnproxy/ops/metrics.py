@@ -273,18 +273,14 @@ class GatewayCollector:
         ledger = self.gw.ledger
         yield GaugeMetricFamily("kilnproxy_ledger_queue_depth", "Usage rows waiting for their commit.",
                                 value=ledger.queue_depth())
-        commits = getattr(ledger, "commits", None)
-        if commits is not None:
-            yield CounterMetricFamily("kilnproxy_ledger_commits", "Group commits of usage rows.", value=commits)
+        yield CounterMetricFamily("kilnproxy_ledger_commits", "Group commits of usage rows.", value=ledger.commits)
         stats = ledger.stats()
         if "commit_failures" in stats:
             yield CounterMetricFamily("kilnproxy_ledger_commit_failures", "Commits of usage rows that failed "
                                       "(and were retried).", value=stats["commit_failures"])
-        available = getattr(ledger, "available", None)
-        if available is not None:
-            yield GaugeMetricFamily("kilnproxy_store_up", "1 while the store takes usage rows: PostgreSQL answers, "
-                                    "or the SQLite file has been written within the last seconds.",
-                                    value=int(available))
+        yield GaugeMetricFamily("kilnproxy_store_up", "1 while the store takes usage rows: PostgreSQL answers, "
+                                "or the SQLite file has been written within the last seconds.",
+                                value=int(ledger.available))
         if "refused_unrecorded" in stats:
             yield CounterMetricFamily("kilnproxy_ledger_refused_unrecorded", "Requests refused with 503 "
                                       "store_unavailable without a usage row: too many rows waited (in memory, "

@@ -90,7 +90,7 @@ class Gateway:
         self.ledger: Ledger = ledger or SQLiteLedger(config.db_path, on_commit=self._committed,
                                                    inspector_tables=config.inspector.enabled)
         self.admission: Admission = admission or LocalAdmission(self.credits)
-        self._settled = getattr(self.admission, "settled", None)  # optional: see Admission.settled
+        self._settled = self.admission.settled  # see Admission.settled
         self.session: aiohttp.ClientSession | None = None  # off the request path: health checks, discovery, plugins
         self.upstream_client: UpstreamClient | None = None  # the model requests (kilnproxy.proxy.upstream.client)
         self.tenancy: TenancyStore | None = None  # orgs, keys and grants made at runtime, once started
@@ -137,13 +137,13 @@ class Gateway:
 
     async def _open_tenancy(self) -> None:
         """The runtime orgs and keys, on the ledger's own database (its pool, or the same file)."""
-        pool = getattr(self.ledger, "pool", None)
+        pool = self.ledger.pool
         if pool is not None:
             db = PostgresDb(pool, timeout=self.ledger.STATEMENT_TIMEOUT)
         else:
             db = SQLiteDb(self.config.db_path)
             await db.open()
-            file_users = getattr(self.ledger, "file_users", None)
+            file_users = self.ledger.file_users
             if file_users is not None:  # closed and opened again with the ledger's if its files are deleted
                 file_users.append(db)
         self.tenancy = TenancyStore(db)
@@ -159,7 +159,7 @@ class Gateway:
         if self.tenants is not None:
             await self.tenants.close()
         if self.tenancy is not None:
-            file_users = getattr(self.ledger, "file_users", None)
+            file_users = self.ledger.file_users
             if file_users is not None and self.tenancy.db in file_users:
                 file_users.remove(self.tenancy.db)
             await self.tenancy.db.close()
@@ -201,8 +201,8 @@ class Gateway:
 
     async def spent(self, org: str) -> float:
         """The org's spending as the store has it: with a shared store, every replica's rows."""
-        org_spent = getattr(self.ledger, "org_spent", None)
-        return await org_spent(org) if org_spent is not None else self.credits.spent.get(org, 0.0)
+        spent = await self.ledger.org_spent(org)
+        return self.credits.spent.get(org, 0.0) if spent is None else spent
 
     def limit_for(self, org: str) -> int:
         return self.org_limits.get(org, self.config.limits.max_in_flight_per_org)
@@ -215,8 +215,7 @@ class Gateway:
             record.submitted = True
             row = record.row()
             self.credits.charge(row["org"], row["cost"])
-            if self._settled is not None:
-                self._settled(record.hold, row)
+            self._settled(record.hold, row)
             record.committed = self.ledger.submit(row, record.call)
             if record.trace is not None:
                 record.trace.end(row, record.committed)
@@ -257,7 +256,7 @@ class Gateway:
     async def rows_committed(self) -> None:
         """Return once the row of every response ended so far is committed: a lone row's commit follows
         its response (the row journal, ``kilnproxy.store.row_journal``)."""
-        journaled = getattr(self.ledger, "journaled", None)
+        journaled = self.ledger.journaled
         if journaled:
             await asyncio.wait(list(journaled.values()))
 

@@ -108,7 +108,7 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         key = gw.keys.authenticate(api.authorization(request))  # 401: no org, no row
     except GatewayError as err:
         return api.error(err)
-    if getattr(gw.ledger, "refuses_requests", False):  # the store is down
+    if gw.ledger.refuses_requests:  # the store is down
         return refused_while_down(gw, key.org, key.id, endpoint, api)
     call = open_call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)  # sealed before plugins
     record = RequestRecord(call)

@@ -17,9 +17,12 @@ journal, as durable, and its commit follows: on SQLite at the loop's next
 turn, on PostgreSQL at once (``kilnproxy.store.row_journal``). A failed commit (a lock held by another program, a full disk) is
 retried with the same rows; none is dropped, and the responses wait. A value
 SQLite cannot bind is stored as text rather than wedge every later commit.
-A store that takes no rows for a while says so (``available`` false) and may
-ask for new requests to be refused at once (``refuses_requests``, read with
-``getattr``: a ledger without it never asks); see ``kilnproxy.store.sqlite.ledger``.
+A store that takes no rows for a while says so (``available`` false) and asks
+for new requests to be refused at once (``refuses_requests``); see
+``kilnproxy.store.sqlite.ledger``. Every member of ``Ledger`` is implemented
+by both stores, with a neutral value where a store has no such thing (no
+``pool`` on SQLite, no ``file_users`` on PostgreSQL): the request path reads
+them as plain attributes, never with ``getattr``.
 
 The ledger is a store, not a plugin, and ``record_usage`` plugins are told of
 each row after its commit (``on_commit``, then the gateway's notifier task).
@@ -62,6 +65,43 @@ def store_unavailable(message: str = CANNOT_WRITE_MESSAGE) -> GatewayError:
 class Ledger(Protocol):
     """What the gateway needs of a usage store (SQLite, or PostgreSQL for several replicas)."""
 
+    available: bool
+    """Whether the store takes rows now (``/healthz``, ``kilnproxy_store_up``): false while SQLite has
+    not committed for a while, or PostgreSQL cannot take statements."""
+
+    refuses_requests: bool
+    """True while the store is down and new requests are to be refused at once with 503
+    ``store_unavailable`` (``kilnproxy.proxy.request_path.refused_while_down``); read on every request,
+    so a plain attribute the store sets when it goes down and comes back."""
+
+    refused: int
+    """Requests refused while down (this outage) with a row; counted by the request path."""
+
+    refused_unrecorded: int
+    """Requests refused without a row (``keeps_refused_rows`` was false); counted by the request path."""
+
+    journaled: dict[str, "asyncio.Future[None]"]
+    """Generation id -> the commit of each row whose response ended at its row-journal append, until
+    that commit (``kilnproxy.store.row_journal``); a read that must see every row ended waits for these.
+    Empty while no row is journaled."""
+
+    pool: Any
+    """The shared store's connection pool (an ``asyncpg.Pool``), on which the gateway opens its
+    tenancy store; None on SQLite, whose file the tenancy store opens itself."""
+
+    file_users: list[Any] | None
+    """Other connections of this process to the store's file (each with ``pause`` and ``resume``,
+    ``kilnproxy.store.sqlite.reopen.FileUser``), closed and opened again with the ledger's own when its
+    files are deleted: whoever opens one appends it, and removes it once closed. None on PostgreSQL
+    (no file)."""
+
+    not_committed: list[dict[str, Any]]
+    """Rows given up at a stop (each also written to the log): the process then exits with an error."""
+
+    @property
+    def commits(self) -> int:
+        """Group commits so far (``kilnproxy_ledger_commits``)."""
+
     async def open(self) -> None:
         """Connect and prove the store can be written; ``StorageError`` (one line) if not."""
 
@@ -72,8 +112,22 @@ class Ledger(Protocol):
         """Queue ``row`` (the columns of ``usage.COLUMNS``); never blocks, never raises.
         The future resolves once the row is durable."""
 
+    def journal_when(self, alone: Callable[[], bool]) -> None:
+        """Append a lone row to the row journal only while ``alone()`` (the request submitting it is the
+        only one in progress, ``kilnproxy.ops.lifecycle``); until called, never (PostgreSQL) or whenever
+        a row is lone (SQLite)."""
+
+    def keeps_refused_rows(self) -> bool:
+        """While down: whether the row of a request refused now can still wait (in memory, or the
+        spool) rather than be left out."""
+
     async def spent_by_org(self) -> dict[str, float]:
         """``SUM(cost)`` per org, read at start-up for credits."""
+
+    async def org_spent(self, org: str) -> float | None:
+        """``org``'s spending as a shared store has it (every replica's rows; the gateway's credits are
+        brought up to it), 503 ``store_unavailable`` when out of reach; None on a store of one process,
+        whose spending is the gateway's own count (``Credits.spent``)."""
 
     async def get(self, generation_id: str) -> dict[str, Any] | None:
         """The committed row of that id, or ``None``."""

@@ -141,8 +141,13 @@ class Admission(Protocol):
         Without it, a fallback keeps the hold placed at admission."""
 
     def settled(self, hold: Hold | None, row: Mapping[str, Any]) -> None:
-        """Optional: the request's ``row`` was submitted (called before ``release``). An admission
-        that keeps keys' spending or per-minute windows itself implements it."""
+        """The request's ``row`` was submitted (called before ``release``, on every request): an
+        admission that keeps keys' spending or per-minute windows itself charges them here; one whose
+        store does that with the row (PostgreSQL) does nothing."""
+
+    def held(self, org: str) -> float:
+        """USD this process holds in memory for ``org``'s requests in flight (the org views' ``held``
+        on SQLite); 0.0 for an admission whose holds are in its store (PostgreSQL: ``books.held_by_org``)."""
 
     def count(self, org: str) -> int:
         """Requests of ``org`` this process has in flight (for metrics and tests)."""

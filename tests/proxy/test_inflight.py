@@ -236,6 +236,12 @@ class RemoteAdmission:
         self.calls.append(("release", hold.org))
         self.counts[hold.org] -= 1
 
+    def settled(self, hold, row) -> None:
+        pass
+
+    def held(self, org: str) -> float:
+        return 0.0
+
     def count(self, org: str) -> int:
         return self.counts.get(org, 0)
 

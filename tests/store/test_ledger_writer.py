@@ -123,9 +123,24 @@ async def test_record_usage_plugins_see_each_row_after_its_commit(harness, tmp_p
 class MemoryLedger:
     """Another store behind the ``Ledger`` interface: rows kept in a dict, committed a loop turn later."""
 
+    available, refuses_requests = True, False
+    pool = file_users = None  # no pool, no file
+
     def __init__(self):
         self.rows: dict[str, dict] = {}
         self.queued = 0
+        self.commits = self.refused = self.refused_unrecorded = 0
+        self.journaled: dict = {}
+        self.not_committed: list = []
+
+    def journal_when(self, alone) -> None:
+        pass
+
+    def keeps_refused_rows(self) -> bool:
+        return True
+
+    async def org_spent(self, org):
+        return None
 
     async def open(self) -> None:
         pass
@@ -140,6 +155,7 @@ class MemoryLedger:
         def commit():
             self.rows[row["id"]] = dict(row)
             self.queued -= 1
+            self.commits += 1
             future.set_result(None)
 
         asyncio.get_running_loop().call_soon(commit)

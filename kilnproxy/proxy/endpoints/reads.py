@@ -103,7 +103,7 @@ async def healthz(request: web.Request) -> web.Response:
     of reach, and from a graceful shutdown's first moment (a load balancer then sends new requests
     to another replica while this one still answers what reaches it)."""
     gw = request.app[GATEWAY]
-    available = getattr(gw.ledger, "available", True)
+    available = gw.ledger.available
     body = {"status": "ok", "store": "up" if available else "down"}
     if gw.draining:
         body["draining"] = True

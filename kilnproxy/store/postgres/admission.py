@@ -108,6 +108,11 @@ class Admitting:
         """Nothing to keep here: ``kiln_admit`` reads a key's spending from its rows, and the rows'
         settlement (``kiln_settle``) settles their per-minute tokens."""
 
+    def held(self, org: str) -> float:
+        """0.0: this replica holds nothing in memory; every replica's holds are rows of ``kiln_holds``
+        (``kilnproxy.store.books.held_by_org``)."""
+        return 0.0
+
     def count(self, org: str) -> int:
         return self.counts.count(org)
 

@@ -16,7 +16,8 @@ in-flight slots, the credit holds, the spending and the usage rows (several repl
   and its settlement follows. Until that settlement commits, this replica's
   admissions wait for it and its reads (``_read``) too, so that the replica
   counts the request as settled as soon as its response ended; a start
-  settles what a killed run left in the journal (``_replay_journal``).
+  settles what a killed run left in the journal (``replay_journal``). Admission is
+  ``kilnproxy.store.postgres.admission``, settlement ``kilnproxy.store.postgres.settlement``.
 * Liveness (``kilnproxy.store.postgres.replicas``): a heartbeat every few seconds; the
   holds of a replica silent for ``replica_timeout_seconds`` stop counting and
   are turned into ``replica_lost`` rows by a surviving replica.
@@ -94,6 +95,7 @@ class PostgresStore(Admitting, Settling, GroupCommitted):
 
     STATEMENT_TIMEOUT = STATEMENT_TIMEOUT
     UNREACHABLE = UNREACHABLE
+    file_users = None  # (``Ledger.file_users``) no file: nothing to open again with the store's connections
 
     def __init__(self, config: Config, credits: Credits,
                  on_commit: Callable[[list[tuple[dict, Any]]], None] | None = None):

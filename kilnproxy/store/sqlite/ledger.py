@@ -18,7 +18,8 @@ kept in ``not_committed`` (the process then exits with an error saying how many)
 
 A -wal, -shm or database file deleted under the gateway is noticed within ``WATCH_SECONDS``:
 the rows committed into the deleted file are saved into the database and every connection of
-the process to the file is opened anew (``_reopen``).
+the process to the file is opened anew (``kilnproxy.store.sqlite.reopen``). The file's table and
+its making are ``schema``'s, the INSERT statements ``inserts``'.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class SQLiteLedger(Reopening, GroupCommitted):
     While the file cannot be written, see the module's docstring."""
 
     RETRY_SECONDS = 0.2
+    pool = None  # (``Ledger.pool``) no connection pool: the tenancy store opens the file itself
 
     def __init__(self, path: Path, on_commit: CommitListener | None = None,
                  checkpointer: Checkpointer | None = None, inspector_tables: bool = True):
@@ -331,6 +333,10 @@ class SQLiteLedger(Reopening, GroupCommitted):
     async def spent_by_org(self) -> dict[str, float]:
         async with self._db.execute("SELECT org, SUM(cost) FROM usage_events GROUP BY org") as cur:
             return {org: total or 0.0 for org, total in await cur.fetchall()}
+
+    async def org_spent(self, org: str) -> None:
+        """None: the spending of one process's store is the gateway's own count (``Credits.spent``)."""
+        return None
 
     async def get(self, generation_id: str) -> dict[str, Any] | None:
         """The row as committed: a row whose response ended before its commit (``RowJournal``) is
