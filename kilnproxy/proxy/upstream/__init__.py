@@ -8,6 +8,10 @@
 * ``connections``: its kept-alive connections, one pool per origin;
 * ``responses``: ``UpstreamResponse``, one answer as the relays read it (status, headers, the body as
   it arrives).
+* ``load_readers``: the servers' own load (llama.cpp, vLLM, SGLang) read off the request path by
+  ``LoadPoller``, one task per origin (SPEC 13's ``load_poll``);
+* ``affinity``: ``cache_aware`` routing's rules: a request's affinity key, the upstreams' order per
+  key (rendezvous hashing), the bounded-load choice.
 
 Below the request's path (setup.cfg: the ``proxy_layers`` contract): may import only
 ``request_record`` and ``request_observers`` of proxy/, besides the kernel; knows nothing of the
