@@ -1,20 +1,27 @@
 """The store: where usage rows, admission state and spending live.
 
-* ``ledger``: the ``Ledger`` interface the request path writes rows through;
-* ``sqlite``: ``SQLiteLedger``, the store of one gateway process;
-* ``postgres``, ``postgres_schema`` (+ ``postgres_v2``, ``postgres_v3``), ``replicas``,
-  ``spool``: the store that several replicas share, its versioned schema, replica
-  liveness and the rows kept locally while PostgreSQL is out of reach;
-* ``limits``, ``minute_windows``: admission (in-flight slots, credit and key-limit holds,
-  per-minute windows) and credits;
-* ``batches``, ``loop_commits``, ``checkpoint``: group commit (by a writer task, or on the event
-  loop's thread for SQLite) and SQLite's background checkpoints;
-* ``reads``: the ledger as the commands read it;
-* ``tenancy``, ``tenancy_sql``, ``key_usage``, ``tenancy_validation``: orgs, keys and
-  credit grants made at runtime, on either store, and the admin bodies' checks;
-* ``tenancy_watch``: a running gateway told of changes within a second (NOTIFY, or a counter);
-* ``tenancy_books``: each org's spending and holds as the store has them, and the store
-  opened by a command.
+Folders, one per kind of store and one for what both hold at runtime:
+
+* ``sqlite/``: ``SQLiteLedger``, the store of one gateway process (one file in WAL mode);
+* ``postgres/``: ``PostgresStore``, the store that several replicas share: ledger and admission,
+  its versioned schema (``postgres/migrations/``), replica liveness and the spool;
+* ``tenancy/``: orgs, keys and credit grants made at runtime, on either store.
+
+Modules beside them, which both stores use:
+
+* ``ledger``: the ``Ledger`` interface the request path writes rows through, and
+  ``store_unavailable``, the one 503 a store answers with;
+* ``limits``, ``minute_windows``: admission (the ``Admission`` interface, in-flight slots, credit and
+  key-limit holds, per-minute windows) and credits;
+* ``batches``: group commit by a writer task (``Batches``, ``GroupCommitted``);
+* ``row_journal``: the row of a request served alone, appended to a file before its commit;
+* ``inspector_tables``: the inspector's tables and SQL (pages of requests, usage buckets), both stores;
+* ``reads``: the ledger as the commands read it (either store);
+* ``books``: each org's spending and holds as the store has them, and the store opened by a command.
+
+Inside, each imports only what is below it (setup.cfg's ``store_layers``): ``books``, then
+``reads``, then ``postgres``, then ``sqlite`` and ``tenancy`` (neither imports the other), then
+the modules above (``limits`` over ``minute_windows``).
 
 The store knows rows, not requests. May import: the kernel only.
 """
