@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import re
 import time
@@ -43,6 +44,8 @@ from typing import Iterable, Mapping
 
 import aiohttp
 import orjson
+
+log = logging.getLogger(__name__)
 
 MAX_BODY = 4 * 1024 * 1024  # bytes read of one answer at most; a longer one says nothing
 MAX_LOAD = 1_000_000  # requests: a server that says more lies
@@ -283,7 +286,11 @@ class LoadPoller:
 
     async def _poll(self, state: _Origin) -> None:
         while True:
-            load = await self.read_once(state)
+            try:
+                load = await self.read_once(state)
+            except Exception:  # whatever a server answers, the task reads on (and the load is unknown)
+                log.exception("reading the load of %s", state.origin)
+                load = None
             if load is not None:
                 state.load, state.at = load, time.monotonic()
                 state.reads += 1

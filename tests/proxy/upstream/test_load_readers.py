@@ -96,6 +96,7 @@ class Server:
     def __init__(self, **answers):
         self.answers = answers
         self.seen: list[str] = []
+        self.headers: list[str | None] = []
         self.hanging = 0
         self.running = None
 
@@ -114,6 +115,7 @@ class Server:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.seen.append(request.path)
+        self.headers.append(request.headers.get("Authorization"))
         answer = self.answers.get(request.path, (404, b"Not Found"))
         if answer == "hang":
             self.hanging += 1
@@ -238,3 +240,30 @@ async def test_watch_follows_the_upstreams_and_close_stops_everything(eventually
         with pytest.raises(RuntimeError):
             p.watch([a.url])
         assert len(a.seen) == seen
+
+
+@pytest.mark.parametrize("lie", [b"vllm:num_requests_running -3\n", b"vllm:num_requests_running NaN\n",
+                                 b"sglang:num_running_reqs 1e12\n", b"llamacpp:requests_processing +Inf\n"])
+async def test_a_server_that_lies_is_not_believed(eventually, lie):
+    async with Server(**{"/metrics": (200, lie)}) as liar, \
+            Server(**{"/metrics": (200, lie), "/slots": (200, (DATA / "llamacpp_busy_slots.json").read_bytes())}) as slots:
+        p = await poller()
+        try:
+            p.watch([liar.url, slots.url])
+            states = [p.origins()[s.running.url] for s in (liar, slots)]
+            await eventually(lambda: states[0].failures >= 2 and states[1].reads >= 2)
+            assert p.load(liar.url) is None
+            assert p.load(slots.url) == 2 and states[1].path == "/slots"  # what it says at /slots is read instead
+        finally:
+            await p.close()
+
+
+async def test_reads_carry_the_headers_given_for_the_upstream(eventually):
+    async with Server(**{"/metrics": (200, b"vllm:num_requests_running 1\n")}) as server:
+        p = await poller()
+        try:
+            p.watch([server.url], headers={server.url: {"Authorization": "Bearer sk-upstream"}})
+            await eventually(lambda: p.load(server.url) == 1)
+            assert set(server.headers) == {"Bearer sk-upstream"}
+        finally:
+            await p.close()
