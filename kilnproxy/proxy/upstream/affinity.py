@@ -156,12 +156,20 @@ def choose(order: Sequence[int], up: Sequence[bool], loads: Sequence[int], slack
     """The attempt order of a request whose key's order is ``order``: the upstreams up and below the
     bound, then the other upstreams up, each in the key's order (``up`` and ``loads`` by index);
     empty when none is up."""
-    loads_up = [loads[i] for i in order if up[i]]
-    if not loads_up:
+    total = n = 0
+    for i in order:
+        if up[i]:
+            total += loads[i]
+            n += 1
+    if not n:
         return []
-    limit = bound(loads_up, slack)
-    below = [i for i in order if up[i] and loads[i] < limit]
-    return below + [i for i in order if up[i] and loads[i] >= limit]
+    limit = math.ceil((1 + slack) * (total + 1) / n) + 1  # bound(), inline: this runs per request
+    below: list[int] = []
+    over: list[int] = []
+    for i in order:
+        if up[i]:
+            (below if loads[i] < limit else over).append(i)
+    return below + over
 
 
 def effective_load(in_flight: int, server: int | None) -> int:
