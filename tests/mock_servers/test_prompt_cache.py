@@ -12,7 +12,7 @@ from commands import start, stop
 
 from kilnproxy.mock_servers.mock_generation import count_tokens
 from kilnproxy.mock_servers.prompt_cache import PROMPT_CACHE, PromptCache, common_prefix, prompt_tokens_of
-from kilnproxy.proxy.upstream.load_readers import read_metrics, samples
+from kilnproxy.proxy.upstream.load_readers import LoadPoller, read_metrics, samples
 from kilnproxy.testing import free_port
 from kilnproxy.web.server import start_mock
 
@@ -192,3 +192,28 @@ async def test_the_mock_upstream_command_takes_the_cache_options(tmp_path):
                                                    stderr=asyncio.subprocess.PIPE)
         _, err = await run.communicate()
         assert run.returncode == 2 and message in err.decode()
+
+
+async def test_the_load_poller_reads_the_mocks_requests_from_elsewhere(eventually):
+    """Requests sent straight to the mock (not through this poller's gateway) are its load: running and waiting."""
+    mock = await start_mock(prompt_cache_slots=2)
+    poller = LoadPoller(0.05, read_timeout=1)
+    try:
+        poller.watch([f"{mock.url}/v1"])
+        await eventually(lambda: poller.load(f"{mock.url}/v1") == 0)
+        async with aiohttp.ClientSession() as s:
+            held = [await s.post(f"{mock.url}/v1/completions", json={
+                "model": "m", "prompt": f"hold {i}", "max_tokens": 2, "stream": True, "mock": {"silence": 3600}})
+                for i in range(2)]
+            third = asyncio.create_task(s.post(f"{mock.url}/v1/completions", json={
+                "model": "m", "prompt": "third", "max_tokens": 2}))
+            await eventually(lambda: poller.load(f"{mock.url}/v1") == 3)  # 2 running + 1 waiting
+            assert poller.origins()[mock.url].kind == "vllm"
+            for resp in held:
+                resp.close()
+            async with await third as resp:
+                assert resp.status == 200
+        await eventually(lambda: poller.load(f"{mock.url}/v1") == 0)
+    finally:
+        await poller.close()
+        await mock.stop()
