@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import re
 import time
-from http import HTTPStatus
-from typing import Mapping
 
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+
+from .aiohttp_internals import OneWriteResponse
 
 # What aiohttp sets or reads itself when it prepares a response: such a header goes to web.Response.
 RESERVED = frozenset(("content-type", "content-length", "date", "server", "connection", "transfer-encoding"))
@@ -58,89 +58,17 @@ _date_second = -1
 _date_tail = b""
 
 
-class Answer(web.StreamResponse):
+class Answer(OneWriteResponse):
     """``web.Response(status=status, body=body, headers={**headers, "Content-Type": content_type})``,
-    written as one pre-built buffer when the exchange allows it (see the module's docstring)."""
+    written as one pre-built buffer when the exchange allows it (see the module's docstring). What
+    aiohttp reads of a response, and the writing, are ``kilnproxy.aiohttp_internals.OneWriteResponse``'s
+    (made with ``Answer(body, status=200, content_type=JSON, headers=None)``); here, when and what."""
 
-    _reason: str | None = None  # set_status() with a reason of its own
-
-    def __init__(self, body: bytes, status: int = 200, content_type: str = JSON,
-                 headers: Mapping[str, str] | None = None):
-        # StreamResponse.__init__ is not called: its header multidict is built only if asked for
-        self._state = {}
-        self._status = status
-        self._body = body
-        self._content_type_value = content_type
-        self._extra = headers or {}
-        self._fallback: web.Response | None = None
-        self._sent = False
-
-    # -- what aiohttp and callers read ---------------------------------------
-
-    @property
-    def _headers(self):  # type: ignore[override]
-        """The headers as ``web.Response`` has them (rarely asked for). Asked before the answer is
-        sent, the answer becomes that ``web.Response``, so that a change to them is sent."""
-        if self._fallback is not None:
-            return self._fallback.headers
-        if self._sent or self._req is not None:
-            return self._response().headers
-        self._fallback = self._response()
-        return self._fallback.headers
-
-    @property
-    def reason(self) -> str:
-        return _PHRASES.get(self._status, "") if self._reason is None else self._reason
-
-    @property
-    def body(self) -> bytes:
-        return self._body
-
-    @property
-    def keep_alive(self) -> bool | None:
-        return self._fallback.keep_alive if self._fallback is not None else self._keep_alive
-
-    def force_close(self) -> None:
-        self._keep_alive = False
-        if self._fallback is not None:
-            self._fallback.force_close()
-
-    @property
-    def body_length(self) -> int:
-        return self._fallback.body_length if self._fallback is not None else self._body_length
-
-    @property
-    def prepared(self) -> bool:
-        return self._fallback.prepared if self._fallback is not None else self._sent or self._req is not None
-
-    # -- writing --------------------------------------------------------------
-
-    async def prepare(self, request: web.BaseRequest):
-        if self._fallback is None and self._req is None and not self._sent and self._one_write(request):
-            self._req = request
-            self._keep_alive = True
-            return request.writer
-        if self._fallback is None:
-            self._fallback = self._response()
-        return await self._fallback.prepare(request)
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        if self._fallback is not None:
-            return await self._fallback.write_eof(data)
-        if self._sent:
-            return
-        request = self._req
-        assert request is not None, "Response has not been started"
-        self._sent = True
-        self._req = None
-        writer = request.writer
-        await writer.write_eof(self._head() + self._body)
-        self._body_length = writer.output_size
-
-    def _one_write(self, request: web.BaseRequest) -> bool:
-        if (self._keep_alive is False or request.version != HttpVersion11 or not request.keep_alive
-                or request.method == "HEAD" or self._status < 200 or self._status in (204, 304)
-                or request.method == "CONNECT" and self._status < 300):
+    def _one_write(self, request: web.BaseRequest, status: int) -> bool:
+        """The usual exchange (the response's keep-alive not turned off: the caller looked)."""
+        if (request.version != HttpVersion11 or not request.keep_alive
+                or request.method == "HEAD" or status < 200 or status in (204, 304)
+                or request.method == "CONNECT" and status < 300):
             return False
         for key, value in self._extra.items():
             if type(key) is not str or type(value) is not str or key.lower() in RESERVED \
@@ -152,22 +80,15 @@ class Answer(web.StreamResponse):
         return not isinstance(request, web.Request) or not any(app.on_response_prepare
                                                                for app in request.match_info.apps)
 
-    def _head(self) -> bytes:
-        status_line = _STATUS_LINES.get(self._status)
+    def _head(self, status: int, body: bytes) -> bytes:
+        status_line = _STATUS_LINES.get(status)
         if status_line is None:
-            status_line = _STATUS_LINES[self._status] = f"HTTP/1.1 {self._status} {self.reason}\r\n".encode()
+            status_line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {self.reason}\r\n".encode()
         lines = "".join(f"{key}: {value}\r\n" for key, value in self._extra.items()) if self._extra else ""
         # surrogateescape: a header an upstream sent with bytes that are not UTF-8 goes back as those bytes
         return b"".join((status_line, (f"{lines}Content-Type: {self._content_type_value}\r\n"
-                                       f"Content-Length: {len(self._body)}\r\n").encode("utf-8", "surrogateescape"),
+                                       f"Content-Length: {len(body)}\r\n").encode("utf-8", "surrogateescape"),
                          date_and_server()))
-
-    def _response(self) -> web.Response:
-        response = web.Response(status=self._status, reason=self._reason, body=self._body,
-                                headers={**self._extra, "Content-Type": self._content_type_value})
-        if self._keep_alive is False:
-            response.force_close()
-        return response
 
 
 def header_fault(name: object, value: object) -> str | None:
@@ -187,9 +108,6 @@ def header_fault(name: object, value: object) -> str | None:
 def _plain(text: str) -> bool:
     """No character aiohttp refuses in a header (``isprintable`` first: it is quicker, and stricter)."""
     return text.isprintable() or not FORBIDDEN.search(text)
-
-
-_PHRASES = {status.value: status.phrase for status in HTTPStatus}  # aiohttp's REASON_PHRASES
 
 
 def date_and_server() -> bytes:

@@ -44,6 +44,7 @@ import signal
 
 from aiohttp import web
 
+from ..aiohttp_internals import close_after_response  # the drain's middleware, and tests, call it from here
 from ..errors import GatewayError
 from ..proxy.stream_writer import ShuttingDown
 from ..tasks import woken
@@ -118,12 +119,6 @@ class Shutdown:
         for task in pending:
             task.cancel()
         return not self.active
-
-
-def close_after_response(request: web.BaseRequest) -> None:
-    """The response will say ``Connection: close``, and aiohttp closes the connection once it is
-    sent. (A response left to decide takes keep-alive from the request's parsed message.)"""
-    request._message = request._message._replace(should_close=True)
 
 
 def shutting_down() -> GatewayError:

@@ -28,6 +28,8 @@ from typing import Awaitable, Callable
 
 from aiohttp import hdrs, web
 
+from ..aiohttp_internals import AppRunnerWithServerHook, client_max_size
+
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 # (method, raw path) -> handler: the table ``create_app`` puts in the app for ``FastRunner``
@@ -45,7 +47,7 @@ class RouteTable:
     def __init__(self, app: web.Application, routes: dict[tuple[str, str], Handler], app_factory, app_handler):
         self._app_factory = app_factory
         self._app_handler = app_handler
-        self._max_size = app._client_max_size
+        self._max_size = client_max_size(app)
         self._loop = asyncio.get_running_loop()
         self._routes = {key: _with_middlewares(app, handler) for key, handler in routes.items()}
 
@@ -72,15 +74,14 @@ def _with_middlewares(app: web.Application, handler: Handler) -> Handler:
     return handler
 
 
-class FastRunner(web.AppRunner):
+class FastRunner(AppRunnerWithServerHook):
     """``web.AppRunner`` whose server answers ``routes`` ((method, raw path) -> handler) itself."""
 
     def __init__(self, app: web.Application, routes: dict[tuple[str, str], Handler], **kwargs):
         super().__init__(app, **kwargs)
         self._routes = routes
 
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()  # the app has started and is frozen: its middlewares are final
+    def server_made(self, server: web.Server) -> None:
+        # in setup(): the app has started and is frozen, its middlewares are final
         table = RouteTable(self.app, self._routes, server.request_factory, server.request_handler)
         server.request_factory, server.request_handler = table.make_request, table.handle
-        return server

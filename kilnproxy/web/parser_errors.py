@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
+from ..aiohttp_internals import HandlerClassServer, use_server_class
 from ..errors import bad_request, error_json
 from ..inspector import fallback_headers
 
@@ -47,14 +48,13 @@ class GatewayRequestHandler(RequestHandler):
         return response
 
 
-class GatewayServer(web.Server):
+class GatewayServer(HandlerClassServer):
     """``web.Server`` whose connections are handled by ``GatewayRequestHandler``."""
 
-    def __call__(self) -> RequestHandler:
-        return GatewayRequestHandler(self, loop=self._loop, **self._kwargs)
+    handler_class = GatewayRequestHandler
 
 
 def answer_malformed_requests(server: web.Server) -> None:
     """Make ``server`` (built by aiohttp's runner, before it serves) a ``GatewayServer``. aiohttp builds
     its ``web.Server`` itself (``Application._make_handler``) and gives no way to choose the class."""
-    server.__class__ = GatewayServer
+    use_server_class(server, GatewayServer)

@@ -31,6 +31,7 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from ..aiohttp_internals import site_sockets
 from ..config import Config
 from ..mock_servers.mock_upstream import create_mock_app
 from .app import create_app
@@ -124,10 +125,8 @@ class Running:
 
 
 def _listeners(site: web.BaseSite) -> list:
-    """``site``'s listening TCP sockets (aiohttp gives no public way to them: ``site._server`` is
-    asyncio's ``Server``)."""
-    sockets = getattr(getattr(site, "_server", None), "sockets", None) or ()
-    return [s for s in sockets if s.type == socket.SOCK_STREAM]
+    """``site``'s listening TCP sockets (aiohttp gives no public way to them: ``site_sockets``)."""
+    return [s for s in site_sockets(site) if s.type == socket.SOCK_STREAM]
 
 
 # A classic BPF socket filter (Linux): a packet that opens a connection (SYN set) is dropped, any other

@@ -35,10 +35,11 @@ no ``on_response_prepare`` handler in the request's apps. Anything else is
 from __future__ import annotations
 
 from aiohttp import web
-from aiohttp.helpers import must_be_empty_body, rfc822_formatted_time
-from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+from aiohttp.helpers import must_be_empty_body
+from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 
+from ...aiohttp_internals import DictHeadResponse
 from ...answers import RESERVED
 
 SSE_HEADERS = {
@@ -46,55 +47,22 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-STATUS_LINE = "HTTP/1.1 200 OK"
 
 
-class SSEResponse(web.StreamResponse):
-    """``web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})``; with ``hold`` its head
-    waits for the first body bytes, to go out with them in one write."""
+class SSEResponse(DictHeadResponse):
+    """``web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})``, made with
+    ``SSEResponse(headers, hold)``; with ``hold`` its head waits for the first body bytes, to go out
+    with them in one write (``held``). The head from the dict, and what aiohttp reads of a response,
+    are ``kilnproxy.aiohttp_internals.DictHeadResponse``'s; here, when and which headers."""
 
-    def __init__(self, headers: dict, hold: bool):
-        # StreamResponse.__init__ is not called: its header multidict is built only if asked for
-        self._state = {}
-        self._status, self._reason = 200, "OK"
-        self._extra = headers
-        self._multidict: CIMultiDict | None = None
-        self._sent: dict | None = None  # the head's headers, once sent from the dict
-        if hold:
-            self._send_headers_immediately = False
+    FIRST_HEADERS = SSE_HEADERS
 
-    @property
-    def held(self) -> bool:
-        """The head waits for the first body bytes."""
-        return not self._send_headers_immediately
-
-    @property
-    def _headers(self) -> CIMultiDict:  # type: ignore[override]
-        """The headers as ``StreamResponse`` has them (rarely asked for): before ``prepare``, asking
-        makes the response ``StreamResponse``'s, so that a change to them is sent."""
-        if self._multidict is None:
-            self._multidict = CIMultiDict(self._sent if self._sent is not None else {**SSE_HEADERS, **self._extra})
-        return self._multidict
-
-    async def prepare(self, request: web.BaseRequest):
-        if self._payload_writer is None and not self._eof_sent and self._multidict is None and self._usual(request):
-            writer = self._payload_writer = request.writer
-            self._req = request
-            self._keep_alive = True
-            self._must_be_empty_body = False
-            writer.enable_chunking()
-            self._sent = {**SSE_HEADERS, **self._extra, "Transfer-Encoding": "chunked",
-                          "Date": rfc822_formatted_time(), "Server": SERVER_SOFTWARE}
-            await writer.write_headers(STATUS_LINE, self._sent)
-            if self._send_headers_immediately:
-                writer.send_headers()
-            return writer
-        return await super().prepare(request)
+    def _made_headers(self) -> CIMultiDict:
+        return CIMultiDict(self._sent if self._sent is not None else {**SSE_HEADERS, **self._extra})
 
     def _usual(self, request: web.BaseRequest) -> bool:
-        if (self._status != 200 or self._reason != "OK" or self._keep_alive is not None or self._compression
-                or self._cookies or self._chunked or request.version != HttpVersion11 or not request.keep_alive
-                or must_be_empty_body(request.method, 200)):
+        """The request and the headers allow the head from the dict (the response is as made: the caller looked)."""
+        if request.version != HttpVersion11 or not request.keep_alive or must_be_empty_body(request.method, 200):
             return False
         for key, value in self._extra.items():
             if type(key) is not str or type(value) is not str or key.lower() in RESERVED:
