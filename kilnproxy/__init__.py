@@ -12,9 +12,10 @@ The package, in layers: each part imports only the parts below it (``setup.cfg``
 * ``usage``: a request's token counts and cost;
 * ``config``, ``config_ops``, ``config_reader``: the config loaded and checked; the operator's tables;
   one TOML table read with its names and types checked;
-* the kernel, which imports nothing above it: ``access`` (operator access), ``aiohttp_internals``
-  (every use of aiohttp's private names), ``call`` (``Call``, what a hook is handed), ``config_types``,
-  ``errors``, ``hookspecs``, ``sse``, ``tasks``, and ``answers`` (a whole non-streamed answer in one write, lowest of all).
+* the kernel, which imports nothing above it: ``access`` (operator access), ``call`` (``Call``, what a
+  hook is handed), ``config_types``, ``errors``, ``hookspecs``, ``sse``, ``tasks``; below them ``answers``
+  (a whole non-streamed answer in one write), and lowest ``aiohttp_internals`` (every use of aiohttp's
+  private names, for the aiohttp versions it names).
 """
 
 from .errors import GatewayError as Refusal

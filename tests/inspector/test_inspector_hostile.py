@@ -17,6 +17,7 @@ from browser import chromium_page
 from raw_upstreams import answering, http
 
 from kilnproxy.testing import MODEL
+from kilnproxy.aiohttp_internals import site_sockets
 
 CAPTURE = {"inspector": {"capture": True}}
 XSS = '<img src=x onerror="window.__xss=1"><script>window.__xss=1</script>'
@@ -219,7 +220,7 @@ async def test_another_site_cannot_frame_the_page(harness):
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         try:
-            port = site._server.sockets[0].getsockname()[1]
+            port = site_sockets(site)[0].getsockname()[1]
             await page.goto(f"http://localhost:{port}/")  # another origin than the gateway's
             await page.wait_for_timeout(1000)
             [frame] = [f for f in page.frames if f != page.main_frame]

@@ -14,6 +14,7 @@ from kilnproxy.ops.admin import check_admin
 from kilnproxy.proxy.gateway import GATEWAY
 from kilnproxy.testing import KEY, MODEL
 from kilnproxy.web.server import start_mock
+from kilnproxy.aiohttp_internals import site_sockets
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -259,7 +260,7 @@ async def test_error_codes_an_upstream_makes_of_what_clients_send_are_bounded(ha
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    url = f"http://127.0.0.1:{site_sockets(site)[0].getsockname()[1]}/v1"
     odd = ["x" * 65, 'quo"te', "new\nline", "é"]
     try:
         async with harness(configure=lambda c: c["models"][0].update(upstreams=[url])) as h:

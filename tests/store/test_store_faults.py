@@ -31,6 +31,7 @@ from replicas import Ledger, replica, replica_config, stop_all
 from kilnproxy.testing import KEY, completion_body
 from kilnproxy.testing.postgres import PostgresServer
 from kilnproxy.usage import COLUMNS
+from kilnproxy.aiohttp_internals import site_sockets
 
 DOWN_LINE = "new requests get 503 store_unavailable"
 UP_LINE = "PostgreSQL takes rows again"
@@ -557,7 +558,7 @@ async def odd_codes_upstream():
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    yield f"http://127.0.0.1:{site_sockets(site)[0].getsockname()[1]}/v1"
     await runner.cleanup()
 
 
