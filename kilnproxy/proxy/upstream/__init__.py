@@ -7,7 +7,7 @@
 * ``client``: the gateway's HTTP/1.1 client for the model servers' POSTs;
 * ``connections``: its kept-alive connections, one pool per origin;
 * ``responses``: ``UpstreamResponse``, one answer as the relays read it (status, headers, the body as
-  it arrives).
+  it arrives);
 * ``load_readers``: the servers' own load (llama.cpp, vLLM, SGLang) read off the request path by
   ``LoadPoller``, one task per origin (SPEC 13's ``load_poll``);
 * ``affinity``: ``cache_aware`` routing's rules: a request's affinity key, the upstreams' order per
