@@ -7,6 +7,7 @@ key and what is wrong. Nothing else in the gateway reads the TOML.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -16,6 +17,7 @@ from . import config_ops
 from .config_reader import NUMBER, Reader
 from .config_types import (
     ENDPOINTS,
+    ROUTING,
     Config,
     KeyConfig,
     LimitsConfig,
@@ -148,6 +150,9 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
         first_byte_timeout=_seconds(r, "first_byte_timeout"),
         request_timeout=_seconds(r, "request_timeout"),
         queue_timeout=float(r.get("queue_timeout", NUMBER, 0.0)),
+        routing=r.get("routing", str, ModelConfig.routing),
+        cache_aware_slack=float(r.get("cache_aware_slack", NUMBER, ModelConfig.cache_aware_slack)),
+        load_poll=float(r.get("load_poll", NUMBER, ModelConfig.load_poll)),
         endpoints=_endpoints(r),
         discover=r.get("discover", bool, False),
         alias=r.get("alias", str, None),
@@ -156,6 +161,12 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
         r.fail(r.key("alias"), "only applies with discover = true (the first model the upstream lists)")
     if model.queue_timeout < 0:
         r.fail(r.key("queue_timeout"), f"must be 0 (no waiting) or more, got {model.queue_timeout!r}")
+    if model.routing not in ROUTING:
+        r.fail(r.key("routing"), f"unknown routing {model.routing!r}; choose from {', '.join(ROUTING)}")
+    if not 0 <= model.cache_aware_slack < math.inf:
+        r.fail(r.key("cache_aware_slack"), f"must be 0 or more, got {model.cache_aware_slack!r}")
+    if not 0 <= model.load_poll < math.inf:
+        r.fail(r.key("load_poll"), f"must be 0 (no reads) or more seconds, got {model.load_poll!r}")
     if model_id in model.fallbacks:
         r.fail(r.key("fallbacks"), f"a model cannot be its own fallback ({model_id!r})")
     r.done()

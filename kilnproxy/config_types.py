@@ -89,6 +89,10 @@ class ModelConfig:
     first_byte_timeout: float | None = None  # seconds for an upstream to begin its answer
     request_timeout: float | None = None  # seconds from admission to the end of the answer
     queue_timeout: float = 0.0  # seconds a request may wait for a free upstream slot
+    # How a request picks among the upstreams (docs/reference.md, "Routing"):
+    routing: str = "least_busy"  # one of ROUTING
+    cache_aware_slack: float = 0.25  # cache_aware: how far above the mean load an upstream may still take its keys
+    load_poll: float = 1.0  # seconds between reads of each upstream server's own load; 0: none
 
     endpoints: tuple[str, ...] = ("completions", "chat/completions")  # the APIs this model answers
     discover: bool = False  # id is a prefix: the upstreams' own /v1/models list is served under it
@@ -96,6 +100,10 @@ class ModelConfig:
 
     def max_in_flight_of(self, index: int) -> int | None:
         return self.upstream_max_in_flight[index] if index < len(self.upstream_max_in_flight) else None
+
+
+# The routing policies of a model's upstreams.
+ROUTING = ("least_busy", "cache_aware", "round_robin")
 
 
 # The APIs a model may serve, by the names the usage rows' ``endpoint`` column uses.

@@ -221,9 +221,10 @@ def cmd_check_config(args) -> int:
     for m in config.models:
         if m.discover:
             alias = f" (and {m.alias} for the first)" if m.alias else ""
-            print(f"  models   {m.id}<each model listed>{alias}, discovered via {', '.join(m.upstreams)}")
+            print(f"  models   {m.id}<each model listed>{alias}, discovered via {', '.join(m.upstreams)},"
+                  f" routing {m.routing}")
         else:
-            print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}")
+            print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}, routing {m.routing}")
     for o in config.orgs:
         keys = sum(1 for k in config.keys if k.org == o.id)
         print(f"  org      {o.id}: {o.credits} USD, {o.max_in_flight or config.limits.max_in_flight_per_org}"
