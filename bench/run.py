@@ -4,14 +4,16 @@ Starts, on 127.0.0.1 only, nginx with canned answers, the mock upstream, a
 slow upstream, the pass-through of ``passthrough.py``, kilnproxy with every
 feature on (auth, in-flight limit, SQLite usage ledger, cost) and the peers of
 ``peers.py`` that can be installed (Portkey, LiteLLM), runs M1-M8 alternating
-the targets round by round, prints the tables and writes them to a file of the
-run's own: ``bench/results/<date>-<time>.md`` for a full run,
+the targets round by round, PG, and M9 (``m9_routing.py``: the routing
+policies side by side on multi-turn conversations, on servers and gateway
+replicas of its own), prints the tables and writes them to a file of the run's
+own: ``bench/results/<date>-<time>.md`` for a full run,
 ``bench/results/partial/<date>-<time>-<measures>.md`` for a partial one (which
 so never replaces the last full table). Every process it started is stopped on
 the way out. The gateway, the pass-through and the peers run on CPU 0; load
 generators and upstreams on CPU 1.
 
-    python bench/run.py [--rounds 5] [--seconds 3] [--streams 10000] [--only M1,M5] [--peers portkey]
+    python bench/run.py [--rounds 5] [--seconds 3] [--streams 10000] [--only M1,M5,M9] [--peers portkey]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import m9_routing
 import measure_pg
 import peers
 from loads import LoadError, post
@@ -35,7 +38,7 @@ from upstreams import UPSTREAM_MODEL, request_body, write_nginx_files
 from kilnproxy.testing.postgres import PostgresServer
 
 HERE = Path(__file__).resolve().parent
-ALL = ("M1", "M2", "M3", "M4", "M5", "M6", "M7", "M8", "PG")
+ALL = ("M1", "M2", "M3", "M4", "M5", "M6", "M7", "M8", "PG", "M9")
 PY = sys.executable
 KEY = "sk-bench"
 
@@ -189,6 +192,13 @@ def main() -> int:
                 with PostgresServer(fsync=True) as postgres:  # on the load CPU, as this process is
                     measure_pg.measure(bench, postgres)
                 print(bench.sections[-1], flush=True)
+            if "M9" in only:  # its own servers and gateways, started and stopped per policy
+                print("\nM9 ...", flush=True)
+                sections, goal_rows, notes = m9_routing.measure(procs, work, m9_routing.Settings())
+                bench.sections += sections + notes
+                for goal in goal_rows:
+                    bench.goal(*goal)
+                print("\n\n".join(sections + notes), flush=True)
         except LoadError as exc:
             print(f"bench failed: {exc}", file=sys.stderr)
             return 1
