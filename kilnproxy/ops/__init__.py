@@ -5,6 +5,7 @@
 * ``metrics``, ``accesslog``: what the gateway is doing, for Prometheus and as JSON lines;
 * ``reload``: the config re-read without a restart (SIGHUP, ``POST /admin/reload``);
 * ``health``: active checks of the upstreams;
+* ``load_poll``: the upstream servers' own loads, read in the background and bound to their slots (``load_poll``);
 * ``lifecycle``: signals, the drain and graceful shutdown;
 * ``tracing``: OpenTelemetry spans of the metered requests (``[tracing]``, handed in as ``Gateway.tracer``).
 

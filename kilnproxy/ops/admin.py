@@ -22,6 +22,7 @@ from ..proxy.endpoints.json_routes import expect_handler
 from .tracing import install as tracing
 from .accesslog import AccessLog
 from .health import HealthChecker
+from .load_poll import LoadWatch
 from .lifecycle import Shutdown
 from .metrics import ReloadStats, RequestStats, build_registry
 from .reload import Reloader
@@ -29,6 +30,7 @@ from .reload import Reloader
 REGISTRY = web.AppKey("metrics_registry", object)
 RELOADER = web.AppKey("reloader", Reloader)
 HEALTH = web.AppKey("health_checker", HealthChecker)
+LOADS = web.AppKey("load_watch", LoadWatch)
 SHUTDOWN = web.AppKey("shutdown", Shutdown)
 
 
@@ -47,6 +49,7 @@ def install(app: web.Application) -> None:
     gw.row_observers = reloader.observers_for(config)
     app[RELOADER] = reloader
     app[HEALTH] = health
+    app[LOADS] = LoadWatch(gw)
     app[SHUTDOWN] = shutdown = Shutdown(gw)
     app.middlewares.append(shutdown.middleware)
     gw.ledger.journal_when(shutdown.alone)  # the row journal: for a request served alone
@@ -59,7 +62,9 @@ def install(app: web.Application) -> None:
 async def _operations_ctx(app: web.Application):
     """Runs after the gateway has started and stops before it stops (cleanup_ctx order)."""
     app[HEALTH].start()
+    app[LOADS].start()  # the servers' own loads (load_poll): one task per upstream origin
     yield
+    await app[LOADS].stop()
     await app[HEALTH].stop()
     for observer in app[GATEWAY].row_observers:
         if isinstance(observer, AccessLog):

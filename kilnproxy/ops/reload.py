@@ -94,6 +94,7 @@ class Reloader:
         if gw.tenants is not None:  # keys, credits, org limits: the new config merged with the store's
             gw.tenants.apply(effective)
         gw.row_observers = observers
+        gw.routes_replaced()
         if kept:
             log.warning("config reload: %s changed; the running values stay until a restart"
                         " (plugins are not reloaded)", ", ".join(kept))

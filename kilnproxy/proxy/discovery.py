@@ -78,6 +78,7 @@ class Discovery:
         added = sorted(set(sum(found.values(), ())) - set(sum(gw.discovered.values(), ())))
         gw.discovered = found
         gw.routes = carry_over(gw.routes, routes_from(gw.config.models, gw.config.server, found))
+        gw.routes_replaced()
         log.info("model discovery: %d model(s) served%s", len(gw.routes),
                  f"; new: {shown_ids(added)}" if added else "")
 

@@ -31,6 +31,7 @@ from ..errors import GatewayError, UpstreamFailure, plugin_failed
 from ..call import Call, set_model
 from ..plugins.manager import BUILT_IN
 from ..store.limits import Hold
+from .upstream.affinity import affinity_key
 from .upstream.deadlines import RequestTimedOut, deadline_of, request_deadline_passed
 from .relay.event_json import write
 from .gateway import Gateway
@@ -106,16 +107,18 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
     if deadline is not None:
         queue_deadline = min(queue_deadline, deadline)
     elsewhere = NOT_HELD if call.endpoint == "responses" and body.get("previous_response_id") else None
+    # cache_aware: the affinity key of the body in hand (the dict the request path parsed; SPEC 13)
+    key = None if route.rendezvous is None else affinity_key(call.endpoint, body)
     if deadline is None:
         upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream, queue_deadline,
-                                                 headers, record.trace, elsewhere, record)
+                                                 headers, record.trace, elsewhere, record, key)
         return Opened(route, upstream, resp, first, None)
     if deadline <= loop.time():  # passed already (a fallback's, by the time it is tried): no slot, no send
         raise request_deadline_passed(route.id, model.request_timeout)
     try:
         async with asyncio.timeout_at(deadline):
             upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream,
-                                                     queue_deadline, headers, record.trace, elsewhere, record)
+                                                     queue_deadline, headers, record.trace, elsewhere, record, key)
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None
     return Opened(route, upstream, resp, first, deadline)

@@ -107,6 +107,8 @@ class Gateway:
         self.draining = False  # set by a graceful shutdown (kilnproxy.ops.lifecycle): /healthz?ready is 503
         self.commit_listeners: list[CommitListener] = []  # called with each committed batch; must not block or raise
         self.fallback_counts: dict[tuple[str, str], int] = {}  # (requested model, fallback) -> requests sent
+        # called (no argument) after ``routes`` is replaced (a reload, model discovery): the load reads re-watch
+        self.route_listeners: list[Callable[[], None]] = []
         self._usage_queue: asyncio.Queue | None = None
         self._usage_task: asyncio.Task | None = None
         # the event loop it serves on, once started: asyncio.get_running_loop() makes a getpid system call
@@ -185,6 +187,11 @@ class Gateway:
         if self.upstream_client is not None:
             self.upstream_client.close()
             self.upstream_client = None
+
+    def routes_replaced(self) -> None:
+        """``routes`` was just replaced: tell the ``route_listeners``."""
+        for listener in self.route_listeners:
+            listener()
 
     def refuse_upstream_requests(self, error: Callable[[], Exception]) -> None:
         """The gateway is stopping: requests still waiting for an upstream slot or for an upstream's

@@ -1,6 +1,6 @@
 """The upstreams: reaching a model's servers (where routing goes).
 
-* ``routes``: ``Route``, a model's upstreams: balancing, failover and marking down, and sending a
+* ``routes``: ``Route``, a model's upstreams: routing (least_busy, round_robin, cache_aware), failover and marking down, and sending a
   request on a slot;
 * ``slots``: each upstream's ``max_in_flight`` slots and the queue of requests waiting for one;
 * ``deadlines``: a model's ``first_byte_timeout`` (fail over) and ``request_timeout`` (give up);

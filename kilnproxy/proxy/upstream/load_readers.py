@@ -191,9 +191,9 @@ def _count(total: float) -> int | None:
 class _Origin:
     """One origin's reads: what answered last and the last load read (monotonic time)."""
 
-    __slots__ = ("origin", "headers", "path", "kind", "load", "at", "task", "reads", "failures")
+    __slots__ = ("origin", "headers", "path", "kind", "load", "at", "task", "reads", "failures", "stale_after")
 
-    def __init__(self, origin: str, headers: Mapping[str, str] | None):
+    def __init__(self, origin: str, headers: Mapping[str, str] | None, stale_after: float = math.inf):
         self.origin = origin
         self.headers = dict(headers or {})
         self.path: str | None = None  # "/metrics" or "/slots" once one answered
@@ -203,6 +203,7 @@ class _Origin:
         self.task: asyncio.Task | None = None
         self.reads = 0  # reads that gave a load, for tests and /metrics
         self.failures = 0  # polls in a row that gave none
+        self.stale_after = stale_after  # seconds after which a read is not used (its poller's 3 intervals)
 
 
 class LoadPoller:
@@ -240,7 +241,7 @@ class LoadPoller:
             origin = origin_of(url)
             state = self._origins.get(origin)
             if state is None:
-                state = self._origins[origin] = _Origin(origin, headers.get(url))
+                state = self._origins[origin] = _Origin(origin, headers.get(url), self.stale_after)
             elif url in headers:
                 state.headers = dict(headers[url])
             of_url[url] = state
@@ -254,6 +255,11 @@ class LoadPoller:
         for state in self._origins.values():
             if state.task is None:
                 state.task = asyncio.get_running_loop().create_task(self._poll(state), name=f"load {state.origin}")
+
+    def state_of(self, upstream_url: str) -> _Origin | None:
+        """The watched origin of ``upstream_url`` (its ``load``, ``at`` and ``stale_after``), or None: what
+        a slot pool holds to read the load itself, with no call per request."""
+        return self._of_url.get(upstream_url)
 
     def origins(self) -> dict[str, _Origin]:
         return dict(self._origins)

@@ -1,8 +1,16 @@
-"""Reaching a model's upstreams: slots, balancing, failover and marking down (docs/reference.md).
+"""Reaching a model's upstreams: routing, slots, failover and marking down (docs/reference.md).
 
 ``Route`` holds what the request path needs to know of one catalog model.
-``Route.open(...)`` takes a slot on the least busy upstream that is not
-marked down (waiting up to the model's ``queue_timeout`` when every slot is
+``Route.candidates(key)`` is a request's order of the upstreams not marked
+down, by the model's ``routing`` (SPEC 13): ``least_busy``, the least loaded
+first (an upstream's load: ``SlotPool.load_at``, this process's requests or the
+server's own count as last read, over its cap); ``round_robin``, in turn;
+``cache_aware``, the order of the request's affinity key
+(``kilnproxy.proxy.upstream.affinity``: the key's rendezvous order, those
+below the load bound first), or ``least_busy`` for a request without a key
+(embeddings, token counts). The policy is bound once per route.
+``Route.open(...)`` takes a slot on the first upstream in that order with a
+free one (waiting up to the model's ``queue_timeout`` when every slot is
 busy, ``kilnproxy.proxy.upstream.slots``), sends the body with the gateway's
 ``UpstreamClient`` (``kilnproxy.proxy.upstream.client``) and returns the
 ``UpstreamResponse`` once its status line and headers have arrived (and,
@@ -29,6 +37,7 @@ import orjson
 
 from ...config import ModelConfig, ServerConfig
 from ...errors import GatewayError, UpstreamFailure, no_backend_available
+from .affinity import Rendezvous, choose
 from .deadlines import first_byte_missed
 from .client import RequestTarget, UpstreamClient
 from .connections import UpstreamBadResponse
@@ -130,6 +139,12 @@ class Route:
                 self.headers["Authorization"] = f"Bearer {token}"
         self._turn = 0
         self._usable = self.usable  # bound once: passed to every wait for a slot
+        self.routing = model.routing
+        self.slack = model.cache_aware_slack
+        self.rendezvous = Rendezvous(model.upstreams) if model.routing == "cache_aware" else None
+        # the policy, bound once: (key) -> the upstreams up, in the order they are tried
+        self._order = {"cache_aware": self._cache_aware, "round_robin": self._round_robin}.get(
+            model.routing, self._least_busy)
         self._targets: dict[tuple[str, str], RequestTarget] = {}  # (base URL, endpoint) -> its request head
         # Byte patterns for rewriting `model` in streamed chunks without parsing them.
         self.model_bytes = b'"model":' + orjson.dumps(model.id)
@@ -138,16 +153,40 @@ class Route:
     def serves(self, endpoint: str) -> bool:
         return endpoint in self.endpoints
 
-    def candidates(self) -> list[Upstream]:
-        """Upstreams not marked down, the least busy first (ties taken in turn); busy counts every
-        model's requests to the same URL (its slots)."""
-        now = time.monotonic()
+    def candidates(self, key: int | None = None) -> list[Upstream]:
+        """Upstreams not marked down, in the order a request is to try them (its routing's; ``key``:
+        its affinity key, ``cache_aware`` only). Loads count every model's requests to the same URL
+        (its slots), and the server's own count when read lately."""
         ups = self.upstreams
         if len(ups) == 1:
-            return ups if ups[0].is_up(now) else []
+            return ups if ups[0].is_up(time.monotonic()) else []
+        return self._order(key)
+
+    def _least_busy(self, key: int | None) -> list[Upstream]:
+        """The least loaded first (ties taken in turn)."""
+        now = time.monotonic()
+        ups = self.upstreams
         self._turn = (self._turn + 1) % len(ups)
         rotated = ups[self._turn:] + ups[:self._turn]
-        return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.slots.load())
+        return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.slots.share_at(now))
+
+    def _round_robin(self, key: int | None) -> list[Upstream]:
+        """In turn: the next upstream up, then the others after it."""
+        now = time.monotonic()
+        ups = self.upstreams
+        self._turn = (self._turn + 1) % len(ups)
+        return [u for u in ups[self._turn:] + ups[:self._turn] if u.is_up(now)]
+
+    def _cache_aware(self, key: int | None) -> list[Upstream]:
+        """The key's order: those below the load bound, then the others (``affinity.choose``); no key:
+        least busy."""
+        if key is None:
+            return self._least_busy(key)
+        now = time.monotonic()
+        ups = self.upstreams
+        up = [u.is_up(now) for u in ups]
+        loads = [u.slots.load_at(now) for u in ups]
+        return [ups[i] for i in choose(self.rendezvous.order(key), up, loads, self.slack)]
 
     def usable(self, pool: SlotPool) -> bool:
         """Whether a request of this model waiting for a slot of ``pool`` may still be sent there."""
@@ -157,7 +196,7 @@ class Route:
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
                    trace: RequestTrace | None = None, elsewhere: int | None = None, record: RequestRecord | None = None,
-                   ) -> tuple[Upstream, UpstreamResponse, bytes | None]:
+                   key: int | None = None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
         and the answer is a stream, its first bytes (else None). The caller must release the response
@@ -165,11 +204,12 @@ class Route:
         headers that carry the trace. ``elsewhere``: a status that, like a 429 or 5xx, sends the request on
         to another upstream of the model (a Responses follow-up's 404: this one does not hold the response).
         ``record`` (a ``RequestRecord``): its ``sent`` is true while the body is with an upstream whose
-        answer is awaited or returned (not one given up on)."""
+        answer is awaited or returned (not one given up on). ``key``: the request's affinity key
+        (``cache_aware``), the same for each attempt, so a failed one moves on along the key's order."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
-            candidates = [u for u in self.candidates() if u not in tried] if tried else self.candidates()
+            candidates = [u for u in self.candidates(key) if u not in tried] if tried else self.candidates(key)
             if not candidates:
                 raise problem or no_backend_available(self.id)
             pool = candidates[0].slots if len(candidates) == 1 else None
@@ -216,7 +256,7 @@ class Route:
                 upstream.failed()
             elif status < 500:
                 upstream.succeeded()
-            if not (cannot_take(status) or status == elsewhere) or not any(u not in tried for u in self.candidates()):
+            if not (cannot_take(status) or status == elsewhere) or not any(u not in tried for u in self.candidates(key)):
                 return upstream, resp, first
             upstream.release()
             resp.close()
@@ -226,13 +266,13 @@ class Route:
 
     async def send(self, client: UpstreamClient, endpoint: str, body: bytes,
                    headers: Mapping[str, str] | None = None) -> tuple[Upstream, UpstreamResponse]:
-        """``body`` to the least busy upstream not marked down, taking none of its slots: a request that
+        """``body`` to the least busy upstream not marked down (whatever the routing), taking none of its slots: a request that
         uses none of a server's generation slots (``max_in_flight``), such as a token count, is not held
         up by them, nor counted in them. The next upstream is tried when one cannot be reached; the caller
         releases the response (there is no slot to give back). Raises 503 ``no_backend_available`` or the
         last ``UpstreamFailure``."""
         problem: UpstreamFailure | None = None
-        for upstream in self.candidates():
+        for upstream in self.candidates() if len(self.upstreams) == 1 else self._least_busy(None):
             try:
                 return upstream, await client.post(self._target(upstream, endpoint), headers, body)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

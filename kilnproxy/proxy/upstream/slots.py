@@ -4,8 +4,12 @@ A model server such as llama.cpp has a fixed number of slots; sent more, it
 queues them out of sight. ``SlotPool`` is one upstream URL's slots in this
 process, shared by every model that lists the URL (and kept across a reload,
 ``kilnproxy.ops.reload``). ``take_slot(upstreams, deadline)`` takes a free
-slot on the least busy of a request's candidate upstreams, or queues the
-request until one frees or ``deadline`` passes (then ``UpstreamBusy``).
+slot on the first of a request's candidate upstreams that has one (the
+route gives them in its routing's order: the least loaded first, or the
+request's ``cache_aware`` order), or queues the request until one frees or
+``deadline`` passes (then ``UpstreamBusy``). A pool's ``load_at(now)`` is
+SPEC 13's load: the larger of ``busy`` and the server's own count, when a
+``LoadPoller`` read it lately (``polled``, bound by ``kilnproxy.ops.load_poll``).
 
 Waiting is first come, first served: a waiter queues on each of its
 candidate pools at once, each pool hands a freed slot to the oldest live waiter queued on it, and a pool
@@ -34,7 +38,7 @@ from ...errors import GatewayError
 class SlotPool:
     """The slots of one upstream URL: ``limit`` (None: no cap) and ``busy``, with their queue."""
 
-    __slots__ = ("url", "limit", "busy", "waiters", "refusal")
+    __slots__ = ("url", "limit", "busy", "waiters", "refusal", "polled")
 
     def __init__(self, url: str, limit: int | None):
         self.url = url
@@ -42,6 +46,8 @@ class SlotPool:
         self.busy = 0
         self.waiters: deque[_Waiter] = deque()
         self.refusal: Callable[[], Exception] | None = None  # the gateway is stopping: no slot is taken
+        # the server's own load as a LoadPoller reads it (its origin's state: .load, .at, .stale_after), or None
+        self.polled = None
 
     def refuse(self, error: Callable[[], Exception]) -> None:
         """From now on no slot is taken: the waiters, and every request after them, get ``error()``."""
@@ -55,9 +61,24 @@ class SlotPool:
         return self.limit is None or self.busy < self.limit
 
     def load(self) -> float:
-        """What least-busy balancing compares: the share of the slots in use (requests in flight when
-        the upstream has no cap)."""
+        """The share of the slots in use (requests in flight when the upstream has no cap)."""
         return self.busy / self.limit if self.limit else float(self.busy)
+
+    def load_at(self, now: float) -> int:
+        """SPEC 13's load (``now``: monotonic): the larger of this process's requests in flight here and
+        the server's own count as last read, when read within 3 load_poll intervals."""
+        busy = self.busy
+        polled = self.polled
+        if polled is not None:
+            server = polled.load
+            if server is not None and server > busy and now - polled.at <= polled.stale_after:
+                return server
+        return busy
+
+    def share_at(self, now: float) -> float:
+        """What ``least_busy`` compares: ``load_at(now)`` over the cap (the load itself without one)."""
+        load = self.load_at(now)
+        return load / self.limit if self.limit else float(load)
 
     def take(self) -> None:
         self.busy += 1
@@ -144,18 +165,17 @@ def upstream_busy(model: str, retry_after: float) -> GatewayError:
                         type="service_unavailable", headers={"Retry-After": str(seconds)})
 
 
-def least_busy(pools: Iterable[SlotPool]) -> SlotPool | None:
-    """The free pool with the lowest load (the first of equals), or None when all are full."""
-    best = None
+def first_free(pools: Iterable[SlotPool]) -> SlotPool | None:
+    """The first pool with a free slot, or None when all are full."""
     for pool in pools:
-        if pool.free() and (best is None or pool.load() < best.load()):
-            best = pool
-    return best
+        if pool.free():
+            return pool
+    return None
 
 
 async def take_slot(pools: Sequence[SlotPool], deadline: float | None,
                     usable: Callable[[SlotPool], bool] | None = None) -> SlotPool:
-    """A slot on one of ``pools``: free now (the least busy), or the first to free before
+    """A slot on one of ``pools``: free now (the first free one, in their order), or the first to free before
     ``deadline`` (loop time; None or past: no waiting). The caller gives it back with
     ``pool.give_back()``. Raises ``UpstreamBusy``, or a pool's ``refusal``, or (with ``usable``, which
     says whether the upstream behind a pool may still be sent the request) ``NoUpstreamUp`` once every
@@ -163,7 +183,7 @@ async def take_slot(pools: Sequence[SlotPool], deadline: float | None,
     for p in pools:
         if p.refusal is not None:
             raise p.refusal()
-    pool = least_busy(pools)  # a pool with a free slot has no live waiter: nobody is overtaken
+    pool = first_free(pools)  # a pool with a free slot has no live waiter: nobody is overtaken
     if pool is not None:
         pool.take()
         return pool
