@@ -64,14 +64,14 @@ $(E2E_STAMP): $(STAMP)
 	touch $(E2E_STAMP)
 
 e2e: $(E2E_STAMP)  ## kilnproxy in front of llama.cpp serving Gemma 3 270M (model cached in .cache/models)
-	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+	$(PY) -m pytest -n 0 tests/e2e $(PYTEST_ARGS)  # -n 0: one llama.cpp server, in this process (setup.cfg addopts)
 
 .PHONY: fixtures
 FIXTURES_DIR := kilnproxy/recordings/llamacpp
 
 fixtures: $(E2E_STAMP)  ## re-record the shipped llama.cpp fixtures (make test replays them) from make e2e's server
 	rm -f $(FIXTURES_DIR)/*.json
-	$(PY) -m pytest tests/e2e/test_record_replay.py --kilnproxy-record $(FIXTURES_DIR) $(PYTEST_ARGS)
+	$(PY) -m pytest -n 0 tests/e2e/test_record_replay.py --kilnproxy-record $(FIXTURES_DIR) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,3 +1,13 @@
+"""Fixtures for every test below (tests/README.md: one folder a part of the package; ``make e2e`` runs e2e/).
+
+This folder is on ``sys.path`` (pytest's ``prepend`` import mode: no ``__init__.py`` here): the
+helper modules here (``processes``, ``rawhttp``, ``raw_upstreams``, ...) are imported by name.
+
+The suite runs in parallel (pytest-xdist, setup.cfg's addopts): each worker is a process with its own
+session fixtures (its own ``postgres``), and a test owns nothing but its ``tmp_path``, its databases and
+the ports it was given (``closed_ports.refused_port`` for one that must stay dead).
+"""
+
 import itertools
 import re
 
@@ -92,7 +102,8 @@ def committed(eventually):
 
 @pytest.fixture(scope="session")
 def postgres():
-    """One throw-away PostgreSQL server for the whole run (``kilnproxy.testing.postgres``).
+    """One throw-away PostgreSQL server for the whole run of a worker (``kilnproxy.testing.postgres``;
+    pytest-xdist: one a worker, started when a test first asks for ``pg_url``).
 
     Shared: a test that stops it must start it again (``pg_url``'s teardown does, if not);
     a test that wants to break the server in other ways starts its own ``PostgresServer()``.
