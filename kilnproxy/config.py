@@ -92,7 +92,7 @@ def _storage(r: Reader) -> StorageConfig:
     if url is not None and url_env is not None:
         r.fail(r.key("url"), "give url or url_env, not both")
     if url_env is not None:
-        url = os.environ.get(url_env)
+        url = config_env.getenv(url_env)
         if not url:
             r.fail(r.key("url_env"), f"the environment variable {url_env} is not set or empty")
     if url is not None:

@@ -16,6 +16,7 @@ A variable the loader never asked for is refused as an unknown key or table, nam
 from __future__ import annotations
 
 import contextvars
+import os
 import re
 import tomllib
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ class Sources:
     """The ``KILNPROXY__*`` variables of one load of the config, and where each value read came from."""
 
     def __init__(self, environ: Mapping[str, str] | None):
+        self.environ = os.environ if environ is None else environ  # where url_env and headers_env are read
         self.variables = {name.upper(): text for name, text in (environ or {}).items()
                           if name.upper().startswith(PREFIX)}
         self.used: set[str] = set()
@@ -119,3 +121,9 @@ def loading(environ: Mapping[str, str] | None) -> Iterator[Sources]:
 
 def current() -> Sources | None:
     return _CURRENT.get()
+
+
+def getenv(name: str) -> str | None:
+    """The variable ``name`` (one a key names, as ``[storage] url_env``) of the environment being loaded."""
+    sources = _CURRENT.get()
+    return (os.environ if sources is None else sources.environ).get(name)
