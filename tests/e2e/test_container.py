@@ -14,7 +14,6 @@ import re
 import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import aiohttp
 import pytest
