@@ -7,7 +7,7 @@ variable's text as written; every other key takes it written as in TOML (``9000`
 ``2.5``, ``true``, ``["a", "b"]``, ``{name = "v"}``). The arrays of tables (``[[models]]``,
 ``[[orgs]]``, ``[[keys]]``) stay in the file.
 
-The loader's ``Reader`` asks this module, key by key, for the variable of each key it reads
+The loader's ``Reader`` (kilnproxy.config_reader) asks the ``Sources`` of the load under way, key by key, for the variable of each key it reads
 (so every key the loader reads is covered, with the type it reads it as), and notes where
 each value came from: ``file``, the variable, or ``default`` (``check-config`` shows them).
 A variable the loader never asked for is refused as an unknown key or table, naming it.
@@ -15,13 +15,13 @@ A variable the loader never asked for is refused as an unknown key or table, nam
 
 from __future__ import annotations
 
-import contextvars
 import os
 import re
 import tomllib
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
+from .config_reader import SOURCES
 from .errors import ConfigError
 
 PREFIX = "KILNPROXY__"
@@ -105,25 +105,18 @@ def parse(name: str, key: str, text: str, kinds: tuple) -> Any:
     return value
 
 
-_CURRENT: contextvars.ContextVar[Sources | None] = contextvars.ContextVar("kilnproxy_config_sources", default=None)
-
-
 @contextmanager
 def loading(environ: Mapping[str, str] | None) -> Iterator[Sources]:
     """While the config is read: the readers take their keys' variables from ``environ``."""
     sources = Sources(environ)
-    token = _CURRENT.set(sources)
+    token = SOURCES.set(sources)
     try:
         yield sources
     finally:
-        _CURRENT.reset(token)
-
-
-def current() -> Sources | None:
-    return _CURRENT.get()
+        SOURCES.reset(token)
 
 
 def getenv(name: str) -> str | None:
     """The variable ``name`` (one a key names, as ``[storage] url_env``) of the environment being loaded."""
-    sources = _CURRENT.get()
+    sources = SOURCES.get()
     return (os.environ if sources is None else sources.environ).get(name)

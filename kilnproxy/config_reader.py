@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
-from . import config_env
 from .answers import FORBIDDEN
 from .config_types import MAX_USD
 from .errors import ConfigError
 
 NUMBER = (int, float)
+# The load under way (kilnproxy.config_env.loading sets it): each key's KILNPROXY__<TABLE>__<KEY> variable,
+# and where each value read came from. None: the file alone.
+SOURCES: contextvars.ContextVar[Any] = contextvars.ContextVar("kilnproxy_config_sources", default=None)
 
 
 class Reader:
@@ -27,7 +30,7 @@ class Reader:
         self.seen: set[str] = set()
 
     def fail(self, key: str, problem: str) -> None:
-        sources = config_env.current()  # a value from the environment: the line names its variable
+        sources = SOURCES.get()  # a value from the environment: the line names its variable
         raise ConfigError(f"{(sources and sources.origin(key)) or self.source}: {key}: {problem}")
 
     def key(self, name: str) -> str:
@@ -36,7 +39,7 @@ class Reader:
     def get(self, name: str, kind: type | tuple, default: Any = None, *, required: bool = False) -> Any:
         self.seen.add(name)
         kinds = kind if isinstance(kind, tuple) else (kind,)
-        sources = config_env.current()  # KILNPROXY__<TABLE>__<KEY> wins over the file (docs/config.md)
+        sources = SOURCES.get()  # KILNPROXY__<TABLE>__<KEY> wins over the file (docs/config.md)
         if sources is not None:
             from_env, value = sources.read(self.where, name, kinds, name in self.table, self.table.get(name, default))
             if from_env:
@@ -101,7 +104,7 @@ class Reader:
         unknown = sorted(set(self.table) - self.seen)
         if unknown:
             self.fail(self.key(unknown[0]), "unknown key (check its spelling against config.example.toml)")
-        sources = config_env.current()
+        sources = SOURCES.get()
         variable = sources and sources.unknown_in(self.where, self.seen)
         if variable:
             raise ConfigError(f"{variable}: {self.key(variable.rpartition('__')[2].lower())}: unknown key "

@@ -1,4 +1,5 @@
-"""docs/deploy.md keeps step with what ships: its links lead to files of the repository, and the figures it
+"""docs/deploy.md keeps step with what ships: its links lead to files of the repository (under docs/, for the
+docs site), the files it names exist, and the figures it
 gives for the probes and the drain are the manifests' (tests/deploy/test_kubernetes.py checks that those
 fit together)."""
 
@@ -17,10 +18,14 @@ BASE = ROOT / "deploy" / "kubernetes" / "base"
 def test_the_links_lead_to_files_of_the_repository():
     text = DEPLOY_DOC.read_text(encoding="utf-8")
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    assert "../Containerfile" in targets and "config.md" in targets
+    assert "config.md" in targets and "prometheus/kilnproxy-alerts.yml" in targets
     for target in targets:
         if "://" not in target:
             assert (DEPLOY_DOC.parent / target).exists(), f"docs/deploy.md links to {target}, which does not exist"
+            # the docs site (mkdocs, docs_dir docs/) has only what is under docs/
+            assert (DEPLOY_DOC.parent / target).resolve().is_relative_to(DEPLOY_DOC.parent), target
+    for path in re.findall(r"`((?:deploy|docs|tests)/[\w./-]+|Containerfile)`", text):  # files named, not linked
+        assert (ROOT / path).exists(), f"docs/deploy.md names {path}, which does not exist"
 
 
 def test_the_figures_of_the_drain_are_the_manifests():
