@@ -232,3 +232,21 @@ def test_the_example_file_with_the_environment_on_top():
     assert config.server.host == "0.0.0.0" and str(config.db_path) == "/data/kilnproxy.db"
     assert config.server.port == raw["server"]["port"]
     assert len(config.models) == len(raw["models"])
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    ("storage.url", "postgresql://kiln:pw-1@db:5432/kiln?sslmode=require&password=pw-2",
+     '"postgresql://kiln:***@db:5432/kiln?sslmode=require&password=***"'),
+    ("storage.url", "postgresql://db:5432/kiln", '"postgresql://db:5432/kiln"'),
+    ("storage.url", None, "none"),
+    ("admin.token", "pw-3", "<secret>"),
+    ("admin.token_sha256", "ab" * 32, "<secret>"),
+    ("inspector.token", "pw-4", "<secret>"),
+    ("plugins.settings", {"webhook": {"url": "https://h/pw-5"}, "my plugin": {}}, '{webhook = {...}, "my plugin" = {...}}'),
+    ("plugins.modules", ("a.py", "b"), '["a.py", "b"]'),
+    ("server.port", 8080, "8080"),
+    ("log.bodies", False, "false"),
+])
+def test_check_config_shows_a_value_but_never_a_secret(key, value, shown):
+    from kilnproxy.cli.settings_text import shown as show
+    assert show(key, value) == shown
