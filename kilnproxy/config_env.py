@@ -62,9 +62,13 @@ class Sources:
         return True, parsed
 
     def origin(self, key: str) -> str | None:
-        """The variable ``key`` ("server.port") came from, if it did."""
-        found = self.origins.get(key)
-        return found[0] if found and found[0].startswith(PREFIX) else None
+        """The variable ``key`` ("server.port", or "plugins.settings.redact" inside one) came from, if it did."""
+        while key:
+            found = self.origins.get(key)
+            if found:
+                return found[0] if found[0].startswith(PREFIX) else None
+            key = key.rpartition(".")[0]
+        return None
 
     def unknown_in(self, table: str, seen: set[str]) -> str | None:
         """A variable of ``table`` naming a key the loader did not read there (the first, sorted)."""

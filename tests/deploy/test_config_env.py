@@ -181,6 +181,8 @@ def test_url_env_from_the_environment_reads_the_url_from_the_variable_it_names()
     ({"KILNPROXY__PLUGINS__SETTINGS": "{token = 's3cret'"},
      "KILNPROXY__PLUGINS__SETTINGS: plugins.settings: must be a TOML inline table, e.g. {a = 1}"),
     ({"KILNPROXY__ADMIN__TOKEN": " "}, "KILNPROXY__ADMIN__TOKEN: admin.token: must not be empty"),
+    ({"KILNPROXY__PLUGINS__SETTINGS": "{redact = 1}"},
+     "KILNPROXY__PLUGINS__SETTINGS: plugins.settings.redact: must be a table"),
     ({"KILNPROXY__STORAGE__URL": "mysql://u:s3cret@h/db"},
      "KILNPROXY__STORAGE__URL: storage.url: must be a postgresql:// URL, got scheme 'mysql'"),
     ({"KILNPROXY__STORAGE__URL_ENV": "KILNPROXY_TEST_NOT_SET"},
