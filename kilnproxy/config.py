@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import os
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import config_ops
+from . import config_env, config_ops
 from .config_reader import NUMBER, Reader
 from .config_types import (
     ENDPOINTS,
@@ -33,8 +34,11 @@ from .config_types import (
 from .errors import ConfigError
 
 
-def load_config(path: str | os.PathLike) -> Config:
-    """Read and validate the TOML file at ``path``."""
+def load_config(path: str | os.PathLike | None, environ: Mapping[str, str] | None = os.environ) -> Config:
+    """Read and validate the TOML file at ``path``, with the ``KILNPROXY__<TABLE>__<KEY>`` variables of
+    ``environ`` on top (kilnproxy.config_env); ``path`` None: those variables on top of the defaults."""
+    if path is None:
+        return parse_config({}, source="<environment>", base_dir=Path.cwd(), environ=environ)
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -44,11 +48,20 @@ def load_config(path: str | os.PathLike) -> Config:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_config(raw, source=str(path), base_dir=path.resolve().parent)
+    return parse_config(raw, source=str(path), base_dir=path.resolve().parent, environ=environ)
 
 
-def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: Path = Path(".")) -> Config:
-    """Validate an already-parsed TOML document."""
+def parse_config(raw: Mapping[str, Any], *, source: str = "<config>", base_dir: Path = Path("."),
+                 environ: Mapping[str, str] | None = None) -> Config:
+    """Validate an already-parsed TOML document, with the ``KILNPROXY__*`` variables of ``environ`` (if
+    given) on top."""
+    with config_env.loading(environ) as sources:
+        config = _parse(raw, source, base_dir)
+        sources.check_all_used()
+    return replace(config, settings=sources.origins)
+
+
+def _parse(raw: Mapping[str, Any], source: str, base_dir: Path) -> Config:
     top = Reader(source, "", dict(raw))
     server = _server(Reader(source, "server", top.get("server", dict, {})))
     storage = _storage(Reader(source, "storage", top.get("storage", dict, {})))
@@ -81,7 +94,7 @@ def _storage(r: Reader) -> StorageConfig:
     if url is not None and url_env is not None:
         r.fail(r.key("url"), "give url or url_env, not both")
     if url_env is not None:
-        url = os.environ.get(url_env)
+        url = config_env.getenv(url_env)
         if not url:
             r.fail(r.key("url_env"), f"the environment variable {url_env} is not set or empty")
     if url is not None:

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import os
-
+from . import config_env
 from .answers import HEADER_NAME
 from .config_reader import NUMBER, Reader, header_safe
 from .config_types import (
@@ -77,7 +76,7 @@ def tracing(r: Reader) -> TracingConfig:
     headers_env = r.get("headers_env", str, None)
     headers: list[tuple[str, str]] = []
     if headers_env is not None:
-        for item in filter(None, (p.strip() for p in os.environ.get(headers_env, "").split(","))):
+        for item in filter(None, (p.strip() for p in (config_env.getenv(headers_env) or "").split(","))):
             name, eq, value = item.partition("=")
             if not eq or not name.strip():
                 r.fail(r.key("headers_env"), f"the variable {headers_env} must hold name=value pairs separated "

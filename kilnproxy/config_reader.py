@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
@@ -11,6 +12,9 @@ from .config_types import MAX_USD
 from .errors import ConfigError
 
 NUMBER = (int, float)
+# The load under way (kilnproxy.config_env.loading sets it): each key's KILNPROXY__<TABLE>__<KEY> variable,
+# and where each value read came from. None: the file alone.
+SOURCES: contextvars.ContextVar[Any] = contextvars.ContextVar("kilnproxy_config_sources", default=None)
 
 
 class Reader:
@@ -26,19 +30,25 @@ class Reader:
         self.seen: set[str] = set()
 
     def fail(self, key: str, problem: str) -> None:
-        raise ConfigError(f"{self.source}: {key}: {problem}")
+        sources = SOURCES.get()  # a value from the environment: the line names its variable
+        raise ConfigError(f"{(sources and sources.origin(key)) or self.source}: {key}: {problem}")
 
     def key(self, name: str) -> str:
         return f"{self.where}.{name}" if self.where else name
 
     def get(self, name: str, kind: type | tuple, default: Any = None, *, required: bool = False) -> Any:
         self.seen.add(name)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        sources = SOURCES.get()  # KILNPROXY__<TABLE>__<KEY> wins over the file (docs/config.md)
+        if sources is not None:
+            from_env, value = sources.read(self.where, name, kinds, name in self.table, self.table.get(name, default))
+            if from_env:
+                self.table = {**self.table, name: value}
         if name not in self.table:
             if required:
                 self.fail(self.key(name), "is required")
             return default
         value = self.table[name]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
         if isinstance(value, bool) and bool not in kinds:
             self.fail(self.key(name), f"must be {_describe(kinds)}, got {value!r}")
         if not isinstance(value, kinds):
@@ -94,6 +104,11 @@ class Reader:
         unknown = sorted(set(self.table) - self.seen)
         if unknown:
             self.fail(self.key(unknown[0]), "unknown key (check its spelling against config.example.toml)")
+        sources = SOURCES.get()
+        variable = sources and sources.unknown_in(self.where, self.seen)
+        if variable:
+            raise ConfigError(f"{variable}: {self.key(variable.rpartition('__')[2].lower())}: unknown key "
+                              "(check its spelling against config.example.toml)")
 
 
 def header_safe(text: str) -> bool:

@@ -219,6 +219,9 @@ class Config:
     tracing: TracingConfig = TracingConfig()
     base_dir: Path = Path(".")
     source: str = "<built-in>"
+    # "server.port" -> (where its value came from: "file", "default" or a KILNPROXY__ variable, the value),
+    # for every key of the tables outside [[models]], [[orgs]] and [[keys]] (kilnproxy.config_env)
+    settings: Mapping[str, tuple[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def resolve(self, relative: str) -> Path:
         """A path from the config, relative to the config file's folder."""

@@ -7,6 +7,7 @@ ids, and ``kiln-demo`` for the first of them (``discover = true`` with an empty 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..config import Config, parse_config
@@ -31,7 +32,7 @@ def demo_config(upstream_url: str, host: str, port: int, discover: bool = False)
         "orgs": [{"id": "demo", "credits": 5.0}],
         "keys": [{"key": DEMO_KEY, "org": "demo", "id": "demo-key"}],
         "inspector": {"capture": True},  # the demo's requests are yours: show their bodies and streams at /ui/
-    }, source="<demo>", base_dir=Path.cwd())
+    }, source="<demo>", base_dir=Path.cwd(), environ=os.environ)  # KILNPROXY__<TABLE>__<KEY> apply to it too
 
 
 def banner(url: str, upstream: str | None = None, models: list[str] | None = None) -> str:

@@ -87,7 +87,12 @@ def parser() -> argparse.ArgumentParser:
     plugins.set_defaults(func=cmd_plugins)
 
     check = sub.add_parser("check-config", help="validate a config and print what it would serve")
-    check.add_argument("file")
+    check.add_argument("file", nargs="?", default=os.environ.get("KILNPROXY_CONFIG"),
+                       help="TOML config file (default: $KILNPROXY_CONFIG; none: the KILNPROXY__<TABLE>__<KEY> "
+                            "variables alone)")
+    check.add_argument("--settings", action="store_true",
+                       help="print every setting outside [[models]], [[orgs]] and [[keys]] with where it came "
+                            "from (file, environment, default); without it, those from the environment")
     check.set_defaults(func=cmd_check_config)
 
     from .reload import add_reload_command
@@ -211,7 +216,7 @@ def cmd_check_config(args) -> int:
     if config.storage.url is None and config.db_path.exists():  # a check makes no file: start-up makes it
         from ..store.sqlite.schema import check_writable
         check_writable(config.db_path)
-    print(f"{args.file}: OK")
+    print(f"{args.file or config.source}: OK")
     print(f"  listen   {config.server.host}:{config.server.port}")
     if config.storage.url:
         from ..store.postgres.connection import redacted
@@ -238,4 +243,7 @@ def cmd_check_config(args) -> int:
           + f", drain {config.server.drain_seconds:g} s, shutdown grace {config.server.shutdown_grace_seconds:g} s")
     if config.maintenance.enabled:
         print(f"  maintenance on (Retry-After: {config.maintenance.retry_after})")
+    from .settings_text import setting_lines
+    for line in setting_lines(config, args.settings):
+        print(line)
     return 0
