@@ -468,6 +468,7 @@ class Settings:
     llama_parallel: int = 4
     llama_threads: int = 1
     budget: float = 600.0  # seconds a policy may run at most
+    policies: tuple[str, ...] = POLICIES
 
 
 def measure(procs: Procs, work: Path, settings: Settings, mock_fleet: Fleet = MOCK,
@@ -483,7 +484,7 @@ def measure(procs: Procs, work: Path, settings: Settings, mock_fleet: Fleet = MO
             mock_fleet, procs, work,
             lambda policy: start_mock_fleet(procs, work, policy, settings.mock_servers, settings.mock_slots,
                                             settings.prefill, settings.chunk_delay, cpus),
-            mock_counters, budget=settings.budget)
+            mock_counters, policies=settings.policies, budget=settings.budget)
         sections.append(section(
             mock_fleet, f"M9a routing: {settings.mock_servers} mock servers with prompt caches, "
             f"{mock_fleet.conversations} conversations × {mock_fleet.turns} turns, 2 replicas", mock_res,
@@ -517,7 +518,7 @@ def measure(procs: Procs, work: Path, settings: Settings, mock_fleet: Fleet = MO
                         procs.stop(proc)
 
             llama_res = {}
-            for policy in POLICIES:
+            for policy in settings.policies:
                 try:
                     llama_res.update(run_part(llama_fleet, procs, work, start,
                                               lambda urls: llama_counters(urls, llama_fleet.max_tokens),
@@ -546,10 +547,12 @@ def main() -> int:
     parser.add_argument("--llama-conversations", type=int, default=LLAMA.conversations)
     parser.add_argument("--llama-turns", type=int, default=LLAMA.turns)
     parser.add_argument("--prefill", type=float, default=Settings.prefill)
+    parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    settings = Settings(parts=tuple(p.strip() for p in args.only.split(",") if p.strip()), prefill=args.prefill)
+    settings = Settings(parts=tuple(p.strip() for p in args.only.split(",") if p.strip()), prefill=args.prefill,
+                        policies=tuple(args.policies.split(",")))
     mock = Fleet(**{**MOCK.__dict__, "conversations": args.conversations, "turns": args.turns})
     llama = Fleet(**{**LLAMA.__dict__, "conversations": args.llama_conversations, "turns": args.llama_turns})
     work = Path(tempfile.mkdtemp(prefix="kilnproxy-m9-"))
