@@ -5,7 +5,7 @@
 Starts ``llama-server`` with Gemma 3 270M as the end-to-end tests do and saves
 the raw body of a few streamed answers (completions and chat, with and without
 ``include_usage``), byte for byte, as ``llamacpp-<name>.sse``.
-``tests/test_relay_chunks.py`` cuts them at random and checks that the relay's
+``tests/proxy/relay/test_relay_chunks.py`` cuts them at random and checks that the relay's
 chunk path gives what the event-by-event path gives.
 """
 

@@ -6,8 +6,8 @@ to a second gateway whose upstream replays that recording: status, content
 type and body must be equal byte for byte (for the client that leaves early:
 every byte it read). The recordings are kept: ``make fixtures`` runs this file
 with ``--kilnproxy-record kilnproxy/recordings/llamacpp``, which is how the
-fixtures that ``make test`` replays (tests/test_recorded_llamacpp.py and
-tests/test_recorded_llamacpp_apis.py) are made. The embeddings scenario records
+fixtures that ``make test`` replays (tests/mock_servers/test_recorded_llamacpp.py and
+tests/mock_servers/test_recorded_llamacpp_apis.py) are made. The embeddings scenario records
 the second llama.cpp, the one started with ``--embeddings`` (conftest's ``embedder``).
 """
 

@@ -3,7 +3,7 @@
 ``python -m kilnproxy replay FIXTURE --against URL`` for each of them, against
 the live server: no difference in shape. A failure here means llama.cpp
 changed how it answers: re-record with ``make fixtures`` and see what
-tests/test_recorded_llamacpp.py says about the gateway.
+tests/mock_servers/test_recorded_llamacpp.py says about the gateway.
 """
 
 from __future__ import annotations

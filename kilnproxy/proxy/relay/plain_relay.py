@@ -107,7 +107,7 @@ class EventRelay(PlainDecider, PluggedEvents, Bookkeeping):
         """The bytes to send for this chunk of the upstream's body (possibly none).
 
         The same bytes, and the same record, as ``feed(parser.feed(chunk))`` chunk after
-        chunk (tests/test_relay_chunks.py compares both on random cuts), sooner: the
+        chunk (tests/proxy/relay/test_relay_chunks.py compares both on random cuts), sooner: the
         whole events of a chunk are taken together. When ``PlainRun`` finds that none
         of them needs a change they go out as they came, renamed by one ``replace``;
         else the last few events, where a stream's finish reason, usage and

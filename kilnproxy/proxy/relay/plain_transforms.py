@@ -161,7 +161,7 @@ class PluggedEvents:
 
     def _plugged_event(self, event: Any, payload: bytes) -> bytes | None:
         """``_plugged`` once ``payload`` is parsed into ``event``. ``_plugged_data`` repeats these steps in
-        line for a stream's usual event: a rule changed here changes there (tests/test_relay_chunks.py
+        line for a stream's usual event: a rule changed here changes there (tests/proxy/relay/test_relay_chunks.py
         compares the two on every odd stream)."""
         if not isinstance(event, dict):
             return payload
