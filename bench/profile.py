@@ -55,7 +55,7 @@ FEATURES = [
     ("steps 8-9, plugins (include_usage, upstream_model, hooks)",
      ("kilnproxy/plugins/manager.py", "kilnproxy/plugins/builtin/", "pluggy/")),
     ("stream relay (events, usage chunk, keepalive)",
-     ("kilnproxy/proxy/relay/plain_relay.py", "kilnproxy/proxy/stream_writer.py", "kilnproxy/proxy/relay/plain_scanner.py",
+     ("kilnproxy/proxy/relay/plain_", "kilnproxy/proxy/relay/event_plugins.py", "kilnproxy/proxy/stream_writer.py", "kilnproxy/proxy/relay/plain_scanner.py",
       "kilnproxy/proxy/relay/usage_chunk.py", "kilnproxy/sse.py")),
     ("answer: model name, usage.cost, finish reason", ("kilnproxy/usage.py", "json_answer")),
     ("upstream HTTP client (route, aiohttp client, connection pool, read timer)",

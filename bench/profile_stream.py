@@ -132,6 +132,14 @@ def parts(raw: str) -> Counter:
     return out
 
 
+# EventRelay and the parts it inherits from, one module each
+PLAIN_RELAY = ('kilnproxy/proxy/relay/plain_relay.py',
+               'kilnproxy/proxy/relay/plain_decider.py',
+               'kilnproxy/proxy/relay/plain_transforms.py',
+               'kilnproxy/proxy/relay/plain_bookkeeping.py',
+               'kilnproxy/proxy/relay/event_plugins.py')
+
+
 def _part(frames: list[str]) -> str:
     runner = [i for i, name in enumerate(frames) if name.endswith(":Runner.run")]
     frames = frames[runner[0] + 1:] if runner else frames  # below the loop: what it runs
@@ -142,9 +150,9 @@ def _part(frames: list[str]) -> str:
         path, _, func = name.partition(":")
         if path == "kilnproxy/proxy/relay/plain_scanner.py":
             return "relay: checks of whole runs (PlainRun)"
-        if path == "kilnproxy/proxy/relay/plain_relay.py" and func.split(".")[-1] in RELAY_CHUNK:
+        if path in PLAIN_RELAY and func.split(".")[-1] in RELAY_CHUNK:
             return "relay: per chunk (tail, rename, count)"
-        if path in ("kilnproxy/proxy/relay/plain_relay.py", "kilnproxy/sse.py"):
+        if path in PLAIN_RELAY or path == "kilnproxy/sse.py":
             return "relay: events read one by one (finish, usage, [DONE]) and the usage chunk"
         if path == "kilnproxy/proxy/relay/framed_relay.py":
             return "relay: the framed relay (runs, frames read one by one)"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from kilnproxy.mock_servers.mock_upstream import _Generation, create_mock_app
+from kilnproxy.mock_servers.mock_upstream import Generation, create_mock_app
 
 UPSTREAM_MODEL = "org/Bench-7B"
 CHUNKS = 64
@@ -41,10 +41,10 @@ def request_body(stream: bool, model: str = "bench", include_usage: bool = True,
     return orjson.dumps(body)
 
 
-def _generation(stream: bool) -> _Generation:
+def _generation(stream: bool) -> Generation:
     body = orjson.loads(request_body(stream, model=UPSTREAM_MODEL))
     opts = {"flavor": "vllm", "delay": 0.0, "context_window": 4096, "prompt_tokens_details": False}
-    gen = _Generation(body, opts, False, len(PROMPT.split()), CHUNKS)
+    gen = Generation(body, opts, False, len(PROMPT.split()), CHUNKS)
     gen.id = "cmpl-bench0000000000000000000000000000"
     gen.created = int(time.time())
     return gen

@@ -24,7 +24,7 @@ def count_tokens(body: dict) -> int:
     return len(str(prompt).split())
 
 
-class _Generation:
+class Generation:
     """The words of one completion and the JSON shapes they travel in."""
 
     def __init__(self, body: dict, opts: dict, chat: bool, prompt_tokens: int, max_tokens: int, n: int = 1):

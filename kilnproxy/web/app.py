@@ -18,7 +18,7 @@ from ..errors import GatewayError
 from ..inspector import fallback_headers, setup_inspector
 from ..ops import admin, tenancy_api
 from ..plugins.manager import build_plugin_manager
-from ..proxy.endpoints import apis
+from ..proxy.endpoints import api_routes
 from ..proxy.endpoints import reads as read_endpoints
 from ..proxy.endpoints.completions import chat_completions, completions, hot_routes
 from ..proxy.discovery import Discovery
@@ -36,12 +36,12 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     app = web.Application(middlewares=[json_errors], client_max_size=config.server.max_request_bytes)
     app[GATEWAY] = gateway
     # answered by the server's own route table (kilnproxy.web.fastpath)
-    app[HOT_ROUTES] = {**hot_routes(gateway), **apis.hot_routes(gateway)}
+    app[HOT_ROUTES] = {**hot_routes(gateway), **api_routes.hot_routes(gateway)}
     app.cleanup_ctx.append(_gateway_ctx)
     # also here: a path with a query string or an escape, or an Expect header, comes through the router
     app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_handler)
-    apis.add_routes(app, expect_handler)  # embeddings, responses, messages (and count_tokens)
+    api_routes.add_routes(app, expect_handler)  # embeddings, responses, messages (and count_tokens)
     app.router.add_get("/v1/models", read_endpoints.list_models, expect_handler=expect_handler)
     app.router.add_get("/v1/models/{model_id:.+}", read_endpoints.get_model, expect_handler=expect_handler)
     app.router.add_get("/v1/credits", read_endpoints.credits, expect_handler=expect_handler)

@@ -7,8 +7,6 @@
 * ``api_steps``: what those three share (their streams keep their framing through ``framed_writer``;
   usage read from each format's own object);
 * ``api_routes``: their routes (the router's, and the server's own table: ``hot_routes``);
-* ``apis``: the name ``kilnproxy.web.app`` still imports ``api_routes``' two functions by, until it
-  imports ``api_routes``;
 * ``embedding_input``: an embeddings request's ``input``, ``encoding_format`` and ``dimensions`` checked;
 * ``reads``: the small GET endpoints (catalog, credits, the caller's key, generations, liveness);
 * ``json_routes``: what every route shares so nothing is answered outside JSON.

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from relays import PLUGINS, assert_same, cuts, relay_for, run
 
-from kilnproxy.mock_servers.mock_upstream import _Generation
+from kilnproxy.mock_servers.mock_upstream import Generation
 from kilnproxy.proxy.relay.plain_scanner import PlainRun, _common_ends
 from kilnproxy.testing import UPSTREAM_MODEL
 from kilnproxy.proxy.relay.plain_relay import EventRelay
@@ -18,7 +18,7 @@ from kilnproxy.proxy.relay.plain_relay import EventRelay
 
 def mock_stream(flavor: str, chat: bool, words: int = 40, **opts) -> bytes:
     body = {"model": UPSTREAM_MODEL, "prompt": "a b c", "stream": True, "stream_options": {"include_usage": True}}
-    gen = _Generation(body, {"flavor": flavor, "delay": 0, "context_window": 4096, **opts}, chat, 3, words)
+    gen = Generation(body, {"flavor": flavor, "delay": 0, "context_window": 4096, **opts}, chat, 3, words)
     frames = [b"data: " + orjson.dumps(f) + b"\n\n" for f in gen.frames()]
     return b"".join(frames) + b"data: [DONE]\n\n"
 
