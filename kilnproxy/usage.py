@@ -15,7 +15,7 @@ COST_DECIMALS = 10
 COLUMNS = (
     "id", "created_at", "org", "key_id", "model", "endpoint", "stream", "status",
     "error_code", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens",
-    "cost", "duration_ms", "ttft_ms", "finish_reason", "disconnected", "requested_model",
+    "cost", "duration_ms", "ttft_ms", "finish_reason", "disconnected", "requested_model", "upstream",
 )
 
 

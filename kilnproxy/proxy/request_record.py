@@ -111,7 +111,17 @@ class RequestRecord:
             "finish_reason": _text(self.finish_reason),
             "disconnected": int(self.disconnected),
             "requested_model": self.requested_model or model,
+            "upstream": shown_url(call.upstream),
         }
+
+
+def shown_url(url: str | None) -> str | None:
+    """An upstream URL as the row keeps it: as written in the config, its userinfo (``user:pass@``) removed."""
+    if url is None or "@" not in url:
+        return url
+    scheme, sep, rest = url.partition("://")
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    return scheme + sep + rest[:end].rpartition("@")[2] + rest[end:]
 
 
 def stored_text(text: str | None) -> str | None:

@@ -188,6 +188,7 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], list[bytes]]:
         except orjson.JSONDecodeError:
             row = None
         if isinstance(row, dict) and isinstance(row.get("id"), str):
+            row.setdefault("upstream", None)  # a row journaled by a kilnproxy before the column
             rows.append(row)
         else:
             bad.append(line)

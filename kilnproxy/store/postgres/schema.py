@@ -37,7 +37,8 @@ admission never wait for each other on them; version 9 (``kilnproxy.store.postgr
 per-minute window's tokens as a NUMERIC, which a bound near the largest BIGINT no longer overflows;
 version 10 (``kilnproxy.store.postgres.migrations.v10``) has ``kiln_reap`` lock the per-minute entries it updates in
 the order of their ids as well, so that a reap never waits for an admission or a settlement on them
-while holding one they need.
+while holding one they need; version 11 (``kilnproxy.store.postgres.migrations.v11``) adds the
+usage row's ``upstream``, which ``kiln_settle`` keeps.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .migrations.v7 import V7
 from .migrations.v8 import V8
 from .migrations.v9 import V9
 from .migrations.v10 import V10
+from .migrations.v11 import V11
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -236,7 +238,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11)
 
 
 async def migrate(conn) -> int:

@@ -36,16 +36,18 @@ CREATE TABLE IF NOT EXISTS usage_events (
     ttft_ms REAL,
     finish_reason TEXT,
     disconnected INTEGER NOT NULL DEFAULT 0,
-    requested_model TEXT
+    requested_model TEXT,
+    upstream TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, created_at);
 """
 
 # Columns added since the first release: a file made before gets them when it is opened, filled in
 # from the row's other columns (``requested_model``: rows from before fallbacks existed were served by
-# the model asked for).
+# the model asked for; ``upstream``: not known, NULL, which the column holds once added: no row is written).
 ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
     ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
+    ("upstream", "ALTER TABLE usage_events ADD COLUMN upstream TEXT", "NULL"),
 )
 
 # The table keeps the indexes of the gateway's own reads: the id's (a generation looked up, a row written
@@ -118,7 +120,8 @@ def add_missing_columns(db: sqlite3.Connection) -> None:
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 db.execute(add)
-                db.execute(f"UPDATE usage_events SET {name} = {filled_from}")
+                if filled_from != "NULL":
+                    db.execute(f"UPDATE usage_events SET {name} = {filled_from}")
 
 
 def drop_old_indexes(db: sqlite3.Connection) -> None:
