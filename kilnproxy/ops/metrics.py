@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ..proxy.gateway import Gateway
-from ..proxy.request_record import RequestRecord
+from ..proxy.request_record import RequestRecord, shown_url
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -74,6 +74,8 @@ class RequestStats:
         self.tokens: dict[tuple, list] = {}       # (org, model) -> [prompt, completion, cached, cost]
         self.duration: dict[tuple, Histogram] = {}  # (model, endpoint)
         self.ttft: dict[tuple, Histogram] = {}
+        # (model, upstream) -> [prompt, cached]: as each upstream reported them (its prompt-cache hit rate)
+        self.upstream_tokens: dict[tuple, list] = {}
         self.commits = Histogram(COMMIT_BUCKETS)
         self.codes: set[str] = set()  # the error codes that are labels
 
@@ -91,6 +93,13 @@ class RequestStats:
             self.disconnects[key] = self.disconnects.get(key, 0) + 1
         sums = series.sums
         if sums is not None:
+            upstream = row["upstream"]
+            if upstream is not None:
+                counts = self.upstream_tokens.get((model, upstream))
+                if counts is None:
+                    counts = self.upstream_tokens[(model, upstream)] = [0, 0]
+                counts[0] += row["prompt_tokens"]
+                counts[1] += row["cached_tokens"]
             sums[0] += row["prompt_tokens"]
             sums[1] += row["completion_tokens"]
             sums[2] += row["cached_tokens"]
@@ -209,6 +218,16 @@ class GatewayCollector:
             for family, value in zip(families, sums):
                 family.add_metric(labels, value)
         yield from families
+        by_upstream = [
+            CounterMetricFamily("kilnproxy_upstream_prompt_tokens", "Prompt tokens, as each upstream reported them.",
+                                labels=("model", "upstream")),
+            CounterMetricFamily("kilnproxy_upstream_cached_tokens", "Prompt tokens each upstream reported served "
+                                "from its prompt cache.", labels=("model", "upstream")),
+        ]
+        for labels, counts in list(self.stats.upstream_tokens.items()):
+            for family, value in zip(by_upstream, counts):
+                family.add_metric(labels, value)
+        yield from by_upstream
         credits = self.gw.credits
         m = GaugeMetricFamily("kilnproxy_org_credits_remaining_usd", "Credits left, USD.", labels=("org",))
         granted = GaugeMetricFamily("kilnproxy_org_credits_granted_usd", "Credits granted to the org (config "
@@ -258,7 +277,12 @@ class GatewayCollector:
                                   "that have one).", labels=("upstream",))
         queued = GaugeMetricFamily("kilnproxy_upstream_queued_requests", "Requests waiting for a slot of the "
                                    "upstream.", labels=("upstream",))
+        load = GaugeMetricFamily("kilnproxy_upstream_load", "The upstream's load as routing last read it: the "
+                                 "larger of this replica's requests to it and the server's own count (load_poll).",
+                                 labels=("upstream",))
+        now = time.monotonic()
         for url, pool in pools.items():
+            load.add_metric((shown_url(url),), pool.load_at(now))
             busy.add_metric((url,), pool.busy)
             queued.add_metric((url,), pool.queued())
             if pool.limit is not None:
@@ -267,7 +291,7 @@ class GatewayCollector:
                                         "asked for and the fallback.", labels=("from_model", "to_model"))
         for (source, target), n in list(self.gw.fallback_counts.items()):
             fallbacks.add_metric((source, target), n)
-        yield from (busy, limit, queued, fallbacks)
+        yield from (busy, limit, queued, load, fallbacks)
 
     def _ledger(self) -> Iterable[Metric]:
         ledger = self.gw.ledger

@@ -59,6 +59,7 @@ async def test_a_streamed_request_appears_live_and_opens_on_both_streams(harness
         facts = dict(zip(await page.locator("#detail-facts dt").all_inner_texts(),
                          await page.locator("#detail-facts dd").all_inner_texts()))
         assert facts["status"] == "200" and facts["tokens in / out"] == "5 / 6"
+        assert facts["upstream"] == f"{h.mock_url}/v1"
         assert float(facts["tokens / s"]) > 0
 
         ARTIFACTS.mkdir(parents=True, exist_ok=True)

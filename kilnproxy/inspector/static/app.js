@@ -188,6 +188,7 @@ async function showDetail(id) {
   if (row) {
     facts.push(fact("time", new Date(row.created_at).toLocaleString()), fact("org", row.org),
       fact("model", row.model || "–"), fact("endpoint", row.endpoint + (row.stream ? " (stream)" : "")),
+      fact("upstream", row.upstream || "–"),
       fact("status", `${row.status}${row.error_code ? " " + row.error_code : ""}`),
       fact("tokens in / out", `${row.prompt_tokens} / ${row.completion_tokens}`),
       fact("cached tokens", String(row.cached_tokens)), fact("cost", usd(row.cost)),
