@@ -21,7 +21,7 @@ run: $(STAMP)  ## the gateway: the demo without a config, or `make run ARGS="--c
 
 test: $(STAMP) browser postgres nginx prometheus openssl  ## the import contracts (setup.cfg [importlinter]), the docs site (mkdocs.yml), then the whole test suite
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/mkdocs build --strict --site-dir $$(mktemp -d)  # the docs site (mkdocs.yml); no --quiet: it silences the warnings --strict counts
+	$(VENV)/bin/mkdocs build --strict --site-dir .cache/site  # the docs site (mkdocs.yml); no --quiet: it silences the warnings --strict counts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 browser:  ## Debian's chromium, for the inspector's browser test (Playwright drives it; it downloads no browser)

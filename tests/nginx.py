@@ -1,6 +1,6 @@
-"""Debian's nginx in front of gateway replicas, as the README configures it, for tests.
+"""Debian's nginx in front of gateway replicas, as docs/replicas.md configures it, for tests.
 
-``Nginx(folder, ports)`` writes the README's ``upstream`` and ``location``
+``Nginx(folder, ports)`` writes docs/replicas.md's ``upstream`` and ``location``
 blocks (plus what a process of its own needs: no daemon, its files in the
 folder) and ``start()`` returns once it answers on its port. ``make nginx``
 installs it.

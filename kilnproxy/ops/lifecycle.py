@@ -53,7 +53,7 @@ log = logging.getLogger("kilnproxy")
 
 END_SECONDS = 5.0  # after the grace period: time for ended streams to write their last events
 # after a drain: how long the connections still open are served once nothing listens, longer than a balancer
-# keeps one idle (README: nginx's keepalive_timeout 2s), so that it, not the gateway, closes the idle ones
+# keeps one idle (docs/replicas.md: nginx's keepalive_timeout 2s), so that it, not the gateway, closes the idle ones
 LINGER_SECONDS = 3.0
 
 
