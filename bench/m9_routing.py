@@ -109,6 +109,7 @@ class Turn:
     prompt: int | None = None
     cached: int | None = None
     error: str = ""
+    generation_id: str = ""
 
 
 async def stream_turn(session: aiohttp.ClientSession, url: str, body: dict, rec: Turn) -> str:
@@ -119,6 +120,7 @@ async def stream_turn(session: aiohttp.ClientSession, url: str, body: dict, rec:
         async with session.post(f"{url}/v1/chat/completions", json=body,
                                 headers={"Authorization": f"Bearer {KEY}"}) as resp:
             rec.status = resp.status
+            rec.generation_id = resp.headers.get("X-Neocloud-Generation-Id", "")
             if resp.status != 200:
                 rec.error = (await resp.text())[:300]
                 return ""
@@ -230,20 +232,19 @@ def start_gateways(procs: Procs, work: Path, tag: str, upstreams: list[str], ups
     return urls, dbs
 
 
-def rows_by_upstream(dbs: list[Path]) -> dict[str, int] | None:
-    """Requests per upstream from the replicas' usage rows; None when the rows have no ``upstream``."""
-    counts: dict[str, int] = {}
+def upstream_of_rows(dbs: list[Path]) -> dict[str, str] | None:
+    """Each row's upstream by generation id, from the replicas' usage rows; None when the rows have no ``upstream``."""
+    out: dict[str, str] = {}
     for db in dbs:
         try:
             with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
                 cols = [r[1] for r in conn.execute("PRAGMA table_info(usage_events)")]
                 if "upstream" not in cols:
                     return None
-                for up, n in conn.execute("SELECT upstream, COUNT(*) FROM usage_events GROUP BY upstream"):
-                    counts[str(up)] = counts.get(str(up), 0) + n
+                out.update((i, str(up)) for i, up in conn.execute("SELECT id, upstream FROM usage_events"))
         except sqlite3.Error:
             return None
-    return counts
+    return out
 
 
 def get_text(url: str) -> str:
@@ -355,7 +356,7 @@ def run_part(fleet: Fleet, procs: Procs, work: Path, start_servers, counters, po
             wall = time.monotonic() - t0
             time.sleep(1.0)  # the rows' commits
             after = counters(urls)
-            by_rows = rows_by_upstream(dbs)
+            by_rows = upstream_of_rows(dbs)
         finally:
             for name, proc in list(procs.running):
                 if name.startswith(f"m9-{fleet.name}") or name.startswith(f"m9-fleet-{policy}"):
@@ -377,9 +378,21 @@ def summarise(fleet: Fleet, records: list[Turn], before, after, by_rows, urls, w
     later_prompt = sum(r.prompt for r in ok if r.turn > 0)
     later_cached = sum(r.cached or 0 for r in ok if r.turn > 0)
     server = {u: {k: after[u][k] - before[u][k] for k in ("requests", "computed")} for u in urls}
+    home: dict[int, str] = {}  # conversation -> the server of its first turn
+    stayed = later_n = 0
     if by_rows:
-        per_server = [by_rows.get(f"{u}/v1", 0) for u in urls]
+        counts: dict[str, int] = {}
+        for up in by_rows.values():
+            counts[up] = counts.get(up, 0) + 1
+        per_server = [counts.get(f"{u}/v1", 0) for u in urls]
         source = "rows"
+        for r in sorted(ok, key=lambda r: r.turn):
+            up = by_rows.get(r.generation_id)
+            if r.turn == 0:
+                home[r.conversation] = up
+            elif up is not None and r.conversation in home:
+                later_n += 1
+                stayed += up == home[r.conversation]
     else:
         per_server = [server[u]["requests"] for u in urls]
         source = "servers"
@@ -390,7 +403,9 @@ def summarise(fleet: Fleet, records: list[Turn], before, after, by_rows, urls, w
             "later_hit": later_cached / later_prompt if later_prompt else 0.0,
             "ttft_p50": pct(later, 0.5) or 0.0, "ttft_p99": pct(later, 0.99) or 0.0,
             "first_p50": pct(first, 0.5) or 0.0, "per_server": per_server, "source": source,
-            "max_share": max(per_server) / fair if fair else 0.0, "wall": wall, "errors": errors[:3]}
+            "max_share": max(per_server) / fair if fair else 0.0, "wall": wall, "errors": errors[:3],
+            "stayed": f"{stayed}/{later_n}" if later_n else "-",
+            "homes": " ".join(str(sum(1 for h in home.values() if h == f"{u}/v1")) for u in urls) if home else "-"}
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -403,7 +418,7 @@ def section(fleet: Fleet, title: str, results: dict[str, dict], note: str) -> st
         if r is None:
             continue
         if "refused" in r:
-            rows.append([policy, "not accepted by this build: " + r["refused"].replace("|", "/")] + [""] * 7)
+            rows.append([policy, "not accepted by this build: " + r["refused"].replace("|", "/")] + [""] * 9)
             continue
         share = (f"{r['computed'] / base['computed']:.2f}×" if base.get("computed") and policy != "least_busy"
                  else "1" if policy == "least_busy" else "-")
@@ -412,12 +427,14 @@ def section(fleet: Fleet, title: str, results: dict[str, dict], note: str) -> st
         rows.append([policy, f"{r['ok']}/{r['sent']}", f"{r['computed']:,} of {r['prompt']:,} ({share})",
                      f"{r['server_computed']:,}", f"{r['later_hit'] * 100:.0f}%",
                      f"{r['ttft_p50']:.3f} ({ttft_x}) / {r['ttft_p99']:.3f}", f"{r['first_p50']:.3f}",
-                     " ".join(str(n) for n in r["per_server"]) + f" ({r['source']})", f"{r['max_share']:.2f}×"])
+                     " ".join(str(n) for n in r["per_server"]) + f" ({r['source']})", f"{r['max_share']:.2f}×",
+                     r["homes"], r["stayed"]])
     errors = [f"{p}: {'; '.join(r['errors'])}" for p, r in results.items() if r.get("errors")]
     return (f"## {title}\n\n" + table(
         ["policy", "turns answered", "prompt tokens computed (prompt − cached; × least_busy)",
          "computed, the servers' counters", "later turns' prompt tokens cached", "later turns' TTFT p50 / p99 (s)",
-         "first turns' TTFT p50 (s)", "requests per server", "most / fair share"], rows)
+         "first turns' TTFT p50 (s)", "requests per server", "most / fair share",
+         "conversations per server (their first turns')", "later turns on their first turn's server"], rows)
         + f"\n\n{note}" + (("\n\nFailed turns: " + " | ".join(errors)) if errors else ""))
 
 
