@@ -142,9 +142,9 @@ class Route:
         self.routing = model.routing
         self.slack = model.cache_aware_slack
         self.rendezvous = Rendezvous(model.upstreams) if model.routing == "cache_aware" else None
-        # the policy, bound once: (key) -> the upstreams up, in the order they are tried
-        self._order = {"cache_aware": self._cache_aware, "round_robin": self._round_robin}.get(
-            model.routing, self._least_busy)
+        # the policy, bound once (see ``candidates``): (key) -> the upstreams up, in the order they are tried
+        self.candidates = self._single if len(self.upstreams) == 1 else {
+            "cache_aware": self._cache_aware, "round_robin": self._round_robin}.get(model.routing, self._least_busy)
         self._targets: dict[tuple[str, str], RequestTarget] = {}  # (base URL, endpoint) -> its request head
         # Byte patterns for rewriting `model` in streamed chunks without parsing them.
         self.model_bytes = b'"model":' + orjson.dumps(model.id)
@@ -156,13 +156,16 @@ class Route:
     def candidates(self, key: int | None = None) -> list[Upstream]:
         """Upstreams not marked down, in the order a request is to try them (its routing's; ``key``:
         its affinity key, ``cache_aware`` only). Loads count every model's requests to the same URL
-        (its slots), and the server's own count when read lately."""
-        ups = self.upstreams
-        if len(ups) == 1:
-            return ups if ups[0].is_up(time.monotonic()) else []
-        return self._order(key)
+        (its slots), and the server's own count when read lately. (Each route binds one of the methods
+        below in its place at construction.)"""
+        raise NotImplementedError
 
-    def _least_busy(self, key: int | None) -> list[Upstream]:
+    def _single(self, key: int | None = None) -> list[Upstream]:
+        """The one upstream, when it is up."""
+        ups = self.upstreams
+        return ups if ups[0].is_up(time.monotonic()) else []
+
+    def _least_busy(self, key: int | None = None) -> list[Upstream]:
         """The least loaded first (ties taken in turn)."""
         now = time.monotonic()
         ups = self.upstreams
@@ -170,14 +173,14 @@ class Route:
         rotated = ups[self._turn:] + ups[:self._turn]
         return sorted((u for u in rotated if u.is_up(now)), key=lambda u: u.slots.share_at(now))
 
-    def _round_robin(self, key: int | None) -> list[Upstream]:
+    def _round_robin(self, key: int | None = None) -> list[Upstream]:
         """In turn: the next upstream up, then the others after it."""
         now = time.monotonic()
         ups = self.upstreams
         self._turn = (self._turn + 1) % len(ups)
         return [u for u in ups[self._turn:] + ups[:self._turn] if u.is_up(now)]
 
-    def _cache_aware(self, key: int | None) -> list[Upstream]:
+    def _cache_aware(self, key: int | None = None) -> list[Upstream]:
         """The key's order: those below the load bound, then the others (``affinity.choose``); no key:
         least busy."""
         if key is None:
@@ -272,7 +275,7 @@ class Route:
         releases the response (there is no slot to give back). Raises 503 ``no_backend_available`` or the
         last ``UpstreamFailure``."""
         problem: UpstreamFailure | None = None
-        for upstream in self.candidates() if len(self.upstreams) == 1 else self._least_busy(None):
+        for upstream in self._single() if len(self.upstreams) == 1 else self._least_busy():
             try:
                 return upstream, await client.post(self._target(upstream, endpoint), headers, body)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
