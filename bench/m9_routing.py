@@ -43,7 +43,6 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import median
 
 import aiohttp
 import orjson
