@@ -8,6 +8,7 @@
 * ``capture``: the opt-in ring of request bodies and both streams;
 * ``api``: access rule, the page's files and the JSON API (docs/inspector.md);
 * ``tenancy``: the JSON side of the "Orgs & keys" page (balances, keys, grants; create, revoke, grant);
+* ``upstreams``: the JSON of the "Upstreams" page (each model's upstreams: prompt-cache hit rate and load);
 * ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored.
 
 ``setup_inspector(app, gateway)`` adds all of it to the gateway's app, or

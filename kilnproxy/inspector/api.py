@@ -24,6 +24,7 @@ import functools
 import hashlib
 import mimetypes
 import os
+import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -39,6 +40,7 @@ from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
 from .queries import MAX_LIMIT, InspectorStore, QueryError, digits
 from .tenancy import TenancyPage
+from .upstreams import upstreams_view
 
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_SECONDS = 15.0
@@ -84,6 +86,7 @@ class InspectorAPI:
             web.get("/ui/api/requests/{generation_id}", self.request_detail, expect_handler=expect_handler),
             web.get("/ui/api/requests/{generation_id}/fixture", self.fixture, expect_handler=expect_handler),
             web.get("/ui/api/usage", self.usage, expect_handler=expect_handler),
+            web.get("/ui/api/upstreams", self.upstreams, expect_handler=expect_handler),
             web.get("/ui/api/events", self.events, expect_handler=expect_handler),
             *TenancyPage(self).routes(),
         ]
@@ -194,6 +197,11 @@ class InspectorAPI:
         except QueryError as exc:
             raise GatewayError(400, "invalid_request", str(exc), param=exc.param) from None
         return _json(out)
+
+    async def upstreams(self, request: web.Request) -> web.Response:
+        """Each model's upstreams: prompt-cache hit rate and load (``kilnproxy.inspector.upstreams``)."""
+        self.access(request)
+        return _json(upstreams_view(self.gateway, time.monotonic()))
 
     # -- live -----------------------------------------------------------------------
 

@@ -74,8 +74,6 @@ class RequestStats:
         self.tokens: dict[tuple, list] = {}       # (org, model) -> [prompt, completion, cached, cost]
         self.duration: dict[tuple, Histogram] = {}  # (model, endpoint)
         self.ttft: dict[tuple, Histogram] = {}
-        # (model, upstream) -> [prompt, cached]: as each upstream reported them (its prompt-cache hit rate)
-        self.upstream_tokens: dict[tuple, list] = {}
         self.commits = Histogram(COMMIT_BUCKETS)
         self.codes: set[str] = set()  # the error codes that are labels
 
@@ -93,13 +91,6 @@ class RequestStats:
             self.disconnects[key] = self.disconnects.get(key, 0) + 1
         sums = series.sums
         if sums is not None:
-            upstream = row["upstream"]
-            if upstream is not None:
-                counts = self.upstream_tokens.get((model, upstream))
-                if counts is None:
-                    counts = self.upstream_tokens[(model, upstream)] = [0, 0]
-                counts[0] += row["prompt_tokens"]
-                counts[1] += row["cached_tokens"]
             sums[0] += row["prompt_tokens"]
             sums[1] += row["completion_tokens"]
             sums[2] += row["cached_tokens"]
@@ -224,7 +215,7 @@ class GatewayCollector:
             CounterMetricFamily("kilnproxy_upstream_cached_tokens", "Prompt tokens each upstream reported served "
                                 "from its prompt cache.", labels=("model", "upstream")),
         ]
-        for labels, counts in list(self.stats.upstream_tokens.items()):
+        for labels, counts in list(self.gw.upstream_tokens.counts.items()):  # the inspector reads them too
             for family, value in zip(by_upstream, counts):
                 family.add_metric(labels, value)
         yield from by_upstream

@@ -33,6 +33,7 @@ from .tenancy.key_ring import Tenants
 from .upstream.routes import Route, client_session, routes_from
 from .upstream.client import UpstreamClient
 from .upstream.responses import UpstreamResponse
+from .upstream.token_counts import UpstreamTokens
 
 log = logging.getLogger("kilnproxy")
 
@@ -107,6 +108,8 @@ class Gateway:
         self.draining = False  # set by a graceful shutdown (kilnproxy.ops.lifecycle): /healthz?ready is 503
         self.commit_listeners: list[CommitListener] = []  # called with each committed batch; must not block or raise
         self.fallback_counts: dict[tuple[str, str], int] = {}  # (requested model, fallback) -> requests sent
+        # prompt and cached tokens by (model, upstream), from each row: /metrics and the inspector read them
+        self.upstream_tokens = UpstreamTokens()
         # called (no argument) after ``routes`` is replaced (a reload, model discovery): the load reads re-watch
         self.route_listeners: list[Callable[[], None]] = []
         self._usage_queue: asyncio.Queue | None = None
@@ -229,6 +232,9 @@ class Gateway:
             if record.hold is not None:  # after the row is queued: a shared store frees both in one commit
                 self.admission.release(record.hold)
                 record.hold = None
+            upstream = row["upstream"]
+            if upstream is not None and record.call.model:
+                self.upstream_tokens.count(record.call.model, upstream, row["prompt_tokens"], row["cached_tokens"])
             for observe in self.row_observers:
                 try:
                     observe(row, record)

@@ -291,16 +291,15 @@ function drawChart(name, labels, datasets) {
 async function route() {
   const hash = location.hash || "#/requests";
   const detail = hash.match(/^#\/requests\/(.+)$/);
-  const view = detail ? "detail" : hash.startsWith("#/usage") ? "usage" : hash.startsWith("#/orgs") ? "orgs"
-                                                                                                   : "requests";
-  for (const v of ["requests", "detail", "usage", "orgs"]) $(`view-${v}`).hidden = v !== view;
+  const view = detail ? "detail" : ["usage", "orgs", "upstreams"].find((v) => hash.startsWith(`#/${v}`)) || "requests";
+  for (const v of ["requests", "detail", "usage", "orgs", "upstreams"]) $(`view-${v}`).hidden = v !== view;
   $("tab-requests").classList.toggle("active", view === "requests" || view === "detail");
-  $("tab-usage").classList.toggle("active", view === "usage");
-  $("tab-orgs").classList.toggle("active", view === "orgs");
+  for (const v of ["usage", "orgs", "upstreams"]) $(`tab-${v}`).classList.toggle("active", view === v);
   try {
     if (detail) await showDetail(decodeURIComponent(detail[1]));
     else if (view === "usage") await loadUsage();
     else if (view === "orgs") await showOrgs(hash);
+    else if (view === "upstreams") await showUpstreams();
   } catch (err) {
     $("detail-title").textContent = String(err.message || err);
   }

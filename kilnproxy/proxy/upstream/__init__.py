@@ -11,7 +11,9 @@
 * ``load_readers``: the servers' own load (llama.cpp, vLLM, SGLang) read off the request path by
   ``LoadPoller``, one task per origin (SPEC 13's ``load_poll``);
 * ``affinity``: ``cache_aware`` routing's rules: a request's affinity key, the upstreams' order per
-  key (rendezvous hashing), the bounded-load choice.
+  key (rendezvous hashing), the bounded-load choice;
+* ``token_counts``: the prompt and cached tokens each upstream reported, by model (its prompt-cache
+  hit rate), for ``/metrics`` and the inspector.
 
 Below the request's path (setup.cfg: the ``proxy_layers`` contract): may import only
 ``request_record`` and ``request_observers`` of proxy/, besides the kernel; knows nothing of the
