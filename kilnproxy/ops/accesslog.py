@@ -61,7 +61,7 @@ class AccessLog:
             "duration_ms": row["duration_ms"],
             "ttft_ms": row["ttft_ms"],
             "finish_reason": row["finish_reason"],
-            "upstream": record.call.upstream,
+            "upstream": row["upstream"],  # userinfo removed
             "disconnected": bool(row["disconnected"]),
         }
         if self.bodies:

@@ -25,7 +25,8 @@ async def mock():
 
 
 async def test_one_json_line_per_request_without_secrets_or_prompts(tmp_path, mock, eventually):
-    gw = await GatewayProcess(tmp_path, gateway_config([f"{mock.url}/v1"])).start()
+    host = mock.url.split("://", 1)[1]  # the upstream's URL carries a password: the lines name it without
+    gw = await GatewayProcess(tmp_path, gateway_config([f"http://user:upstream-pw@{host}/v1"])).start()
     try:
         ids = []
         async with aiohttp.ClientSession() as s:
@@ -45,6 +46,7 @@ async def test_one_json_line_per_request_without_secrets_or_prompts(tmp_path, mo
         assert [e["generation_id"] for e in entries] == ids
         for line in lines:
             assert KEY not in line and "secret prompt" not in line and "Paris" not in line
+            assert "upstream-pw" not in line
         stream, whole, missing = entries
         assert set(stream) == FIELDS
         assert stream | {"time": None, "duration_ms": None, "ttft_ms": None, "cost": None} == {
