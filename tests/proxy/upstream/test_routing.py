@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
+from closed_ports import refused_port
 
 from kilnproxy.ops.admin import LOADS
 from kilnproxy.testing import Harness
@@ -159,6 +160,29 @@ async def test_a_server_marked_down_moves_only_its_conversations_and_they_return
                 await send(h, chat(name, 3))
             third = {name: (await where(h.session, servers, name))[2] for name in names}
             assert third == first
+
+
+async def test_a_failed_attempt_moves_on_along_the_keys_order(tmp_path):
+    """A server that refuses connections, not yet marked down, first in some conversations' orders: each of
+    those goes on to the next upstream in its own order, the one it goes to once that server is marked
+    down. (A failover in another order, e.g. to the least busy: some land elsewhere.)"""
+    dead = f"http://127.0.0.1:{refused_port()}/v1"
+    async with mocks(3) as servers:
+        def configure(config):
+            routed([dead] + [f"{m.url}/v1" for m in servers], routing="cache_aware", load_poll=0)(config)
+            config["server"]["upstream_max_failures"] = 1000  # its failures do not mark it down here
+        async with Harness(tmp_path, configure=configure) as h:
+            names = [f"failing over {c}" for c in range(30)]
+            for name in names:
+                await send(h, chat(name))
+            refused = h.gw.routes["test-model"].upstreams[0]
+            assert refused.failures_total >= 3 and refused.is_up(time.monotonic())  # tried first, failed over
+            first = {name: (await where(h.session, servers, name))[0] for name in names}
+            refused.mark_down(time.monotonic() + 600)
+            for name in names:
+                await send(h, chat(name, 2))
+            second = {name: (await where(h.session, servers, name))[1] for name in names}
+            assert second == first
 
 
 async def test_embeddings_are_routed_least_busy(tmp_path):
