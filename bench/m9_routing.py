@@ -19,7 +19,10 @@ say), time to first token p50/p99 of the later turns (the 2nd on), requests per 
 share: from the usage rows' ``upstream`` column when the gateway writes it, else from the servers'
 counters). Targets (issue 40): cache_aware computes ≤ 1/4 of least_busy's prompt tokens on the mock
 fleet; on the real servers the later turns' TTFT p50 ≤ 0.5× least_busy's; no server above 1.5× its
-fair share.
+fair share. On llama.cpp, where each run's placement decides the result, each policy's profile too: per
+server, the conversations that have it first in cache_aware's order (the gateway's own affinity module on
+the run's URLs), those whose first turn it served, the later turns it served and how many found their
+conversation in its cache, and the slots its log says it took from a conversation it held (evictions).
 
 A policy the gateway does not accept yet (its config refused at start) is reported as such.
 
@@ -36,6 +39,7 @@ import datetime
 import importlib.util
 import os
 import random
+import re
 import sqlite3
 import sys
 import tempfile
@@ -142,17 +146,21 @@ async def stream_turn(session: aiohttp.ClientSession, url: str, body: dict, rec:
     return "".join(text)
 
 
-async def converse(fleet: Fleet, gateways: list[str], seed: int, deadline: float) -> list[Turn]:
+async def converse(fleet: Fleet, gateways: list[str], seed: int, deadline: float,
+                   openings: dict[int, list] | None = None) -> list[Turn]:
     """Every conversation of ``fleet``, its turns sent to the replicas in turn; bounded by ``deadline``
-    (monotonic seconds): a conversation still going then stops."""
+    (monotonic seconds): a conversation still going then stops. ``openings`` gets each conversation's
+    opening messages (what cache_aware's affinity key is made of)."""
     timeout = aiohttp.ClientTimeout(total=max(30.0, deadline - time.monotonic()))
     records: list[Turn] = []
+    openings = {} if openings is None else openings
 
     async def one(session, i: int) -> None:
         rng = random.Random(seed * 100_003 + i)
         await asyncio.sleep(fleet.stagger * i / fleet.conversations)
         messages = [{"role": "system", "content": "You are a careful reader. Answer in one short paragraph."},
                     {"role": "user", "content": opening(rng, fleet.opening_words, i)}]
+        openings[i] = messages
         for t in range(fleet.turns):
             if time.monotonic() > deadline:
                 return
@@ -334,8 +342,9 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def run_part(fleet: Fleet, procs: Procs, work: Path, start_servers, counters, policies=POLICIES,
-             seed: int = 9, budget: float = 600.0) -> dict[str, dict]:
-    """Each policy on fresh servers: the figures, or ``{"refused": why}``."""
+             seed: int = 9, budget: float = 600.0, slot_logs=None) -> dict[str, dict]:
+    """Each policy on fresh servers: the figures, or ``{"refused": why}``. ``slot_logs(policy, urls)``, when
+    given: each server's slot hand-outs as its log tells them (``slot_handouts``), read after the run."""
     cpus = set(range(os.cpu_count() or 1))
     results: dict[str, dict] = {}
     for policy in policies:
@@ -351,16 +360,19 @@ def run_part(fleet: Fleet, procs: Procs, work: Path, start_servers, counters, po
                       flush=True)
                 continue
             t0 = time.monotonic()
-            records = asyncio.run(converse(fleet, gateways, seed, t0 + budget))
+            openings: dict[int, list] = {}
+            records = asyncio.run(converse(fleet, gateways, seed, t0 + budget, openings))
             wall = time.monotonic() - t0
             time.sleep(1.0)  # the rows' commits
             after = counters(urls)
             by_rows = upstream_of_rows(dbs)
+            handouts = slot_logs(policy, urls) if slot_logs is not None else None
         finally:
             for name, proc in list(procs.running):
                 if name.startswith(f"m9-{fleet.name}") or name.startswith(f"m9-fleet-{policy}"):
                     procs.stop(proc)
         results[policy] = summarise(fleet, records, before, after, by_rows, urls, wall)
+        results[policy]["servers"] = per_server(records, by_rows, urls, openings, handouts, policy)
         r = results[policy]
         print(f"  {fleet.name} {policy}: {r['ok']}/{r['sent']} ok, computed {r['computed']:,} of {r['prompt']:,} "
               f"prompt tokens, later TTFT p50 {r['ttft_p50']:.3f} s p99 {r['ttft_p99']:.3f} s, most requests "
@@ -405,6 +417,127 @@ def summarise(fleet: Fleet, records: list[Turn], before, after, by_rows, urls, w
             "max_share": max(per_server) / fair if fair else 0.0, "wall": wall, "errors": errors[:3],
             "stayed": f"{stayed}/{later_n}" if later_n else "-",
             "homes": " ".join(str(sum(1 for h in home.values() if h == f"{u}/v1")) for u in urls) if home else "-"}
+
+
+# -- where the conversations went: the profile of each run ------------------------------------------
+
+_LRU = re.compile(r"selected slot by LRU, t_last = (-?\d+)")
+_LCP = re.compile(r"selected slot by LCP similarity, .*f_keep = ([0-9.]+)")
+
+
+def slot_handouts(log: Path) -> dict[str, int]:
+    """What a llama-server's log says of its slots: ``given``, the prompts it gave a slot; ``evicted``, of
+    those, the ones whose slot held another prompt that it dropped (chosen as least recently used with
+    ``t_last`` set, or by prefix similarity keeping less than half of what the slot held)."""
+    given = evicted = 0
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return {"given": 0, "evicted": 0}
+    for line in text.splitlines():
+        m = _LRU.search(line)
+        if m:
+            given += 1
+            evicted += m.group(1) != "-1"
+            continue
+        m = _LCP.search(line)
+        if m:
+            given += 1
+            evicted += float(m.group(1)) < 0.5
+    return {"given": given, "evicted": evicted}
+
+
+def first_choices(openings: dict[int, list], urls: list[str]) -> list[int] | None:
+    """How many conversations have each server first in cache_aware's order (the gateway's own affinity key
+    and rendezvous order, on these URLs); None when this build has no such module."""
+    try:
+        from kilnproxy.proxy.upstream.affinity import Rendezvous, affinity_key
+    except ImportError:
+        return None
+    order = Rendezvous([f"{u}/v1" for u in urls])
+    out = [0] * len(urls)
+    for messages in openings.values():
+        out[order.order(affinity_key("chat/completions", {"messages": messages}))[0]] += 1
+    return out
+
+
+def per_server(records: list[Turn], by_rows, urls: list[str], openings, handouts, policy: str) -> list[dict]:
+    """Each server's part in the run: the conversations whose first turn it served (``homes``, and their
+    numbers), the later turns it served and how many found their conversation in its cache (cached tokens at
+    least half the conversation's previous prompt: the servers' own figure), and what its log says of its
+    slots. ``first``: cache_aware's placement by the hash alone (conversations that have it first)."""
+    shown = [f"{u}/v1" for u in urls]
+    out = [{"url": u, "homes": [], "turns": 0, "later": 0, "found": 0, "given": None, "evicted": None,
+            "first": None} for u in urls]
+    if policy == "cache_aware":
+        first = first_choices(openings, urls)
+        for s, n in zip(out, first or ()):
+            s["first"] = n
+    if handouts is not None:
+        for s, h in zip(out, handouts):
+            s.update(h)
+    if not by_rows:
+        return out
+    previous: dict[int, int] = {}
+    for r in sorted((r for r in records if r.status == 200 and r.prompt is not None), key=lambda r: r.turn):
+        up = by_rows.get(r.generation_id)
+        if up not in shown:
+            continue
+        s = out[shown.index(up)]
+        s["turns"] += 1
+        if r.turn == 0:
+            s["homes"].append(r.conversation)
+        elif r.conversation in previous:
+            s["later"] += 1
+            s["found"] += (r.cached or 0) >= previous[r.conversation] / 2
+        previous[r.conversation] = r.prompt
+    return out
+
+
+def placement_table(results: dict[str, dict], slots: int | None) -> str:
+    """Per policy and server: where the conversations went and what the servers' caches did with them."""
+    rows = []
+    for policy in POLICIES:
+        r = results.get(policy)
+        if not r or "servers" not in r:
+            continue
+        for i, s in enumerate(r["servers"]):
+            homes = s["homes"]
+            over = f" (**{len(homes)} > {slots} slots**)" if slots and len(homes) > slots else ""
+            rows.append([policy if i == 0 else "", f"{i} (:{s['url'].rsplit(':', 1)[1]})",
+                         "-" if s["first"] is None else str(s["first"]),
+                         f"{len(homes)}{over}: " + (", ".join(f"c{c}" for c in sorted(homes)) or "none"),
+                         str(s["turns"]), f"{s['found']} of {s['later']}",
+                         "-" if s["given"] is None else f"{s['evicted']} of {s['given']}"])
+    return table(["policy", "server", "conversations that have it first in cache_aware's order",
+                  "conversations whose first turn it served", "turns it served",
+                  "later turns it served that found their conversation in its cache",
+                  "prompts given a slot that held another conversation (its log) of all it gave a slot"], rows)
+
+
+def placement_verdict(results: dict[str, dict], slots: int) -> str:
+    """One sentence per policy: the most conversations a server held against its slots, the evictions."""
+    out = []
+    for policy in POLICIES:
+        r = results.get(policy)
+        if not r or "servers" not in r:
+            continue
+        servers = r["servers"]
+        homes = [len(s["homes"]) for s in servers]
+        found = sum(s["found"] for s in servers)
+        later = sum(s["later"] for s in servers)
+        evicted = [s["evicted"] for s in servers if s["evicted"] is not None]
+        line = (f"{policy}: first turns {'/'.join(map(str, homes))} on the servers"
+                + (f" (the hash alone: {'/'.join(str(s['first']) for s in servers)})"
+                   if servers and servers[0]["first"] is not None else "")
+                + f"; {found} of {later} later turns found their conversation where they landed"
+                + (f"; the servers gave {sum(evicted)} slots away from a conversation they held" if evicted else ""))
+        full = [i for i, n in enumerate(homes) if n > slots]
+        if full:
+            line += (f"; server {', '.join(map(str, full))} held more conversations than its {slots} slots, so "
+                     "each turn there evicts another conversation, which its next turn finds gone")
+        out.append(line + ".")
+    return "\n".join(f"- {line}" for line in out)
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -536,9 +669,11 @@ def measure(procs: Procs, work: Path, settings: Settings, mock_fleet: Fleet = MO
             llama_res = {}
             for policy in settings.policies:
                 try:
-                    llama_res.update(run_part(llama_fleet, procs, work, start,
-                                              lambda urls: llama_counters(urls, llama_fleet.max_tokens),
-                                              policies=(policy,), budget=settings.budget))
+                    llama_res.update(run_part(
+                        llama_fleet, procs, work, start, lambda urls: llama_counters(urls, llama_fleet.max_tokens),
+                        policies=(policy,), budget=settings.budget,
+                        slot_logs=lambda policy, urls: [slot_handouts(work / f"m9-llama-{policy}-{i}.log")
+                                                        for i in range(len(urls))]))
                 finally:
                     stop_llamas(policy)
             sections.append(section(
@@ -551,7 +686,18 @@ def measure(procs: Procs, work: Path, settings: Settings, mock_fleet: Fleet = MO
                 f"s between turns; the servers restarted for each policy. Computed tokens from the answers' usage "
                 f"(the servers' own prompt_tokens_details.cached_tokens); the servers' counters: "
                 f"llamacpp:prompt_tokens_total; requests per server from the rows' `upstream`, else "
-                f"llamacpp:tokens_predicted_total / {llama_fleet.max_tokens}."))
+                f"llamacpp:tokens_predicted_total / {llama_fleet.max_tokens}.")
+                + "\n\n### Where the conversations went, and what the servers' slots did with them\n\n"
+                + placement_verdict(llama_res, settings.llama_parallel) + "\n\n"
+                + placement_table(llama_res, settings.llama_parallel) + "\n\n"
+                + f"Each server has {settings.llama_parallel} slots, each holding one prompt (`--cache-ram 0`: "
+                f"nothing kept once a slot is given to another prompt). A later turn \"found its conversation\" "
+                f"when the server reported at least half of the conversation's previous prompt cached "
+                f"(`prompt_tokens_details.cached_tokens`). The slots given away come from each server's own log "
+                f"(`selected slot by LRU` with `t_last` set, or `by LCP similarity` keeping less than half of "
+                f"the slot). cache_aware's order depends only on a conversation's opening and the servers' URLs "
+                f"(new ports each run), so each run draws its own placement; the load bound counts requests in "
+                f"flight (none between turns), not the conversations a server holds.")
     return sections, goals(mock_res, llama_res), notes
 
 
