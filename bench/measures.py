@@ -49,6 +49,9 @@ PER_MINUTE = "kilnproxy, per-minute limits on"  # requests and tokens per minute
 RUNTIME_KEY_COUNT = 10_000
 RUNTIME_KEYS = f"kilnproxy, {RUNTIME_KEY_COUNT:,} runtime keys"  # in its SQLite store; the load sends one of them
 TRACING = "kilnproxy, tracing on"  # every request traced, spans exported to a local OTLP/HTTP receiver
+# M2 with three upstreams (three entries of nginx's one URL: every request answered alike), by each policy
+ROUTED_LB = "kilnproxy, 3 upstreams, least_busy"
+ROUTED_CA = "kilnproxy, 3 upstreams, cache_aware"
 PEER_STREAMS = 2000  # M5: streams a peer holds open
 SLOTS, QUEUE_CLIENTS, QUEUE_STREAMS = 4, 64, 128  # M7: an upstream's slots; clients at once; streams a round
 QUEUED = f"kilnproxy, {SLOTS} slots, {QUEUE_CLIENTS} clients"
@@ -193,6 +196,16 @@ class Bench:
                 f'\n[tracing]\nenabled = true\nendpoint = "{self.otlp}/v1/traces"\nsample_ratio = 1.0\n'))
         return self._gw_tracing
 
+    def gw_routed(self, routing: str) -> str:
+        """Issue 40's gateways: model "bench" on three upstreams, the same nginx URL three times (so that
+        both policies choose among three and every answer is the same), routed by ``routing``."""
+        name = f"_gw_routed_{routing}"
+        if not hasattr(self, name):
+            url = f"{self.nginx}/json/v1"
+            setattr(self, name, self.gateway(f"kilnproxy-{routing}", extra={
+                "bench": {"urls": [url, url, url], "routing": routing}}))
+        return getattr(self, name)
+
     def tracing_note(self) -> str:
         """What the receiver got so far against the requests sent to the tracing gateway, and the spans its
         log says it dropped (the last batch, up to 5 s of spans, may still be on its way)."""
@@ -314,13 +327,18 @@ class Bench:
         targets = {UP: f"{self.nginx}/json/v1/completions", PT: f"{self.pt_nginx}/json/v1/completions",
                    GW: f"{self.gw}/v1/completions", TRACING: f"{self.gw_tracing}/v1/completions",
                    PER_MINUTE: f"{self.gw_per_minute}/v1/completions", RUNTIME_KEYS: self.gw_runtime_keys,
+                   ROUTED_LB: f"{self.gw_routed('least_busy')}/v1/completions",
+                   ROUTED_CA: f"{self.gw_routed('cache_aware')}/v1/completions",
                    **self.peer_targets(f"{self.nginx}/json/v1")}
         res = self.wrk_rounds(targets, request_body(False), 64)
         rows, measured, by_core = self.throughput_table(res, 1, "requests")
         self.sections.append("## M2 throughput, non-streamed, 64 in flight (wrk -c64)\n\n" + table(rows[0], rows[1:])
                              + f"\n\nThe upstream row is nginx sharing CPU {self._load_cpu()} with wrk: its own "
                              "rate, a lower bound. *per full core*: 1 s / CPU time per request of that process. "
-                             + self.variants_note() + " " + self.tracing_note())
+                             + self.variants_note() + " " + self.tracing_note() + f" *{ROUTED_LB}*, *{ROUTED_CA}*: "
+                             "model `bench` on three upstreams (nginx's one URL three times: each policy chooses "
+                             "among three, every answer alike), `routing` least_busy or cache_aware (the prompt's "
+                             "affinity key computed per request, its order, the load bound).")
         self.goal("M2", "≥ 100% of pass-through requests/s (per full core; measured)",
                   f"{spread(by_core, '{:.0f}%')}; {spread(measured, '{:.0f}%')}", median(by_core) >= 100)
         limits = [g["cpu_us"] / m["cpu_us"] * 100 for g, m in zip(res[GW], res[PER_MINUTE])]
@@ -334,6 +352,11 @@ class Bench:
         self.goal("M2", "tracing on (exporting to a local receiver): requests/s within 10% of off "
                   "(per full core; measured)",
                   f"{spread(traced, '{:.0f}%')}; {spread(traced_measured, '{:.0f}%')}", median(traced) >= 90)
+        routed = [lb["cpu_us"] / ca["cpu_us"] * 100 for lb, ca in zip(res[ROUTED_LB], res[ROUTED_CA])]
+        routed_measured = [ca["rps"] / lb["rps"] * 100 for lb, ca in zip(res[ROUTED_LB], res[ROUTED_CA])]
+        self.goal("M2", "routing = \"cache_aware\": requests/s within 3% of least_busy on the same three upstreams "
+                  "(per full core; measured)",
+                  f"{spread(routed, '{:.1f}%')}; {spread(routed_measured, '{:.1f}%')}", median(routed) >= 97)
 
     def m3(self) -> None:
         body = request_body(True, model="bench-stream")

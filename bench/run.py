@@ -45,9 +45,12 @@ KEY = "sk-bench"
 
 def model_lines(spec: str | dict) -> str:
     """A model's upstream and extra lines: ``spec`` is the upstream's base URL, or a dict with ``url``,
-    ``max_in_flight`` (an upstream with slots), ``queue_timeout`` and ``endpoints`` (the APIs it answers)."""
+    ``max_in_flight`` (an upstream with slots), ``queue_timeout`` and ``endpoints`` (the APIs it answers),
+    or with ``urls`` (several upstreams) and ``routing``."""
     if isinstance(spec, str):
         return f'upstreams = ["{spec}"]'
+    if "urls" in spec:
+        return "upstreams = [" + ", ".join(f'"{u}"' for u in spec["urls"]) + f']\nrouting = "{spec["routing"]}"'
     slots = f", max_in_flight = {spec['max_in_flight']}" if "max_in_flight" in spec else ""
     lines = [f'upstreams = [{{url = "{spec["url"]}"{slots}}}]']
     if "queue_timeout" in spec:
