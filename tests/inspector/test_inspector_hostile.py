@@ -142,9 +142,9 @@ async def test_every_inspector_answer_carries_the_headers_of_an_admin_page(harne
         auth = {"Authorization": "Bearer s3cret"}
         answers = {path: await get(h, path, headers=auth) for path in (
             "/ui/", "/ui/static/app.js", "/ui/api/meta", "/ui/api/requests", "/ui/api/requests/gen-none",
-            "/ui/api/orgs")}
+            "/ui/api/orgs", "/ui/api/upstreams", "/ui/static/upstreams.js")}
         answers["401"] = await get(h, "/ui/api/requests")
-        assert [status for status, _, _ in answers.values()] == [200, 200, 200, 200, 404, 200, 401]
+        assert [status for status, _, _ in answers.values()] == [200, 200, 200, 200, 404, 200, 200, 200, 401]
         async with h.session.get(f"{h.url}/ui/api/events", headers=auth) as resp:
             answers["/ui/api/events"] = (resp.status, resp.headers, b"")
         for name, (_, headers, _) in answers.items():
