@@ -334,6 +334,53 @@ async def test_a_metrics_endpoint_that_hangs_lies_or_is_missing_does_not_hold_a_
             await running.stop()
 
 
+async def test_a_read_older_than_three_intervals_is_not_used(tmp_path):
+    """Server 0 said it ran 5 requests, then its /metrics stopped answering: once that read is older than
+    3 load_poll intervals, server 0's load is this replica's own again (0) and least_busy sends it its turn.
+    (A stale read believed: server 0 stays at 5 and gets nothing.)"""
+    hang, hanging, release, answered = [False], asyncio.Event(), asyncio.Event(), []
+
+    async def metrics(request: web.Request) -> web.Response:
+        if hang[0]:
+            hanging.set()
+            await release.wait()
+        return web.Response(text="vllm:num_requests_running 5\n")
+
+    async def completions(request: web.Request) -> web.Response:
+        answered.append(await request.json())
+        return web.json_response({"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", completions)
+    stale = await start_app(app, "127.0.0.1", 0)
+    try:
+        async with mocks(1) as [other]:
+            urls = [f"{stale.url}/v1", f"{other.url}/v1"]
+            async with Harness(tmp_path, configure=routed(urls, load_poll=0.05)) as h:
+                pool = h.gw.routes["test-model"].upstreams[0].slots
+                await loads_read(h, urls[0], 5)
+                for c in range(2):
+                    await send(h, chat(f"fresh {c}"))
+                assert answered == []  # its fresh read of 5: the other server takes them
+                hang[0] = True
+                await asyncio.wait_for(hanging.wait(), 10)
+                for _ in range(1000):  # until the last read is more than 3 intervals old
+                    if pool.load_at(time.monotonic()) == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert pool.load_at(time.monotonic()) == 0
+                for c in range(4):
+                    await send(h, chat(f"stale {c}"))
+                assert len(answered) == 2  # least_busy's turn: two of the four
+    finally:
+        release.set()
+        await stale.stop()
+
+
 # -- the poller's life: with the gateway, re-watched on reload, stopped at shutdown ---------------------------
 
 
