@@ -250,14 +250,15 @@ class GatewayCollector:
                                        "answering (refused, timed out, 5xx).", labels=labels)
         for route in list(self.gw.routes.values()):
             for u in route.upstreams:
-                up.add_metric((route.id, u.base_url), 1 if u.is_up(now) else 0)
-                busy.add_metric((route.id, u.base_url), u.in_flight)
-                failures.add_metric((route.id, u.base_url), u.failures_total)
+                url = shown_url(u.base_url)  # every upstream label without userinfo, as in the rows
+                up.add_metric((route.id, url), 1 if u.is_up(now) else 0)
+                busy.add_metric((route.id, url), u.in_flight)
+                failures.add_metric((route.id, url), u.failures_total)
         yield from self._slots()
         checks = CounterMetricFamily("kilnproxy_upstream_health_check_failures", "Failed active health checks.",
                                      labels=("upstream",))
         for url, n in list(self.check_failures.items()):
-            checks.add_metric((url,), n)
+            checks.add_metric((shown_url(url),), n)
         yield from (up, busy, failures, checks)
 
     def _slots(self) -> Iterable[Metric]:
@@ -273,11 +274,12 @@ class GatewayCollector:
                                  labels=("upstream",))
         now = time.monotonic()
         for url, pool in pools.items():
-            load.add_metric((shown_url(url),), pool.load_at(now))
-            busy.add_metric((url,), pool.busy)
-            queued.add_metric((url,), pool.queued())
+            shown = (shown_url(url),)
+            load.add_metric(shown, pool.load_at(now))
+            busy.add_metric(shown, pool.busy)
+            queued.add_metric(shown, pool.queued())
             if pool.limit is not None:
-                limit.add_metric((url,), pool.limit)
+                limit.add_metric(shown, pool.limit)
         fallbacks = CounterMetricFamily("kilnproxy_fallbacks", "Requests sent to a fallback model, by the model "
                                         "asked for and the fallback.", labels=("from_model", "to_model"))
         for (source, target), n in list(self.gw.fallback_counts.items()):

@@ -59,6 +59,11 @@ async def test_tokens_by_upstream_and_the_load(tmp_path):
                 in ([2, 4], [3, 3], [1, 5])
             for url in urls:
                 assert m[("kilnproxy_upstream_load", (("upstream", shown[url]),))] == 0
+                for name in ("kilnproxy_upstream_up", "kilnproxy_upstream_in_flight_requests"):  # every label alike
+                    assert (name, (("model", "test-model"), ("upstream", shown[url]))) in m
+                assert ("kilnproxy_upstream_slots_busy", (("upstream", shown[url]),)) in m
+            async with h.session.get(f"{h.url}/metrics") as resp:
+                assert "pw@" not in await resp.text()  # the upstream's password is no label
 
             # two streams held on the mock a by a client that bypasses the gateway: its /metrics says 2
             held = []
