@@ -68,7 +68,8 @@ async def test_a_locked_org_row_affects_that_org_alone_and_loses_none_of_its_row
                 assert status == 200, raw
                 sent[gen] = status
                 globex.append(gen)
-            for gen in globex:
+            for gen in globex:  # each served alone: its row is settled just after its response (the row journal)
+                await eventually(lambda gen=gen: db.rows(id=gen))
                 assert len(await db.rows(id=gen)) == 1
             async with session.get(f"{a.url}/healthz") as resp:
                 assert (await resp.json())["store"] == "up"
