@@ -105,14 +105,22 @@ class Store:
         pass
 
 
-async def test_a_reap_ended_by_a_deadlock_is_one_line_and_done_at_the_next_beat(pg_url, caplog):
+async def test_a_reap_ended_by_a_deadlock_is_one_line_and_done_at_the_next_beat(postgres, pg_url, caplog):
     """An operator's transaction updates the orgs' rows in the other order than the reap charges them
     (globex, then acme): PostgreSQL ends the reap for a deadlock, which the heartbeat logged as a
     traceback ("heartbeat failed"). Now: one warning line, the store not down, and the next reap
-    (the operator's transaction gone) turns both holds into replica_lost rows."""
+    (the operator's transaction gone) turns both holds into replica_lost rows.
+
+    PostgreSQL looks for a deadlock once, in the session whose ``deadlock_timeout`` runs out first
+    after it began to wait, and ends that session. So that the victim is the reap whatever the
+    machine's load, the reap looks after 4 s (time for the operator's update to queue behind it) and
+    the operator only after a minute."""
+    postgres.psql(f"GRANT SET ON PARAMETER deadlock_timeout TO {postgres.USER}")
     conn = await database(pg_url, ("gen-1", "acme"), ("gen-2", "globex"))
     operator = await asyncpg.connect(pg_url)
     reaper = await asyncpg.connect(pg_url)
+    await operator.execute("SET deadlock_timeout = '60s'")
+    await reaper.execute("SET deadlock_timeout = '4s'")
     store = Store(reaper)
     heartbeat = Heartbeat(store)
     try:
