@@ -140,6 +140,10 @@ class KeyConfig:
     created_at: str | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    # SPEC 14 (None: the org's). A request authenticated as this key runs at ``priority`` ("batch": its
+    # waits for upstream slots come after every interactive request's); the Batch API's runner runs each
+    # line as ``dataclasses.replace(key, priority="batch")``.
+    priority: str | None = None
 
 
 @dataclass(frozen=True)
