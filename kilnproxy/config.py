@@ -19,6 +19,7 @@ from .config_reader import NUMBER, Reader
 from .config_types import (
     ENDPOINTS,
     ROUTING,
+    BatchesConfig,
     Config,
     KeyConfig,
     LimitsConfig,
@@ -81,11 +82,12 @@ def _parse(raw: Mapping[str, Any], source: str, base_dir: Path) -> Config:
     admin, metrics, log, health = config_ops.operations(source, top)
     inspector = config_ops.inspector(Reader(source, "inspector", top.get("inspector", dict, {})))
     tracing = config_ops.tracing(Reader(source, "tracing", top.get("tracing", dict, {})))
+    batches = _batches(Reader(source, "batches", top.get("batches", dict, {})))
     top.done()
     _check_references(source, models, orgs, keys)
     return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
                   admin=admin, metrics=metrics, log=log, health=health, inspector=inspector, tracing=tracing,
-                  base_dir=base_dir, source=source)
+                  batches=batches, base_dir=base_dir, source=source)
 
 
 def _storage(r: Reader) -> StorageConfig:
@@ -108,6 +110,14 @@ def _storage(r: Reader) -> StorageConfig:
         spool_path=r.get("spool_path", str, d.spool_path))
     r.done()
     return storage
+
+
+def _batches(r: Reader) -> BatchesConfig:
+    d = BatchesConfig()
+    batches = BatchesConfig(max_in_flight=r.positive("max_in_flight", d.max_in_flight, integer=True),
+                            max_file_bytes=r.positive("max_file_bytes", d.max_file_bytes, integer=True))
+    r.done()
+    return batches
 
 
 def _server(r: Reader) -> ServerConfig:
@@ -149,6 +159,10 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
     for name in ("prompt", "completion", "cached_prompt"):
         value = pricing_r.usd(name, None)
         rates[name] = None if value is None else float(value)
+    discount = pricing_r.get("batch_discount", NUMBER, 1.0)
+    if not 0 <= discount <= 1:
+        pricing_r.fail(pricing_r.key("batch_discount"),
+                       f"must be from 0 to 1 (the factor of a batch line's prices), got {discount!r}")
     pricing_r.done()
     model = ModelConfig(
         id=model_id,
@@ -157,7 +171,7 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
         upstream_api_key_env=r.get("upstream_api_key_env", str, None),
         context_window=window,
         reject_chat_params=r.strings("reject_chat_params", ()),
-        pricing=Pricing(rates["prompt"] or 0.0, rates["completion"] or 0.0, rates["cached_prompt"]),
+        pricing=Pricing(rates["prompt"] or 0.0, rates["completion"] or 0.0, rates["cached_prompt"], float(discount)),
         upstream_max_in_flight=slots,
         fallbacks=r.strings("fallbacks", ()),
         first_byte_timeout=_seconds(r, "first_byte_timeout"),

@@ -6,6 +6,7 @@ here are the documented defaults of ``config.example.toml``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,16 @@ class Pricing:
     prompt: float = 0.0
     completion: float = 0.0
     cached_prompt: float | None = None
+    batch_discount: float = 1.0  # the factor of a Batch API line's prices (SPEC 14), from 0 to 1
+
+    @functools.cached_property
+    def for_batch(self) -> "Pricing":
+        """The prices of a Batch API line: each × ``batch_discount`` (made once, at the first line)."""
+        if self.batch_discount == 1.0:
+            return self
+        d = self.batch_discount
+        cached = None if self.cached_prompt is None else self.cached_prompt * d
+        return Pricing(self.prompt * d, self.completion * d, cached, 1.0)
 
     def cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> float:
         cached = min(max(cached_tokens, 0), prompt_tokens)
@@ -147,6 +158,14 @@ class KeyConfig:
 
 
 @dataclass(frozen=True)
+class BatchesConfig:
+    """The Batch API (``[batches]``): lines run at once by this replica, the largest file uploaded."""
+
+    max_in_flight: int = 4
+    max_file_bytes: int = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     modules: tuple[str, ...] = ()
     entry_points: bool = True
@@ -221,6 +240,7 @@ class Config:
     health: HealthConfig = HealthConfig()
     inspector: InspectorConfig = InspectorConfig()
     tracing: TracingConfig = TracingConfig()
+    batches: BatchesConfig = BatchesConfig()
     base_dir: Path = Path(".")
     source: str = "<built-in>"
     # "server.port" -> (where its value came from: "file", "default" or a KILNPROXY__ variable, the value),

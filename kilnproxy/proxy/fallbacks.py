@@ -146,7 +146,8 @@ async def _switch_to(gw: Gateway, call: Call, key: KeyConfig, record: RequestRec
     if not _usable(route, key, call.endpoint):
         return False
     before = call.model, call.upstream_model, call.pricing
-    set_model(call, route.id, route.model.upstream_model, route.pricing)
+    set_model(call, route.id, route.model.upstream_model,
+              route.pricing if record.batch_id is None else route.pricing.for_batch)
     old = record.hold
     rehold = getattr(gw.admission, "rehold", None)
     if old is not None and rehold is not None:

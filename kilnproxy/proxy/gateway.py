@@ -27,6 +27,7 @@ from ..store.sqlite.ledger import SQLiteLedger
 from ..store.tenancy.orgs_keys import TenancyStore
 from ..store.tenancy.sql import PostgresDb, SQLiteDb
 from .tenancy.auth import KeyRing
+from .tenancy.batch_credential import BatchCredential
 from .request_observers import RequestTrace, Tap
 from .request_record import RequestRecord
 from .tenancy.key_ring import Tenants
@@ -80,6 +81,7 @@ class Gateway:
         self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
         self.discovered: dict[str, tuple[str, ...]] = {}  # discover = true entries: their upstreams' models
         self.keys = KeyRing(config.keys)
+        self.batch_credential = BatchCredential()  # the Batch API runner's (kilnproxy.batches)
         self.disabled_orgs: frozenset[str] = frozenset()
         self.per_minute: dict[str, tuple[int | None, int | None]] = {}  # org -> (requests, tokens) per minute
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
