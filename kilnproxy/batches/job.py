@@ -73,7 +73,7 @@ class BatchJob:
             self.runner.credential.running.pop(self.batch_id, None)
 
     def _stopping(self) -> bool:
-        return self.runner.stopping or self.lost
+        return self.runner.stopping or self.lost or self.svc.gw.draining  # draining: SIGTERM came
 
     async def _validate(self, batch: dict[str, Any]) -> bool:
         total, errors = await check_input(self.svc, batch)
@@ -108,11 +108,13 @@ class BatchJob:
             if not taken and not self.in_flight:
                 due = await svc.lines.next_due(batch_id)
                 if due is None:
-                    if self.unresolved:
-                        self.unresolved = False
-                        await self._resolve(await svc.lines.sent(batch_id))
-                        continue
-                    return  # every line ended
+                    if not self.unresolved:
+                        return  # every line ended
+                    self.unresolved = False
+                    await self._resolve(await svc.lines.sent(batch_id))
+                    if self.unresolved:  # a hold of a lost replica, not reaped yet: look again later
+                        await woken(self.changed, wait)
+                    continue
                 wait = min(wait, max(due - now, 0.0))
             await woken(self.changed, wait)
         await self._settle_in_flight()
@@ -155,7 +157,10 @@ class BatchJob:
                     self.unresolved = True  # a replica's hold: its row comes (settled, or reaped)
                     continue
                 await svc.lines.retry_later(self.batch_id, line["line"], generation_id, 0.0)
-            elif row["status"] in RETRIED:
+                continue
+            if row.get("batch_id") is None:
+                await svc.lines.own_row(generation_id, self.batch_id)
+            if row["status"] in RETRIED:
                 await svc.lines.retry_later(self.batch_id, line["line"], generation_id, 0.0)
             elif await svc.lines.finish(self.batch_id, line["line"], generation_id, False,
                                         outcomes.lost(line["custom_id"], row["status"], generation_id)):

@@ -20,7 +20,8 @@ def stored(db, table: str) -> int:
         conn.close()
 
 
-async def test_a_batch_runs_each_line_once_through_the_request_path(gw):
+async def test_a_batch_runs_each_line_once_through_the_request_path(any_gw):
+    gw = any_gw
     client = gw.openai()
     lines = [line(i, "/v1/chat/completions", stream=True, stream_options={"include_usage": True})
              for i in range(3)]
@@ -146,7 +147,8 @@ async def test_another_purpose_is_400_and_nothing_is_kept(gw):
     assert stored(gw.db, "kiln_files") == stored(gw.db, "kiln_file_chunks") == 0
 
 
-async def test_another_orgs_files_and_batches_are_404(gw):
+async def test_another_orgs_files_and_batches_are_404(any_gw):
+    gw = any_gw
     mine, theirs = gw.openai(), gw.openai(OTHER_KEY)
     upload, batch = await submitted(mine, [line(0)])
     for call in (theirs.files.retrieve, theirs.files.content, theirs.files.delete):
@@ -211,8 +213,8 @@ def on(upstream, **batches):
     return configure
 
 
-async def test_cancel_lets_lines_in_flight_finish_and_runs_no_other(harness, gated):
-    async with harness(configure=on(gated)) as h:
+async def test_cancel_lets_lines_in_flight_finish_and_runs_no_other(harness, store, gated):
+    async with harness(overrides=store, configure=on(gated)) as h:
         client = h.openai()
         _, batch = await submitted(client, [line(i) for i in range(3)])
         await gated.arrivals(1)  # line 0 is in flight (max_in_flight = 1)

@@ -82,6 +82,13 @@ class LineStore:
             return False
         return await self.db.fetchval("SELECT 1 FROM kiln_holds WHERE id = ?", generation_id) is not None
 
+    async def own_row(self, generation_id: str, batch_id: str) -> None:
+        """Name the batch in a line's usage row written without it (PostgreSQL's ``replica_lost`` rows: a
+        replica's reap knows the hold, not the batch)."""
+        async with self.db.transaction() as tx:
+            await tx.fetch("UPDATE usage_events SET batch_id = ? WHERE id = ? AND batch_id IS NULL",
+                           batch_id, generation_id)
+
     async def pending(self, batch_ids: list[str]) -> int:
         """Lines waiting to run in these batches (the batch queue's depth)."""
         if not batch_ids:
