@@ -65,9 +65,12 @@ class BatchStore:
             args.append(after)
         return await self.db.fetch(sql + " ORDER BY id DESC LIMIT ?", *args, limit)
 
-    async def recent(self, limit: int) -> list[dict[str, Any]]:
-        """Every org's batches, newest first (the inspector)."""
-        return await self.db.fetch(f"SELECT {BATCH_COLUMNS} FROM kiln_batches ORDER BY id DESC LIMIT ?", limit)
+    async def recent(self, limit: int, org: str | None = None) -> list[dict[str, Any]]:
+        """Every org's batches (or ``org``'s), newest first (the inspector)."""
+        if org is None:
+            return await self.db.fetch(f"SELECT {BATCH_COLUMNS} FROM kiln_batches ORDER BY id DESC LIMIT ?", limit)
+        return await self.db.fetch(f"SELECT {BATCH_COLUMNS} FROM kiln_batches WHERE org = ? ORDER BY id DESC LIMIT ?",
+                                   org, limit)
 
     async def cancel(self, org: str, batch_id: str) -> dict[str, Any] | None:
         """A batch validating or in progress turns ``cancelling`` (its runner stops taking lines); a
