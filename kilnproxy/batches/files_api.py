@@ -84,10 +84,10 @@ async def _store(svc, org: str, part, max_bytes: int) -> tuple[str, int]:
             if size > max_bytes:
                 raise too_large(max_bytes)
             buffer += chunk
-            if len(buffer) >= CHUNK_BYTES:
+            while len(buffer) >= CHUNK_BYTES:  # every chunk stored but the last is CHUNK_BYTES
                 with answer_store_trouble():
-                    await svc.files.append(file_id, seq, bytes(buffer))
-                buffer.clear()
+                    await svc.files.append(file_id, seq, bytes(buffer[:CHUNK_BYTES]))
+                del buffer[:CHUNK_BYTES]
                 seq += 1
         if buffer:
             with answer_store_trouble():

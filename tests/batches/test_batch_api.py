@@ -282,3 +282,37 @@ async def eventually_rows(h, batch_id, n):
         await asyncio.sleep(0.01)
     return rows
 
+
+
+async def test_a_file_of_several_chunks_is_stored_and_read_in_chunks(gw):
+    client = gw.openai()
+    data = bytes(range(256)) * (10 * 1024 + 7)  # 2.5 MiB and a bit: three chunks of at most 1 MiB
+    upload = await client.files.create(file=("big.jsonl", data), purpose="batch")
+    assert upload.bytes == len(data)
+    conn = sqlite3.connect(gw.db)
+    try:
+        sizes = [n for (n,) in conn.execute("SELECT length(data) FROM kiln_file_chunks WHERE file_id = ? ORDER BY seq",
+                                            (upload.id,))]
+    finally:
+        conn.close()
+    assert sizes == [1024 * 1024, 1024 * 1024, len(data) - 2 * 1024 * 1024]
+    async with gw.session.get(f"{gw.url}/v1/files/{upload.id}/content", headers=gw.headers()) as resp:
+        assert resp.headers["Content-Length"] == str(len(data))
+        assert await resp.read() == data
+
+
+async def test_the_runners_credential_cannot_be_forged(gw):
+    """Only this process's secret, naming a batch it runs, stands for a key; anything like it is 401."""
+    client = gw.openai()
+    _, batch = await submitted(client, [line(0)])
+    batch = await ended(client, batch.id)
+    credential = gw.gw.batch_credential
+    real = credential.header(batch.id, "gen-000000000000aaaaaaaaaaaa")
+    forged = [real.replace(real.split(".")[1], "0" * 64),  # another secret
+              "Bearer kiln-batch." + real.split(".", 1)[1],  # (the real one, but the batch has ended)
+              "Bearer kiln-batch.", "Bearer kiln-batch.x.y.z"]
+    for header in forged:
+        async with gw.session.post(f"{gw.url}/v1/completions", json=line(1)["body"],
+                                   headers={"Authorization": header}) as resp:
+            assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+    assert len(await gw.rows()) == 1  # the batch's line only: a refused key has no row
