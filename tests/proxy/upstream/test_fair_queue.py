@@ -10,6 +10,7 @@ from aiohttp import web
 
 from kilnproxy.config import parse_config
 from kilnproxy.proxy.upstream.fair_queue import Claim
+from kilnproxy.proxy.upstream.routes import carry_over, routes_from
 from kilnproxy.proxy.upstream.slots import SlotPool, UpstreamBusy, take_slot
 from kilnproxy.testing import KEY, MODEL, OTHER_KEY
 from kilnproxy.web.server import start_app
@@ -201,9 +202,22 @@ def test_priority_weight_and_batch_reserve_are_read_with_their_defaults():
     assert [(o.priority, o.weight) for o in config.orgs] == [("interactive", 1.0), ("batch", 0.5)]
     assert [(k.priority, k.weight) for k in config.keys] == [(None, None), ("batch", 3.0)]
     shared = parse_config({"models": [model(batch_reserve=3), model(id="m2")]})
-    from kilnproxy.proxy.upstream.routes import routes_from
     routes = routes_from(shared.models, shared.server)
     assert routes["m2"].upstreams[0].slots.reserve == 3  # the URL's: given by one model, it is every model's
+
+
+async def test_a_reload_changing_batch_reserve_applies_to_the_requests_waiting():
+    old = parse_config({"models": [model(batch_reserve=3)]})
+    routes = routes_from(old.models, old.server)
+    pool = routes["m"].upstreams[0].slots
+    q = Queue(pool)
+    await q.wait("batch0", Claim("evals", batch=True))
+    await q.wait("batch1", Claim("evals", batch=True))  # 3 of 4 free: the reserve
+    assert q.granted == ["batch0"] and pool.queued() == 1
+    new = parse_config({"models": [model()]})  # batch_reserve back to its default, 1
+    carry_over(routes, routes_from(new.models, new.server))
+    q.collect()
+    assert q.granted == ["batch0", "batch1"] and (pool.reserve, pool.busy, pool.queued()) == (1, 2, 0)
 
 
 @pytest.mark.parametrize("raw, says", [
