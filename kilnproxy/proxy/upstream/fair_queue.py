@@ -113,6 +113,16 @@ class FairQueue:
             heapq.heappop(self.heap)
             del self.flows[flow.org]
 
+    def compact(self) -> None:
+        """Drop every entry of a waiter no longer live (each org keeps its place and its ``served``)."""
+        alive = self.alive
+        for org, flow in list(self.flows.items()):
+            flow.waiters = deque(w for w in flow.waiters if alive(w))
+            if not flow.waiters:
+                del self.flows[org]
+        self.heap = list(self.flows.values())
+        heapq.heapify(self.heap)
+
     def clear(self) -> None:
         self.flows.clear()
         self.heap.clear()

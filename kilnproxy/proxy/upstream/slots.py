@@ -20,8 +20,8 @@ takes a slot only while no interactive request waits for the pool, and never
 one of its last ``reserve`` free slots (``batch_reserve``). A pool with a free
 slot never has a live interactive waiter, nor a batch one while more than
 ``reserve`` slots are free (a slot freed, or a limit raised, grants at once):
-so a request finding a free slot for its priority overtakes nobody. A model
-does not overtake another's requests on a shared server, nor an org another's.
+so a request finding a free slot for its priority overtakes nobody. The
+requests of every model that lists a URL share its one order.
 A waiter that is cancelled (its client left) or times out leaves its place
 at once; a slot granted to it in that moment is given back. When an upstream
 is marked down, the waiters queued on its pool look again (``usable``): they
@@ -45,7 +45,7 @@ class SlotPool:
     """The slots of one upstream URL: ``limit`` (None: no cap) and ``busy``, with their queue; ``reserve``:
     the free slots a batch-priority request leaves (``batch_reserve``)."""
 
-    __slots__ = ("url", "limit", "reserve", "busy", "waiters", "interactive", "batch", "refusal", "polled")
+    __slots__ = ("url", "limit", "reserve", "busy", "waiters", "interactive", "batch", "left", "refusal", "polled")
 
     def __init__(self, url: str, limit: int | None, reserve: int = 0):
         self.url = url
@@ -56,6 +56,7 @@ class SlotPool:
         alive = self.waiters.__contains__  # left, served elsewhere or no longer waiting here: not in it
         self.interactive = FairQueue(alive)  # the order of the waiters, by priority
         self.batch = FairQueue(alive)
+        self.left = 0  # waiters gone from ``waiters`` whose entries the queues may still hold
         self.refusal: Callable[[], Exception] | None = None  # the gateway is stopping: no slot is taken
         # the server's own load as a LoadPoller reads it (its origin's state: .load, .at, .stale_after), or None
         self.polled = None
@@ -67,6 +68,7 @@ class SlotPool:
         self.waiters.clear()
         self.interactive.clear()
         self.batch.clear()
+        self.left = 0
         for waiter in waiters:
             if not waiter.future.done():
                 waiter.future.set_exception(error())
@@ -266,5 +268,11 @@ def _leave(waiter: _Waiter) -> None:
 
 
 def _remove(pool: SlotPool, waiter: _Waiter) -> None:
-    """Not queued on ``pool`` any more (its entry in the pool's order is dropped when reached)."""
-    pool.waiters.pop(waiter, None)
+    """Not queued on ``pool`` any more: its entry in the pool's order is dropped when reached, or when the
+    entries of those gone outnumber the waiters (a server stuck while requests time out), all at once."""
+    if pool.waiters.pop(waiter, False) is None:
+        pool.left += 1
+        if pool.left > 2 * len(pool.waiters) + 64:
+            pool.interactive.compact()
+            pool.batch.compact()
+            pool.left = 0

@@ -159,6 +159,19 @@ async def test_a_waiter_that_leaves_loses_its_place_and_nobody_loses_a_slot():
     assert pool.busy == 1 and pool.queued() == 0
 
 
+async def test_the_entries_of_waiters_gone_do_not_pile_up_while_a_server_is_stuck():
+    pool = full(1)
+    q = Queue(pool)
+    await q.wait("stays", Claim("a"))
+    for i in range(1000):
+        await q.wait(f"gone{i}", Claim(f"org{i % 7}"))
+        q.tasks[f"gone{i}"].cancel()  # its client left (or its queue_timeout passed)
+        await asyncio.gather(q.tasks[f"gone{i}"], return_exceptions=True)
+        entries = sum(len(f.waiters) for f in pool.interactive.flows.values())
+        assert entries <= 2 * len(pool.waiters) + 66
+    assert await q.free(pool) == ["stays"]  # and the one still waiting kept its place
+
+
 async def test_a_waiter_on_two_pools_is_served_once_in_each_pools_own_order():
     one, two = full(1), full(1)
     two.url = "http://gpu2/v1"
