@@ -97,8 +97,10 @@ class BatchJob:
             taken = []
             free = self.runner.capacity.take(self.runner.config.batches.max_in_flight)
             if free:
-                taken = await svc.lines.take(batch_id, free, new_generation_id)
-                self.runner.capacity.give_back(free - len(taken))
+                try:
+                    taken = await svc.lines.take(batch_id, free, new_generation_id)
+                finally:  # the slots no line took (all of them, when the store failed)
+                    self.runner.capacity.give_back(free - len(taken))
             for line in taken:
                 task = asyncio.create_task(self._run_line(endpoint, line),
                                            name=f"batch-line-{batch_id}-{line['line']}")

@@ -170,7 +170,8 @@ async def test_a_batch_needs_a_known_endpoint_window_and_a_batch_file(gw):
     client = gw.openai()
     upload, batch = await submitted(client, [line(0)])
     batch = await ended(client, batch.id)
-    for create, param in (({"endpoint": "/v1/messages"}, "endpoint"), ({"completion_window": "1h"}, "completion_window"),
+    for create, param in (({"endpoint": "/v1/messages"}, "endpoint"),
+                          ({"completion_window": "1h"}, "completion_window"),
                           ({"input_file_id": batch.output_file_id}, "input_file_id"),
                           ({"metadata": {"k": 1}}, "metadata")):
         with pytest.raises(openai.BadRequestError) as refused:
