@@ -42,6 +42,23 @@ def test_a_valid_config_prints_what_it_would_serve(tmp_path):
     ]
 
 
+def test_capped_upstreams_show_their_slots_and_batch_reserve_and_orgs_their_share(tmp_path):
+    config = gateway_config(["http://10.0.0.7:8000/v1", "http://10.0.0.8:8000/v1"])
+    config["models"][0]["upstreams"] = [{"url": "http://10.0.0.7:8000/v1", "max_in_flight": 4},
+                                        {"url": "http://10.0.0.8:8000/v1", "max_in_flight": 6, "batch_reserve": 2},
+                                        "http://10.0.0.9:8000/v1"]
+    config["orgs"][1].update(priority="batch", weight=2.5)
+    path = tmp_path / "gw.toml"
+    path.write_text(toml(config))
+    out = check(path)
+    assert (out.returncode, out.stderr) == (0, "")
+    lines = out.stdout.splitlines()
+    assert ("  model    test-model -> org/Test-Model-7B via http://10.0.0.7:8000/v1 (max_in_flight 4, batch_reserve 1),"
+            " http://10.0.0.8:8000/v1 (max_in_flight 6, batch_reserve 2), http://10.0.0.9:8000/v1,"
+            " routing least_busy") in lines
+    assert "  org      globex: 100.0 USD, 8 in flight, batch, weight 2.5, 1 key(s)" in lines
+
+
 def test_the_example_config_is_valid():
     out = check(ROOT / "config.example.toml")
     assert out.returncode == 0, out.stderr
