@@ -1,7 +1,7 @@
 """M7's second part, fair queues (SPEC 14): one org floods an upstream's slots, another sends one stream at a time.
 
 On M7's gateway and its upstream of ``SLOTS`` slots: ``QUEUE_CLIENTS`` clients of org ``bench`` keep the
-queue full (a closed loop) while one client sends streams one after the other, first with a key of org
+queue full (a closed loop; streams of four lengths about M4's) while one client sends streams one after the other, first with a key of org
 ``other`` (two orgs waiting: the fair queues' weighted round robin), then with another key of org ``bench``
 (one org: its queue is first come, first served, the order every request had before fair queues). The
 second client's time in queue (its time to first byte minus the median of M7's unqueued run) is set beside
@@ -20,6 +20,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import orjson
 
 from loads import LoadError, stream_latency
 from report import spread, table
@@ -44,6 +46,9 @@ id = "flood-2"
 """
 KEY_IDS = {"two": "other-key", "one": "flood-2"}
 FAIR, FCFS = "two orgs (fair queues)", "one org (first come, first served)"
+# The flood's streams in 4 lengths about M4's 64 chunks (a quarter of its clients each): streams of one length
+# started together end together, and would free the slots in bursts a whole stream apart
+FLOOD_CHUNKS = (40, 56, 72, 88)
 STREAMS = {FAIR: 150, FCFS: 12}  # the other client's streams; FCFS's each wait for the whole queue
 
 
@@ -88,15 +93,19 @@ def overtaken(db: Path, since: str, key_id: str, n: int) -> list[int]:
 def one_mode(gw: str, upstream: str, body: bytes, flood_key: str, key: str, n: int, clients: int, slots: int) -> dict:
     """The other client's ``n`` streams (``key``) while ``clients`` streams of ``flood_key`` keep the queue full."""
     url = f"{gw}/v1/completions"
-    flood = subprocess.Popen([sys.executable, str(HERE / "clients.py"), "latency", "--url", url, "--body",
-                              body.decode(), "--key", flood_key, "-n", "5000", "--concurrency", str(clients)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    floods = [subprocess.Popen([sys.executable, str(HERE / "clients.py"), "latency", "--url", url, "--body",
+                                orjson.dumps({**orjson.loads(body), "max_tokens": chunks}).decode(), "--key",
+                                flood_key, "-n", "5000", "--concurrency", str(clients // len(FLOOD_CHUNKS))],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+              for chunks in FLOOD_CHUNKS]
     try:
         wait_for(lambda: queued(gw, upstream)[0] >= clients - slots - 2, "the flood's queue")
         out = stream_latency(url, body, key, n, 1)
     finally:
-        flood.terminate()
-        flood.wait(timeout=30)
+        for flood in floods:
+            flood.terminate()
+        for flood in floods:
+            flood.wait(timeout=30)
     wait_for(lambda: queued(gw, upstream) == (0.0, 0.0), "an empty queue after the flood")
     return out
 
@@ -127,8 +136,9 @@ def measure(bench, gw: str, db: Path, upstream: str, body: bytes, clients: int, 
                             "max ms", "p99 / (2 slot turns)", "slots granted to others while it waited: p50; p99; max"],
                            rows)
         + f"\n\nOn M7's gateway and upstream ({slots} slots, `queue_timeout = 600`), right after its rounds: "
-        f"{clients} clients of org `bench` keep its queue full (about {clients - slots} waiting) while one client "
-        "sends streams one after the other, with a key of another org (*two orgs*), then with another key of "
+        f"{clients} clients of org `bench` keep its queue full (about {clients - slots} waiting; a quarter each "
+        f"with streams of {', '.join(map(str, FLOOD_CHUNKS))} chunks, so that the slots do not free in bursts) "
+        "while one client sends streams (M4's, 64 chunks) one after the other, with a key of another org (*two orgs*), then with another key of "
         "org `bench` (*one org*: its own queue is first come, first served, the order before fair queues). "
         "*time in queue*: the stream's time to first byte minus the median of M7's unqueued run "
         f"({base_ttfb:.1f} ms). One slot turn = an unqueued stream's total time (p50, {total_p50:.0f} ms) / "
