@@ -148,7 +148,11 @@ class BatchStore:
                            batch_id, runner)
 
     async def free_all_leases(self) -> None:
-        """SQLite: the file has one gateway, so a lease found at start-up is a stopped process's."""
+        """SQLite: the file has one gateway, so a lease found at start-up is a stopped process's. Written only
+        when there is one: a write takes the file's lock, which the ledger's commits would then wait for."""
+        leased = f"SELECT 1 FROM kiln_batches WHERE status IN ({_OPEN}) AND runner IS NOT NULL LIMIT 1"
+        if await self.db.fetchval(leased) is None:
+            return
         async with self.db.transaction() as tx:
             await tx.fetch(f"UPDATE kiln_batches SET runner = NULL, lease_until = NULL WHERE status IN ({_OPEN})")
 
