@@ -19,13 +19,14 @@ import logging
 import os
 
 from ..proxy.tenancy.changes import is_store_outage
-from ..tasks import woken
+from ..tasks import cancelled, woken
 from .job import BatchJob
 from .line_sender import LineSender
 
 log = logging.getLogger("kilnproxy.batches")
 
 POLL_SECONDS = 1.0
+STOP_SECONDS = 5.0  # how long a stop waits for a job's last writes
 MAX_JOBS = 64  # batches one replica runs at once (their lines share its max_in_flight)
 
 
@@ -81,7 +82,7 @@ class BatchRunner:
 
     async def _run(self) -> None:
         svc = self.svc
-        while True:
+        while not self.stopping:
             try:
                 if not svc.shared:
                     await svc.batches.free_all_leases()
@@ -144,10 +145,16 @@ class BatchRunner:
         self.wake()
 
     async def stop(self) -> None:
-        """Stop taking lines, let those in flight end, release the leases."""
+        """Stop taking lines, let those in flight end (the server's grace period has ended their requests),
+        release the leases. The loop that looks for batches is cancelled at once (it only reads, and renews
+        leases); a job still busy with the store after ``STOP_SECONDS`` (a database out of reach) is
+        cancelled too: its lines marked sent are resolved from their usage rows at the next start."""
         self.stop_taking_lines()
-        tasks = [task for _, task in self.jobs.values()]
-        if self._task is not None:
-            tasks.append(self._task)
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancelled(self._task)
+        jobs = [task for _, task in self.jobs.values()]
+        if jobs:
+            _, late = await asyncio.wait(jobs, timeout=STOP_SECONDS)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
         await self.sender.close()
