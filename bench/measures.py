@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from statistics import median
 
+import m7_fair
 from loads import (
     LoadError,
     MetricsPeaks,
@@ -468,7 +469,7 @@ class Bench:
             mocks[name] = f"http://127.0.0.1:{port}"
         gw = self.gateway("kilnproxy-slots", extra={
             "bench-slots": {"url": f"{mocks['slots']}/v1", "max_in_flight": SLOTS, "queue_timeout": 600},
-            "bench-free": f"{mocks['free']}/v1"})
+            "bench-free": f"{mocks['free']}/v1"}, sections=m7_fair.SECTIONS)
         targets = {QUEUED: ("bench-slots", QUEUE_STREAMS, QUEUE_CLIENTS),
                    UNQUEUED: ("bench-free", QUEUE_STREAMS // 4, SLOTS)}
         peaks = {}
@@ -531,6 +532,9 @@ class Bench:
                   spread(use, "{:.0f}%"), None)
         self.goal("M7", f"the upstream never above {SLOTS} at once", f"{max_active['slots']} at most",
                   max_active["slots"] <= SLOTS and busy <= SLOTS)
+        m7_fair.measure(self, gw, self.procs.logdir / "kilnproxy-slots.db", mocks["slots"].split("//")[1], request_body(True, model="bench-slots"),
+                        QUEUE_CLIENTS, SLOTS, median(base), median(percentile(r["total_ms"], 50) for r in res[UNQUEUED]),
+                        median(percentile(r["ttfb_ms"], 99) for r in res[UNQUEUED]))
 
     def m8(self) -> None:
         """Issue 23's endpoints: /v1/embeddings in M2's shape, the Responses API stream in M3's, the latter

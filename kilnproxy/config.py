@@ -18,7 +18,10 @@ from . import config_env, config_ops
 from .config_reader import NUMBER, Reader
 from .config_types import (
     ENDPOINTS,
+    MAX_WEIGHT,
+    PRIORITIES,
     ROUTING,
+    BatchesConfig,
     Config,
     KeyConfig,
     LimitsConfig,
@@ -81,11 +84,12 @@ def _parse(raw: Mapping[str, Any], source: str, base_dir: Path) -> Config:
     admin, metrics, log, health = config_ops.operations(source, top)
     inspector = config_ops.inspector(Reader(source, "inspector", top.get("inspector", dict, {})))
     tracing = config_ops.tracing(Reader(source, "tracing", top.get("tracing", dict, {})))
+    batches = _batches(Reader(source, "batches", top.get("batches", dict, {})))
     top.done()
     _check_references(source, models, orgs, keys)
     return Config(server, storage, limits, maintenance, models, orgs, keys, plugins,
                   admin=admin, metrics=metrics, log=log, health=health, inspector=inspector, tracing=tracing,
-                  base_dir=base_dir, source=source)
+                  batches=batches, base_dir=base_dir, source=source)
 
 
 def _storage(r: Reader) -> StorageConfig:
@@ -108,6 +112,14 @@ def _storage(r: Reader) -> StorageConfig:
         spool_path=r.get("spool_path", str, d.spool_path))
     r.done()
     return storage
+
+
+def _batches(r: Reader) -> BatchesConfig:
+    d = BatchesConfig()
+    batches = BatchesConfig(max_in_flight=r.positive("max_in_flight", d.max_in_flight, integer=True),
+                            max_file_bytes=r.positive("max_file_bytes", d.max_file_bytes, integer=True))
+    r.done()
+    return batches
 
 
 def _server(r: Reader) -> ServerConfig:
@@ -140,7 +152,7 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
     r = Reader(source, f"models[{i}]", table)
     model_id = r.get("id", str, required=True)
     r.where = f"models[{i}] ({model_id})"
-    upstreams, slots = _upstreams(r)
+    upstreams, slots, reserves = _upstreams(r)
     window = r.get("context_window", int, None)
     if window is not None and window <= 0:
         r.fail(r.key("context_window"), "must be greater than 0")
@@ -149,6 +161,10 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
     for name in ("prompt", "completion", "cached_prompt"):
         value = pricing_r.usd(name, None)
         rates[name] = None if value is None else float(value)
+    discount = pricing_r.get("batch_discount", NUMBER, 1.0)
+    if not 0 <= discount <= 1:
+        pricing_r.fail(pricing_r.key("batch_discount"),
+                       f"must be from 0 to 1 (the factor of a batch line's prices), got {discount!r}")
     pricing_r.done()
     model = ModelConfig(
         id=model_id,
@@ -157,8 +173,9 @@ def _model(source: str, i: int, table: Any) -> ModelConfig:
         upstream_api_key_env=r.get("upstream_api_key_env", str, None),
         context_window=window,
         reject_chat_params=r.strings("reject_chat_params", ()),
-        pricing=Pricing(rates["prompt"] or 0.0, rates["completion"] or 0.0, rates["cached_prompt"]),
+        pricing=Pricing(rates["prompt"] or 0.0, rates["completion"] or 0.0, rates["cached_prompt"], float(discount)),
         upstream_max_in_flight=slots,
+        upstream_batch_reserve=reserves,
         fallbacks=r.strings("fallbacks", ()),
         first_byte_timeout=_seconds(r, "first_byte_timeout"),
         request_timeout=_seconds(r, "request_timeout"),
@@ -194,20 +211,25 @@ def _endpoints(r: Reader) -> tuple[str, ...]:
     return endpoints
 
 
-def _upstreams(r: Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
-    """``upstreams``: base URLs, each a string or ``{url = "...", max_in_flight = N}``."""
+def _upstreams(r: Reader) -> tuple[tuple[str, ...], tuple[int | None, ...], tuple[int | None, ...]]:
+    """``upstreams``: base URLs, each a string or ``{url = "...", max_in_flight = N, batch_reserve = R}``,
+    and the model's ``batch_reserve`` (SPEC 14) for those of its capped upstreams that give none."""
     entries = r.get("upstreams", list, None)
     if not entries:
         r.fail(r.key("upstreams"), "a model needs at least one upstream base URL, e.g. \"http://127.0.0.1:8000/v1\"")
-    urls, slots = [], []
+    model_reserve = r.get("batch_reserve", int, None)
+    urls, slots, reserves = [], [], []
     for i, entry in enumerate(entries):
-        limit = None
+        limit = reserve = None
         if isinstance(entry, dict):
             t = Reader(r.source, f"{r.key('upstreams')}[{i}]", entry)
             url = t.get("url", str, required=True)
             limit = t.get("max_in_flight", int, None)
             if limit is not None and limit <= 0:
                 t.fail(t.key("max_in_flight"), f"must be greater than 0, got {limit}")
+            reserve = t.get("batch_reserve", int, None)
+            if reserve is not None:
+                _check_reserve(t, t.key("batch_reserve"), reserve, limit)
             t.done()
         elif isinstance(entry, str):
             url = entry
@@ -216,9 +238,23 @@ def _upstreams(r: Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
         parsed = r.url(r.key("upstreams"), url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             r.fail(r.key("upstreams"), f"{url!r} is not an http(s) base URL")
+        if reserve is None and model_reserve is not None and limit is not None:
+            _check_reserve(r, r.key("batch_reserve"), model_reserve, limit)
+            reserve = model_reserve
         urls.append(url.rstrip("/"))
         slots.append(limit)
-    return tuple(urls), tuple(slots)
+        reserves.append(reserve)
+    if model_reserve is not None and not any(s is not None for s in slots):
+        r.fail(r.key("batch_reserve"), "applies to upstreams with max_in_flight; this model has none")
+    return tuple(urls), tuple(slots), tuple(reserves)
+
+
+def _check_reserve(r: Reader, key: str, reserve: int, limit: int | None) -> None:
+    """``batch_reserve``: from 0 to ``max_in_flight`` - 1, so that batch priority keeps one slot to run on."""
+    if limit is None:
+        r.fail(key, "needs max_in_flight (an upstream without a cap has no queue)")
+    if not 0 <= reserve < limit:
+        r.fail(key, f"must be from 0 to max_in_flight - 1 ({limit - 1}), got {reserve}")
 
 
 def _seconds(r: Reader, name: str) -> float | None:
@@ -236,11 +272,27 @@ def _org(source: str, i: int, table: Any) -> OrgConfig:
         max_in_flight=r.get("max_in_flight", int, None),
         requests_per_minute=_per_minute(r, "requests_per_minute"),
         tokens_per_minute=_per_minute(r, "tokens_per_minute"),
+        priority=_priority(r, "interactive"),
+        weight=_weight(r, 1.0),
     )
     if org.max_in_flight is not None and org.max_in_flight <= 0:
         r.fail(r.key("max_in_flight"), "must be greater than 0")
     r.done()
     return org
+
+
+def _priority(r: Reader, default: str | None) -> str | None:
+    value = r.get("priority", str, default)
+    if value is not None and value not in PRIORITIES:
+        r.fail(r.key("priority"), f"must be one of {', '.join(PRIORITIES)}, got {value!r}")
+    return value
+
+
+def _weight(r: Reader, default: float | None) -> float | None:
+    value = r.get("weight", NUMBER, default)
+    if value is not None and not 0 < value <= MAX_WEIGHT:
+        r.fail(r.key("weight"), f"must be a number above 0 and at most {MAX_WEIGHT:g}, got {value!r}")
+    return None if value is None else float(value)
 
 
 def _per_minute(r: "Reader", name: str) -> int | None:
@@ -270,6 +322,8 @@ def _key(source: str, i: int, table: Any) -> KeyConfig:
         prefix=secret[:8] if secret is not None else None,
         requests_per_minute=_per_minute(r, "requests_per_minute"),
         tokens_per_minute=_per_minute(r, "tokens_per_minute"),
+        priority=_priority(r, None),
+        weight=_weight(r, None),
     )
     r.done()
     return key
@@ -299,11 +353,12 @@ def _check_references(source: str, models, orgs, keys) -> None:
         if dupes:
             fail(f"{name}.id", f"{sorted(dupes)[0]!r} is defined twice")
     slots: dict[str, tuple[int, str]] = {}  # upstream URL -> (max_in_flight, the model that gave it)
+    reserves: dict[str, tuple[int, str]] = {}  # upstream URL -> (batch_reserve, the model that gave it)
     for m in models:
         for f in m.fallbacks:
             if f not in model_ids:
                 fail(f"models ({m.id}).fallbacks", f"model {f!r} is not in [[models]]")
-        for url, limit in zip(m.upstreams, m.upstream_max_in_flight):
+        for i, (url, limit) in enumerate(zip(m.upstreams, m.upstream_max_in_flight)):
             if limit is None:
                 continue
             known = slots.setdefault(url, (limit, m.id))
@@ -311,6 +366,11 @@ def _check_references(source: str, models, orgs, keys) -> None:
                 fail(f"models ({m.id}).upstreams", f"{url} has max_in_flight = {limit} here but {known[0]} in "
                      f"model {known[1]!r}: an upstream's slots are shared by every model that lists it, so give "
                      "it one value")
+            if (reserve := m.batch_reserve_given(i)) is not None:
+                given = reserves.setdefault(url, (reserve, m.id))
+                if given[0] != reserve:
+                    fail(f"models ({m.id}).batch_reserve", f"{url} has batch_reserve = {reserve} here but "
+                         f"{given[0]} in model {given[1]!r}: it is the upstream's, so give it one value")
     org_ids = {o.id for o in orgs}
     seen_keys: set[str] = set()
     for i, key in enumerate(keys):

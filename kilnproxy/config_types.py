@@ -6,6 +6,7 @@ here are the documented defaults of ``config.example.toml``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,16 @@ class Pricing:
     prompt: float = 0.0
     completion: float = 0.0
     cached_prompt: float | None = None
+    batch_discount: float = 1.0  # the factor of a Batch API line's prices (SPEC 14), from 0 to 1
+
+    @functools.cached_property
+    def for_batch(self) -> "Pricing":
+        """The prices of a Batch API line: each × ``batch_discount`` (made once, at the first line)."""
+        if self.batch_discount == 1.0:
+            return self
+        d = self.batch_discount
+        cached = None if self.cached_prompt is None else self.cached_prompt * d
+        return Pricing(self.prompt * d, self.completion * d, cached, 1.0)
 
     def cost(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> float:
         cached = min(max(cached_tokens, 0), prompt_tokens)
@@ -98,8 +109,26 @@ class ModelConfig:
     discover: bool = False  # id is a prefix: the upstreams' own /v1/models list is served under it
     alias: str | None = None  # with discover: the first model listed is also served under this id
 
+    # SPEC 14: the free slots of a capped upstream that batch-priority requests leave; per entry of
+    # ``upstreams`` (its table's ``batch_reserve``, else the model's), None: not given (the default)
+    upstream_batch_reserve: tuple[int | None, ...] = ()
+
     def max_in_flight_of(self, index: int) -> int | None:
         return self.upstream_max_in_flight[index] if index < len(self.upstream_max_in_flight) else None
+
+    def batch_reserve_given(self, index: int) -> int | None:
+        """The ``batch_reserve`` this model gives its ``index``-th upstream, or None (not given)."""
+        return self.upstream_batch_reserve[index] if index < len(self.upstream_batch_reserve) else None
+
+    def batch_reserve_of(self, index: int) -> int:
+        """The ``index``-th upstream's ``batch_reserve`` as this model sees it: given, else 1 where its
+        ``max_in_flight`` is 2 or more, else 0 (no cap: no queue, 0)."""
+        given = self.batch_reserve_given(index)
+        return given if given is not None else default_batch_reserve(self.max_in_flight_of(index))
+
+
+def default_batch_reserve(max_in_flight: int | None) -> int:
+    return 1 if max_in_flight is not None and max_in_flight >= 2 else 0
 
 
 # The routing policies of a model's upstreams.
@@ -110,6 +139,11 @@ ROUTING = ("least_busy", "cache_aware", "round_robin")
 ENDPOINTS = ("completions", "chat/completions", "embeddings", "responses", "messages")
 
 
+# A request's priority for upstream slots (SPEC 14): orgs and keys have one; "interactive" is the default.
+PRIORITIES = ("interactive", "batch")
+MAX_WEIGHT = 1e6  # an org's (or key's) weight is a number above 0 and at most this
+
+
 @dataclass(frozen=True)
 class OrgConfig:
     id: str
@@ -117,6 +151,8 @@ class OrgConfig:
     max_in_flight: int | None = None
     requests_per_minute: int | None = None  # admitted over any 60 s, across replicas; None: no bound
     tokens_per_minute: int | None = None  # prompt + completion tokens, reserved at admission, then settled
+    priority: str = "interactive"  # one of PRIORITIES: its keys' requests' priority, unless a key has its own
+    weight: float = 1.0  # its share of an upstream's slots while orgs wait for them (fair queues)
 
 
 @dataclass(frozen=True)
@@ -140,6 +176,20 @@ class KeyConfig:
     created_at: str | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    # SPEC 14 (None: the org's). A request authenticated as this key runs at ``priority`` ("batch": its
+    # waits for upstream slots come after every interactive request's); the Batch API's runner runs each
+    # line as ``dataclasses.replace(key, priority="batch")``. ``weight`` counts the key's requests in its
+    # org's fair share (``Gateway.claim_of``).
+    priority: str | None = None
+    weight: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchesConfig:
+    """The Batch API (``[batches]``): lines run at once by this replica, the largest file uploaded."""
+
+    max_in_flight: int = 4
+    max_file_bytes: int = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -217,6 +267,7 @@ class Config:
     health: HealthConfig = HealthConfig()
     inspector: InspectorConfig = InspectorConfig()
     tracing: TracingConfig = TracingConfig()
+    batches: BatchesConfig = BatchesConfig()
     base_dir: Path = Path(".")
     source: str = "<built-in>"
     # "server.port" -> (where its value came from: "file", "default" or a KILNPROXY__ variable, the value),

@@ -16,6 +16,7 @@ COLUMNS = (
     "id", "created_at", "org", "key_id", "model", "endpoint", "stream", "status",
     "error_code", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens",
     "cost", "duration_ms", "ttft_ms", "finish_reason", "disconnected", "requested_model", "upstream",
+    "batch_id",
 )
 
 

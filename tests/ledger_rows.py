@@ -13,7 +13,7 @@ def row(i: int) -> dict:
     values = dict.fromkeys(COLUMNS, 0)
     values.update(id=f"gen-{i:024x}", created_at="2026-11-30T10:00:00.000+00:00", org="acme", key_id="acme-key",
                   model="m", endpoint="completions", error_code=None, finish_reason="stop", requested_model="m",
-                  upstream=None)
+                  upstream=None, batch_id=None)
     return values
 
 

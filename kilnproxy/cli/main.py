@@ -209,6 +209,15 @@ def cmd_plugins(args) -> int:
     return 0
 
 
+def _upstreams_text(model, given: dict[str, int]) -> str:
+    """A model's upstreams, each capped one with its ``max_in_flight`` and ``batch_reserve`` (``given`` by a
+    model, else the default), the URL's."""
+    from ..config_types import default_batch_reserve
+    return ", ".join(url if (limit := model.max_in_flight_of(i)) is None else
+                     f"{url} (max_in_flight {limit}, batch_reserve {given.get(url, default_batch_reserve(limit))})"
+                     for i, url in enumerate(model.upstreams))
+
+
 def cmd_check_config(args) -> int:
     from ..plugins.manager import build_plugin_manager
     config = load_config(args.file)
@@ -223,17 +232,19 @@ def cmd_check_config(args) -> int:
         print(f"  storage  {redacted(config.storage.url)} (spool {config.spool_path})")
     else:
         print(f"  storage  {config.db_path}")
+    reserves = {u: r for m in config.models for i, u in enumerate(m.upstreams)
+                if (r := m.batch_reserve_given(i)) is not None}
     for m in config.models:
         if m.discover:
             alias = f" (and {m.alias} for the first)" if m.alias else ""
             print(f"  models   {m.id}<each model listed>{alias}, discovered via {', '.join(m.upstreams)},"
                   f" routing {m.routing}")
         else:
-            print(f"  model    {m.id} -> {m.upstream_model} via {', '.join(m.upstreams)}, routing {m.routing}")
+            print(f"  model    {m.id} -> {m.upstream_model} via {_upstreams_text(m, reserves)}, routing {m.routing}")
     for o in config.orgs:
         keys = sum(1 for k in config.keys if k.org == o.id)
         print(f"  org      {o.id}: {o.credits} USD, {o.max_in_flight or config.limits.max_in_flight_per_org}"
-              f" in flight, {keys} key(s)")
+              f" in flight, {o.priority}, weight {o.weight:g}, {keys} key(s)")
     print(f"  ops      metrics {'on' if config.metrics.enabled else 'off'}, access log "
           f"{'on' if config.log.access else 'off'}{' with bodies' if config.log.bodies else ''}, health checks "
           + (f"every {config.health.interval:g} s on {config.health.path}" if config.health.interval else "off")

@@ -12,7 +12,7 @@ bodies instead (``{"data": [...]}`` for a listing, the object for one).
 ``keys create`` prints the secret once; nothing else ever prints it.
 
 In an option's value, ``none`` clears a field (no limit, no expiry, the
-default ``max_in_flight``); ``--models all`` lifts a key's allow-list, and an
+default ``max_in_flight``, a key's ``priority`` or ``weight`` taken from its org); ``--models all`` lifts a key's allow-list, and an
 empty ``--models`` is refused.
 """
 
@@ -51,6 +51,7 @@ def _number(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
 
 WHOLE = _number(int, "a whole number")
 USD = _number(float, "an amount in USD")
+WEIGHT = _number(float, "a number")
 
 
 def _text_or_none(text: str) -> str | None:
@@ -83,9 +84,11 @@ def _amount(text: str) -> float:
 
 # -- the parser --------------------------------------------------------------------------------------
 
-ORG_OPTIONS = (("--max-in-flight", WHOLE), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE))
+ORG_OPTIONS = (("--max-in-flight", WHOLE), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE),
+               ("--priority", str), ("--weight", WEIGHT))
 KEY_OPTIONS = (("--name", str), ("--models", _models), ("--limit", USD), ("--limit-reset", _text_or_none),
-               ("--expires-at", _text_or_none), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE))
+               ("--expires-at", _text_or_none), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE),
+               ("--priority", _text_or_none), ("--weight", WEIGHT))
 
 
 def add_tenancy_commands(sub: Any, config_arg: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -147,8 +150,9 @@ def body_of(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
-ORG_FIELDS = ("max_in_flight", "requests_per_minute", "tokens_per_minute")
-KEY_FIELDS = ("name", "models", "limit", "limit_reset", "expires_at", "requests_per_minute", "tokens_per_minute")
+ORG_FIELDS = ("max_in_flight", "requests_per_minute", "tokens_per_minute", "priority", "weight")
+KEY_FIELDS = ("name", "models", "limit", "limit_reset", "expires_at", "requests_per_minute", "tokens_per_minute",
+              "priority", "weight")
 
 
 # -- the actions: (args, changes) -> what to print ----------------------------------------------------------

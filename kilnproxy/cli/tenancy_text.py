@@ -7,10 +7,10 @@ from typing import Any, Mapping
 
 ORG_COLUMNS = (("id", "org"), ("source", "source"), ("granted", "granted"), ("spent", "spent"),
                ("held", "held"), ("remaining", "remaining"), ("max_in_flight", "in flight"),
-               ("disabled", "disabled"))
+               ("disabled", "disabled"), ("priority", "priority"), ("weight", "weight"))
 KEY_COLUMNS = (("id", "key"), ("name", "name"), ("org", "org"), ("prefix", "prefix"), ("source", "source"),
                ("status", "status"), ("usage", "usage"), ("limit", "limit"), ("limit_reset", "reset"),
-               ("expires_at", "expires"))
+               ("expires_at", "expires"), ("priority", "priority"), ("weight", "weight"))
 
 
 def cell(value: Any) -> str:

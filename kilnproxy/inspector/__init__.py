@@ -9,13 +9,14 @@
 * ``api``: access rule, the page's files and the JSON API (docs/inspector.md);
 * ``tenancy``: the JSON side of the "Orgs & keys" page (balances, keys, grants; create, revoke, grant);
 * ``upstreams``: the JSON of the "Upstreams" page (each model's upstreams: prompt-cache hit rate and load);
+* ``batches``: the JSON side of the "Batches" page (every org's batches, their status, counts, progress);
 * ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored.
 
 ``setup_inspector(app, gateway)`` adds all of it to the gateway's app, or
 nothing when ``[inspector] enabled = false``. ``fallback_headers(path)``: the
 page's security headers, for the app's own error answers under ``/ui``.
 
-May import: ``proxy`` and everything below it; not ops, the web app or the CLI.
+May import: ``batches``, ``proxy`` and everything below them; not ops, the web app or the CLI.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from ..errors import GatewayError
 from ..proxy.gateway import Gateway
 from ..proxy.endpoints.json_routes import expect_handler
 from ..proxy.stream_writer import SSE_HEADERS, close_after_body
+from .batches import BatchesPage
 from .capture import describe, fixture_of
 from .hub import CLOSED, RESET, LiveHub, event_frame
 from .queries import MAX_LIMIT, InspectorStore, QueryError, digits
@@ -89,6 +90,7 @@ class InspectorAPI:
             web.get("/ui/api/upstreams", self.upstreams, expect_handler=expect_handler),
             web.get("/ui/api/events", self.events, expect_handler=expect_handler),
             *TenancyPage(self).routes(),
+            *BatchesPage(self).routes(),
         ]
         return [web.RouteDef(r.method, r.path, secured(r.handler), r.kwargs) for r in routes]
 

@@ -21,6 +21,7 @@ from ..proxy.gateway import GATEWAY
 from ..proxy.endpoints.json_routes import expect_handler
 from .tracing import install as tracing
 from .accesslog import AccessLog
+from .batch_metrics import BatchCollector
 from .health import HealthChecker
 from .load_poll import LoadWatch
 from .lifecycle import Shutdown
@@ -44,6 +45,7 @@ def install(app: web.Application) -> None:
     if config.metrics.enabled:
         stats = RequestStats()
         app[REGISTRY] = build_registry(gw, stats, reloads, health.failures)
+        app[REGISTRY].register(BatchCollector(app))
         app.router.add_get("/metrics", metrics, expect_handler=expect_handler)
     reloader = Reloader(gw, reloads, health, stats.observe if stats is not None else None)
     gw.row_observers = reloader.observers_for(config)

@@ -15,8 +15,8 @@ requests now; a lower one lets the requests in flight finish).
 
 Some things only change at a restart, and the running values are kept (one
 warning line names them): ``[server]`` host, port and upstream timeouts (the
-listening socket and the upstream session), ``[storage]``, ``[metrics]``
-and ``[plugins]``. Plugins are not reloaded.
+listening socket and the upstream session), ``[storage]``, ``[metrics]``,
+``[plugins]``, ``[tracing]`` and ``[batches]`` (the runner's slots). Plugins are not reloaded.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ log = logging.getLogger("kilnproxy")
 
 RESTART_ONLY_SERVER = ("host", "port", "upstream_connect_timeout", "upstream_idle_timeout",
                        "upstream_keepalive_timeout")
-RESTART_ONLY = ("storage", "metrics", "plugins", "tracing")
+RESTART_ONLY = ("storage", "metrics", "plugins", "tracing", "batches")
 
 
 class Reloader:

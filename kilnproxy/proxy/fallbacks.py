@@ -32,6 +32,7 @@ from ..call import Call, set_model
 from ..plugins.manager import BUILT_IN
 from ..store.limits import Hold
 from .upstream.affinity import affinity_key
+from .upstream.fair_queue import Claim
 from .upstream.deadlines import RequestTimedOut, deadline_of, request_deadline_passed
 from .relay.event_json import write
 from .gateway import Gateway
@@ -57,13 +58,14 @@ def open_upstream(gw: Gateway, call: Call, key: KeyConfig, route: Route, record:
                   body: dict, headers: dict[str, str] | None = None, hold_of=Hold) -> Awaitable[Opened]:
     """The first model of the chain that takes the request, with its upstream's response (to await).
     Raises what the last model tried answered (``GatewayError`` or ``UpstreamFailure``)."""
+    claim = gw.claim_of(key)  # its place in the queues for upstream slots, the same on every model of the chain
     if not route.model.fallbacks:  # a chain of one: its model's answer or failure is the request's
-        return _open_model(gw, call, route, record, body, headers)
-    return _open_chain(gw, call, key, route, record, body, headers, hold_of)
+        return _open_model(gw, call, route, record, body, headers, claim)
+    return _open_chain(gw, call, key, route, record, body, headers, hold_of, claim)
 
 
 async def _open_chain(gw: Gateway, call: Call, key: KeyConfig, route: Route, record: RequestRecord,
-                      body: dict, headers: dict[str, str] | None, hold_of) -> Opened:
+                      body: dict, headers: dict[str, str] | None, hold_of, claim: Claim) -> Opened:
     chain = [route] + [gw.routes.get(f) for f in route.model.fallbacks]
     requested = call.model, call.upstream_model, call.pricing
     problem: Exception | None = None
@@ -75,7 +77,7 @@ async def _open_chain(gw: Gateway, call: Call, key: KeyConfig, route: Route, rec
             key_pair = (route.id, model.id)
             gw.fallback_counts[key_pair] = gw.fallback_counts.get(key_pair, 0) + 1
         try:
-            opened = await _open_model(gw, call, model, record, body, headers)
+            opened = await _open_model(gw, call, model, record, body, headers, claim)
         except RequestTimedOut:
             raise  # the request's own time is up: no fallback
         except (GatewayError, UpstreamFailure) as exc:
@@ -93,7 +95,7 @@ async def _open_chain(gw: Gateway, call: Call, key: KeyConfig, route: Route, rec
 
 
 async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestRecord, body: dict,
-                      headers: dict[str, str] | None) -> Opened:
+                      headers: dict[str, str] | None, claim: Claim) -> Opened:
     model = route.model
     try:
         payload = write(body)  # orjson's bytes; the json module's for a lone surrogate escape the client sent
@@ -111,14 +113,15 @@ async def _open_model(gw: Gateway, call: Call, route: Route, record: RequestReco
     key = None if route.rendezvous is None else affinity_key(call.endpoint, body)
     if deadline is None:
         upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream, queue_deadline,
-                                                 headers, record.trace, elsewhere, record, key)
+                                                 headers, record.trace, elsewhere, record, key, claim)
         return Opened(route, upstream, resp, first, None)
     if deadline <= loop.time():  # passed already (a fallback's, by the time it is tried): no slot, no send
         raise request_deadline_passed(route.id, model.request_timeout)
     try:
         async with asyncio.timeout_at(deadline):
             upstream, resp, first = await route.open(gw.upstream_client, call.endpoint, payload, call.stream,
-                                                     queue_deadline, headers, record.trace, elsewhere, record, key)
+                                                     queue_deadline, headers, record.trace, elsewhere, record, key,
+                                                     claim)
     except TimeoutError:
         raise request_deadline_passed(route.id, model.request_timeout) from None
     return Opened(route, upstream, resp, first, deadline)
@@ -146,7 +149,8 @@ async def _switch_to(gw: Gateway, call: Call, key: KeyConfig, record: RequestRec
     if not _usable(route, key, call.endpoint):
         return False
     before = call.model, call.upstream_model, call.pricing
-    set_model(call, route.id, route.model.upstream_model, route.pricing)
+    set_model(call, route.id, route.model.upstream_model,
+              route.pricing if record.batch_id is None else route.pricing.for_batch)
     old = record.hold
     rehold = getattr(gw.admission, "rehold", None)
     if old is not None and rehold is not None:

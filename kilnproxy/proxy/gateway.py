@@ -17,7 +17,7 @@ import aiohttp
 import pluggy
 from aiohttp import web
 
-from ..config import Config
+from ..config import Config, KeyConfig
 from ..errors import PluginError
 from ..call import Call, seal
 from ..plugins.manager import Hooks, being_cancelled, call_maybe_async
@@ -27,11 +27,13 @@ from ..store.sqlite.ledger import SQLiteLedger
 from ..store.tenancy.orgs_keys import TenancyStore
 from ..store.tenancy.sql import PostgresDb, SQLiteDb
 from .tenancy.auth import KeyRing
+from .tenancy.batch_credential import BatchCredential
 from .request_observers import RequestTrace, Tap
 from .request_record import RequestRecord
-from .tenancy.key_ring import Tenants
+from .tenancy.key_ring import DEFAULT_SHARE, Tenants, org_shares
 from .upstream.routes import Route, client_session, routes_from
 from .upstream.client import UpstreamClient
+from .upstream.fair_queue import Claim
 from .upstream.responses import UpstreamResponse
 from .upstream.token_counts import UpstreamTokens
 
@@ -81,9 +83,12 @@ class Gateway:
         self.routes: dict[str, Route] = dict(routes_from(config.models, config.server))
         self.discovered: dict[str, tuple[str, ...]] = {}  # discover = true entries: their upstreams' models
         self.keys = KeyRing(config.keys)
+        self.batch_credential = BatchCredential()  # the Batch API runner's (kilnproxy.batches)
         self.disabled_orgs: frozenset[str] = frozenset()
         self.per_minute: dict[str, tuple[int | None, int | None]] = {}  # org -> (requests, tokens) per minute
         self.org_limits = {o.id: o.max_in_flight or config.limits.max_in_flight_per_org for o in config.orgs}
+        # org -> (priority, weight) for the queues of upstream slots (SPEC 14), the orgs with other than the defaults
+        self.shares: dict[str, tuple[str, float]] = org_shares(config.orgs)
         self.credits = Credits({o.id: o.credits for o in config.orgs}, {})
         if ledger is None and config.storage.url:
             from ..store.postgres.store import PostgresStore  # asyncpg is imported only when PostgreSQL is configured
@@ -216,6 +221,17 @@ class Gateway:
 
     def limit_for(self, org: str) -> int:
         return self.org_limits.get(org, self.config.limits.max_in_flight_per_org)
+
+    def claim_of(self, key: KeyConfig) -> Claim:
+        """A request's place in the queues for upstream slots (SPEC 14): its org; the key's own ``priority``
+        and ``weight``, else its org's. A key whose ``priority`` is ``"batch"`` runs at batch priority: the
+        Batch API's runner authenticates its lines as ``dataclasses.replace(key, priority="batch")``."""
+        priority, weight = self.shares.get(key.org, DEFAULT_SHARE)
+        if key.priority is not None:
+            priority = key.priority
+        if key.weight is not None:
+            weight = key.weight
+        return Claim(key.org, weight, priority == "batch")
 
     # -- usage ------------------------------------------------------------------
 

@@ -104,14 +104,21 @@ def refused_while_down(gw: Gateway, org: str, key_id: str, endpoint: str, api: A
 
 async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api) -> web.StreamResponse:
     """The request's whole path (a plain ``BaseRequest`` from the route table, or the app's ``Request``)."""
+    line = None
     try:
         key = gw.keys.authenticate(api.authorization(request))  # 401: no org, no row
     except GatewayError as err:
-        return api.error(err)
+        found = gw.batch_credential.resolve(api.authorization(request), gw.keys.by_id)  # the Batch API's runner
+        if found is None:
+            return api.error(err)
+        key, line = found
     if gw.ledger.refuses_requests:  # the store is down
         return refused_while_down(gw, key.org, key.id, endpoint, api)
-    call = open_call(new_generation_id(), key.org, key.id, endpoint, gw.plugin_settings)  # sealed before plugins
+    generation_id = new_generation_id() if line is None else line.generation_id
+    call = open_call(generation_id, key.org, key.id, endpoint, gw.plugin_settings)  # sealed before plugins
     record = RequestRecord(call)
+    if line is not None:
+        record.batch_id = line.batch_id
     trace = record.trace = None if gw.tracer is None else gw.tracer.begin(request.headers, endpoint, call)
     headers = {GENERATION_HEADER: call.generation_id}
     try:
@@ -125,7 +132,8 @@ async def handle(request: web.BaseRequest, gw: Gateway, endpoint: str, api: Api)
         route = rules.check_model(body, key, gw.routes)  # step 4
         rules.check_endpoint(route, endpoint)
         record.requested_model = route.id
-        set_model(call, route.id, route.model.upstream_model, route.pricing)
+        set_model(call, route.id, route.model.upstream_model,
+                  route.pricing if line is None else route.pricing.for_batch)
         hold = api.hold(call, record.created_at, body, route.model.context_window)
         slot = rules.take_slot(gw.admission, hold, gw.limit_for(key.org), key, gw.per_minute.get(key.org))  # step 5
         if trace is None:

@@ -42,7 +42,7 @@ class RequestRecord:
     __slots__ = ("call", "created_at", "started", "model", "status", "error_code", "usage",
                  "streamed_chunks", "finish_reason", "ttft_ms", "disconnected", "body",
                  "submitted", "committed", "tap", "responded", "hold", "requested_model", "admitted", "trace",
-                 "sent")
+                 "sent", "batch_id")
 
     def __init__(self, call: Call):
         self.call = call
@@ -66,6 +66,7 @@ class RequestRecord:
         self.admitted = 0.0  # loop time of admission (step 5), where request_timeout starts
         self.trace: RequestTrace | None = None  # this request's spans when tracing is on (Gateway.tracer)
         self.sent = False  # the body is with an upstream (``Route.open``; not one that failed): a prompt to pay for
+        self.batch_id: str | None = None  # the batch whose line this request runs (the Batch API's runner)
 
     def fail(self, status: int, code: str | None) -> None:
         self.status = status
@@ -112,6 +113,7 @@ class RequestRecord:
             "disconnected": int(self.disconnected),
             "requested_model": self.requested_model or model,
             "upstream": shown_url(call.upstream),
+            "batch_id": self.batch_id,
         }
 
 

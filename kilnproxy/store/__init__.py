@@ -5,7 +5,8 @@ Folders, one per kind of store and one for what both hold at runtime:
 * ``sqlite/``: ``SQLiteLedger``, the store of one gateway process (one file in WAL mode);
 * ``postgres/``: ``PostgresStore``, the store that several replicas share: ledger and admission,
   its versioned schema (``postgres/migrations/``), replica liveness and the spool;
-* ``tenancy/``: orgs, keys and credit grants made at runtime, on either store.
+* ``tenancy/``: orgs, keys and credit grants made at runtime, on either store;
+* ``batch_api/``: the Batch API's files, batches and their lines, on either store.
 
 Modules beside them, which both stores use:
 
@@ -20,7 +21,7 @@ Modules beside them, which both stores use:
 * ``books``: each org's spending and holds as the store has them, and the store opened by a command.
 
 Inside, each imports only what is below it (setup.cfg's ``store_layers``): ``books``, then
-``reads``, then ``postgres``, then ``sqlite`` and ``tenancy`` (neither imports the other), then
+``reads``, then ``postgres``, then ``batch_api``, then ``sqlite`` and ``tenancy`` (neither imports the other), then
 the modules above (``limits`` over ``minute_windows``).
 
 The store knows rows, not requests. May import: the kernel only.

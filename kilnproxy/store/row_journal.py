@@ -189,6 +189,7 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], list[bytes]]:
             row = None
         if isinstance(row, dict) and isinstance(row.get("id"), str):
             row.setdefault("upstream", None)  # a row journaled by a kilnproxy before the column
+            row.setdefault("batch_id", None)
             rows.append(row)
         else:
             bad.append(line)

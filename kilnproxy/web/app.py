@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
+from ..batches import install as batches
 from ..config import Config
 from ..errors import GatewayError
 from ..inspector import fallback_headers, setup_inspector
@@ -50,6 +51,7 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     app.router.add_get("/healthz", read_endpoints.healthz, expect_handler=expect_handler)
     admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
     tenancy_api.add_routes(app)  # /admin/v1: orgs, keys, grants and their events
+    batches.install(app, expect_handler)  # /v1/files, /v1/batches and the runner of batches
     setup_inspector(app, gateway)
     add_fallback(app)  # last: JSON 404/405 for whatever no route above serves
     return app

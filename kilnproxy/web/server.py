@@ -32,6 +32,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ..aiohttp_internals import site_sockets
+from ..batches.install import LISTENING
 from ..config import Config
 from ..mock_servers.mock_upstream import create_mock_app
 from .app import create_app
@@ -174,6 +175,8 @@ async def start_app(app: web.Application, host: str, port: int) -> Running:
         await runner.cleanup()
         raise
     bound = runner.addresses[0][1] if port == 0 else port
+    if LISTENING in app:
+        app[LISTENING].tell(host, bound)  # the Batch API's runner sends its lines here
     return Running(runner, host, bound)
 
 

@@ -34,12 +34,29 @@ def test_a_valid_config_prints_what_it_would_serve(tmp_path):
         f"  storage  {tmp_path / 'usage.db'}",
         "  model    test-model -> org/Test-Model-7B via http://10.0.0.7:8000/v1, http://10.0.0.8:8000/v1,"
         " routing least_busy",
-        "  org      acme: 100.0 USD, 200 in flight, 1 key(s)",
-        "  org      globex: 100.0 USD, 8 in flight, 1 key(s)",
+        "  org      acme: 100.0 USD, 200 in flight, interactive, weight 1, 1 key(s)",
+        "  org      globex: 100.0 USD, 8 in flight, interactive, weight 1, 1 key(s)",
         "  ops      metrics on, access log on with bodies, health checks every 2.5 s on /v1/models, admin token,"
         " drain 0 s, shutdown grace 12 s",
         "  maintenance on (Retry-After: Tue, 01 Dec 2026 06:00:00 GMT)",
     ]
+
+
+def test_capped_upstreams_show_their_slots_and_batch_reserve_and_orgs_their_share(tmp_path):
+    config = gateway_config(["http://10.0.0.7:8000/v1", "http://10.0.0.8:8000/v1"])
+    config["models"][0]["upstreams"] = [{"url": "http://10.0.0.7:8000/v1", "max_in_flight": 4},
+                                        {"url": "http://10.0.0.8:8000/v1", "max_in_flight": 6, "batch_reserve": 2},
+                                        "http://10.0.0.9:8000/v1"]
+    config["orgs"][1].update(priority="batch", weight=2.5)
+    path = tmp_path / "gw.toml"
+    path.write_text(toml(config))
+    out = check(path)
+    assert (out.returncode, out.stderr) == (0, "")
+    lines = out.stdout.splitlines()
+    assert ("  model    test-model -> org/Test-Model-7B via http://10.0.0.7:8000/v1 (max_in_flight 4, batch_reserve 1),"
+            " http://10.0.0.8:8000/v1 (max_in_flight 6, batch_reserve 2), http://10.0.0.9:8000/v1,"
+            " routing least_busy") in lines
+    assert "  org      globex: 100.0 USD, 8 in flight, batch, weight 2.5, 1 key(s)" in lines
 
 
 def test_the_example_config_is_valid():

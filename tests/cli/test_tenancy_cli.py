@@ -66,15 +66,17 @@ async def test_orgs_commands(config_file):
     cwd, c = config_file.parent, ("--config", str(config_file))
     made = (await kiln(cwd, "orgs", "create", "beta", "--max-in-flight", "4", "--json", *c)).json()
     assert made == {"id": "beta", "granted": 0.0, "spent": 0.0, "held": 0.0, "remaining": 0.0, "max_in_flight": 4,
-                    "disabled": False, "source": "api", "requests_per_minute": None, "tokens_per_minute": None}
+                    "disabled": False, "source": "api", "requests_per_minute": None, "tokens_per_minute": None,
+                    "priority": "interactive", "weight": 1.0}
     first = (await kiln(cwd, "orgs", "grant", "beta", "25", "--reference", "pay-1", "--json", *c)).json()
     assert (first["org"], first["amount"], first["reference"]) == ("beta", 25.0, "pay-1")
     again = await kiln(cwd, "orgs", "grant", "beta", "25", "--reference", "pay-1", *c)
     assert again.code == 0 and "already used" in again.out and first["id"] in again.out
     assert (await kiln(cwd, "orgs", "grant", "acme", "-2.5", "--reference", "fix", "--json", *c)).json()["amount"] == -2.5
     changed = (await kiln(cwd, "orgs", "update", "beta", "--disabled", "true", "--max-in-flight", "none",
-                          "--json", *c)).json()
-    assert changed == {**made, "granted": 25.0, "remaining": 25.0, "disabled": True, "max_in_flight": None}
+                          "--priority", "batch", "--weight", "2.5", "--json", *c)).json()
+    assert changed == {**made, "granted": 25.0, "remaining": 25.0, "disabled": True, "max_in_flight": None,
+                       "priority": "batch", "weight": 2.5}
     assert (await kiln(cwd, "orgs", "show", "beta", "--json", *c)).json() == changed
     listing = (await kiln(cwd, "orgs", "list", "--json", *c)).json()
     assert [(o["id"], o["source"], o["granted"]) for o in listing["data"]] == [("acme", "config", 7.5),
@@ -82,8 +84,9 @@ async def test_orgs_commands(config_file):
     table = await kiln(cwd, "orgs", "list", *c)
     assert table.code == 0
     assert table.out.splitlines()[0].split() == ["org", "source", "granted", "spent", "held", "remaining", "in",
-                                                 "flight", "disabled"]
-    assert table.out.splitlines()[2].split() == ["beta", "api", "25.0", "0.0", "0.0", "25.0", "-", "yes"]
+                                                 "flight", "disabled", "priority", "weight"]
+    assert table.out.splitlines()[2].split() == ["beta", "api", "25.0", "0.0", "0.0", "25.0", "-", "yes", "batch",
+                                                 "2.5"]
     assert [(e["kind"], e["actor"]) for e in await events(config_file)] == [
         ("org.updated", "cli"), ("grant.created", "cli"), ("grant.created", "cli"), ("org.created", "cli")]
 
@@ -101,7 +104,7 @@ async def test_keys_commands_print_the_secret_once(config_file):
                      "disabled": False, "revoked": False, "limit": 5.0, "limit_reset": "weekly", "usage": 0.0,
                      "limit_remaining": 5.0, "expires_at": "2099-01-01T00:00:00.000+00:00",
                      "created_at": shown["created_at"], "source": "api", "requests_per_minute": None,
-                     "tokens_per_minute": None}
+                     "tokens_per_minute": None, "priority": None, "weight": None}
     by_json = (await kiln(cwd, "keys", "create", "--org", "acme", "--name", "bot", "--json", *c)).json()
     assert by_json["key"].startswith("sk-") and by_json["data"]["name"] == "bot"
     updated = (await kiln(cwd, "keys", "update", key_id, "--limit", "none", "--models", "all", "--disabled", "true",
@@ -132,6 +135,11 @@ REFUSALS = [  # (arguments, what the one line says)
     (("orgs", "create", "big", "--max-in-flight", "99999999999999999999"), "--max-in-flight: `max_in_flight` must be"),
     (("orgs", "update", "beta", "--tokens-per-minute", str(2**63)), "--tokens-per-minute: `tokens_per_minute` must be"),
     (("orgs", "update", "acme", "--disabled", "maybe"), "expected true or false"),
+    (("orgs", "update", "beta", "--priority", "urgent"), "--priority: `priority` must be one of interactive, batch"),
+    (("orgs", "update", "beta", "--weight", "0"), "--weight: `weight` must be a number above 0"),
+    (("orgs", "update", "beta", "--weight", "heavy"), "expected a number"),
+    (("keys", "create", "--org", "acme", "--name", "n", "--priority", "low"), "--priority: `priority` must be one of"),
+    (("keys", "create", "--org", "acme", "--name", "n", "--weight", "-1"), "--weight: `weight` must be a number above"),
     (("orgs", "grant", "nope", "5", "--reference", "r"), "No org `nope`"),
     (("orgs", "grant", "acme", "five", "--reference", "r"), "expected an amount"),
     (("orgs", "grant", "acme", "5"), "--reference"),

@@ -105,7 +105,7 @@ def test_check_config_shows_the_values_from_the_environment_and_no_secret(tmp_pa
         f"  storage  postgresql://kiln:***@db.internal:5432/kiln?sslmode=require (spool {tmp_path}/"
         "kilnproxy-spool.db)",
         "  model    m -> m via http://127.0.0.1:9/v1, routing least_busy",
-        "  org      acme: 0.0 USD, 8 in flight, 1 key(s)",
+        "  org      acme: 0.0 USD, 8 in flight, interactive, weight 1, 1 key(s)",
         "  ops      metrics on, access log on, health checks off, admin token or loopback, drain 0 s, "
         "shutdown grace 30 s",
         '  setting  server.port = 9100 (environment: KILNPROXY__SERVER__PORT)',

@@ -22,8 +22,8 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
         page.on("dialog", lambda dialog: dialog.accept())  # the "revoke?" confirmation
         await page.goto(f"{h.url}/ui/#/orgs")
         await page.wait_for_selector('#orgs-table tr[data-org="acme"]')
-        assert (await cells(page, '#orgs-table tr[data-org="acme"]'))[:6] == [
-            "acme", "config", "$100.00", "$0.00", "$0.00", "$100.00"]
+        assert (await cells(page, '#orgs-table tr[data-org="acme"]'))[:9] == [
+            "acme", "config", "$100.00", "$0.00", "$0.00", "$100.00", "default", "interactive", "1"]
 
         await page.click('#orgs-table tr[data-org="acme"]')
         await page.wait_for_selector('#keys-table tr[data-key="acme-key"]')
@@ -40,6 +40,7 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
         await page.fill("#key-form input[name=expires_at]", "")
         await page.fill("#key-form input[name=limit]", "2")
         await page.select_option("#key-form select[name=limit_reset]", "monthly")
+        await page.select_option("#key-form select[name=priority]", "batch")
         await page.click("#key-form button[type=submit]")
         await page.wait_for_selector("#secret-box:not([hidden])")
         secret = await page.inner_text("#secret-value")
@@ -48,8 +49,9 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
         assert await page.inner_text("#secret-key-id") == key["id"]
         row = f'#keys-table tr[data-key="{key["id"]}"]'
         await page.wait_for_selector(row)
-        assert (await cells(page, row))[:8] == ["browser", key["id"], f"{secret[:8]}…", "$0.00 / $2.00", "monthly",
-                                                "–", "–", "active"]
+        assert (await cells(page, row))[:9] == ["browser", key["id"], f"{secret[:8]}…", "$0.00 / $2.00", "monthly",
+                                                "–", "–", "batch / org's", "active"]
+        assert key["priority"] == "batch"
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         await page.screenshot(path=str(ARTIFACTS / "inspector-orgs.png"), full_page=True)
 

@@ -23,7 +23,8 @@ GEN = "X-Neocloud-Generation-Id"
 def org(id, granted=0.0, spent=0.0, source="api", max_in_flight=None, disabled=False, **extra):
     return {"id": id, "granted": granted, "spent": spent, "held": 0.0, "remaining": round(granted - spent, 10),
             "max_in_flight": max_in_flight, "disabled": disabled, "source": source,
-            "requests_per_minute": None, "tokens_per_minute": None, **extra}
+            "requests_per_minute": None, "tokens_per_minute": None, "priority": "interactive", "weight": 1.0,
+            **extra}
 
 
 def key(body, **fields):
@@ -32,7 +33,7 @@ def key(body, **fields):
     base = {"id": body["id"], "name": None, "org": None, "prefix": body["prefix"], "models": None,
             "disabled": False, "revoked": False, "limit": None, "limit_reset": None, "usage": 0.0,
             "limit_remaining": None, "expires_at": None, "created_at": body["created_at"], "source": "api",
-            "requests_per_minute": None, "tokens_per_minute": None}
+            "requests_per_minute": None, "tokens_per_minute": None, "priority": None, "weight": None}
     return {**base, **fields}
 
 
@@ -49,7 +50,15 @@ async def test_orgs_are_made_listed_and_changed(any_gw):
         org("acme", 100.0, source="config"), org("beta", disabled=True, requests_per_minute=60),
         org("globex", 100.0, source="config")]})
     assert await a("GET", "/admin/v1/orgs/acme") == (200, org("acme", 100.0, source="config"))
-    status, events = await a("GET", "/admin/v1/events")
+    # priority and weight (fair queues): given at creation, changed, shown
+    assert await a("POST", "/admin/v1/orgs", {"id": "evals", "priority": "batch", "weight": 3}) == (
+        201, org("evals", priority="batch", weight=3.0))
+    assert await a("PATCH", "/admin/v1/orgs/evals", {"priority": "interactive", "weight": 0.5}) == (
+        200, org("evals", weight=0.5))
+    assert any_gw.gw.shares["evals"] == ("interactive", 0.5)  # in force before the answer
+    await a("PATCH", "/admin/v1/orgs/evals", {"weight": 1})
+    assert "evals" not in any_gw.gw.shares  # the defaults again
+    status, events = await a("GET", "/admin/v1/events?org=beta")
     assert status == 200
     assert [(e["kind"], e["org"], e["subject"], e["actor"]) for e in events["data"]] == [
         ("org.updated", "beta", "beta", "admin-api"), ("org.updated", "beta", "beta", "admin-api"),
@@ -108,8 +117,12 @@ async def test_a_key_works_at_once_and_a_revoked_key_at_once_no_more(any_gw, eve
     used = {**expected, "usage": row["cost"], "limit_remaining": round(2.0 - row["cost"], 10)}
     assert await a("GET", "/v1/key", headers=any_gw.headers(secret)) == (200, used)
     assert await a("GET", f"/admin/v1/keys/{body['id']}") == (200, used)
-    status, changed = await a("PATCH", f"/admin/v1/keys/{body['id']}", {"name": "ci-2", "limit": None})
-    assert (status, changed) == (200, {**used, "name": "ci-2", "limit": None, "limit_remaining": None})
+    status, changed = await a("PATCH", f"/admin/v1/keys/{body['id']}", {"name": "ci-2", "limit": None,
+                                                                        "priority": "batch", "weight": 2})
+    assert (status, changed) == (200, {**used, "name": "ci-2", "limit": None, "limit_remaining": None,
+                                       "priority": "batch", "weight": 2.0})
+    claim = any_gw.gw.claim_of(any_gw.gw.keys.authenticate(f"Bearer {secret}"))  # the key's own win
+    assert (claim.org, claim.weight, claim.batch) == ("acme", 2.0, True)
     status, listing = await a("GET", "/admin/v1/keys?org=acme")
     assert status == 200 and [k["id"] for k in listing["data"]] == ["acme-key", body["id"]]
     assert listing["data"][1] == changed
@@ -143,7 +156,7 @@ async def test_get_v1_key_answers_a_config_key(gw):
         "id": "acme-key", "name": "acme-key", "org": "acme", "prefix": KEY[:8], "models": None,
         "disabled": False, "revoked": False, "limit": None, "limit_reset": None, "usage": 0.0,
         "limit_remaining": None, "expires_at": None, "created_at": None, "source": "config",
-        "requests_per_minute": None, "tokens_per_minute": None})
+        "requests_per_minute": None, "tokens_per_minute": None, "priority": None, "weight": None})
     assert (await api(gw)("GET", "/v1/key", headers=gw.headers("sk-nobody")))[0] == 401
 
 
@@ -163,6 +176,18 @@ BAD_BODIES = [  # (method, path, body or raw bytes, status, code, param)
     ("POST", "/admin/v1/orgs", {"id": "x", "requests_per_minute": 2**63}, 400, "invalid_request",
      "requests_per_minute"),
     ("PATCH", "/admin/v1/orgs/beta", {"tokens_per_minute": 2**64 - 1}, 400, "invalid_request", "tokens_per_minute"),
+    ("POST", "/admin/v1/orgs", {"id": "x", "priority": "urgent"}, 400, "invalid_request", "priority"),
+    ("POST", "/admin/v1/orgs", {"id": "x", "weight": 0}, 400, "invalid_request", "weight"),
+    ("PATCH", "/admin/v1/orgs/beta", {"priority": None}, 400, "invalid_request", "priority"),
+    ("PATCH", "/admin/v1/orgs/beta", {"weight": None}, 400, "invalid_request", "weight"),
+    ("PATCH", "/admin/v1/orgs/beta", {"weight": -2}, 400, "invalid_request", "weight"),
+    ("PATCH", "/admin/v1/orgs/beta", {"weight": "2"}, 400, "invalid_request", "weight"),
+    ("PATCH", "/admin/v1/orgs/beta", {"weight": True}, 400, "invalid_request", "weight"),
+    ("PATCH", "/admin/v1/orgs/beta", {"weight": 1e7}, 400, "invalid_request", "weight"),
+    ("PATCH", "/admin/v1/orgs/beta", b'{"weight": 1e999}', 400, "invalid_request", "weight"),
+    ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "priority": "high"}, 400, "invalid_request", "priority"),
+    ("PATCH", "/admin/v1/keys/{key}", {"priority": 1}, 400, "invalid_request", "priority"),
+    ("PATCH", "/admin/v1/keys/{key}", {"weight": 0}, 400, "invalid_request", "weight"),
     ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "requests_per_minute": 2**64 - 1}, 400,
      "invalid_request", "requests_per_minute"),
     ("PATCH", "/admin/v1/keys/{key}", {"tokens_per_minute": 2**63}, 400, "invalid_request", "tokens_per_minute"),

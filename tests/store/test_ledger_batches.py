@@ -17,7 +17,8 @@ def row(i: int) -> dict:
             "key_id": "acme-key", "model": "m", "endpoint": "completions", "stream": i % 2, "status": 200,
             "error_code": None if i % 3 else "upstream_error", "prompt_tokens": i, "completion_tokens": 2 * i,
             "cached_tokens": 0, "total_tokens": 3 * i, "cost": i / 1e6, "duration_ms": 1.5, "ttft_ms": None,
-            "finish_reason": "length", "disconnected": 0, "requested_model": "m", "upstream": None}
+            "finish_reason": "length", "disconnected": 0, "requested_model": "m", "upstream": None,
+            "batch_id": None}
 
 
 @pytest.mark.parametrize("n", [1, 2, ROWS_PER_INSERT, ROWS_PER_INSERT + 1, 3 * ROWS_PER_INSERT + 7])

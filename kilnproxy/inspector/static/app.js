@@ -163,6 +163,10 @@ function readFilters() {
 
 // -- one request -------------------------------------------------------------------
 
+function batchFact(batchId) {  // a Batch API line's row: its batch, on the Batches page
+  const link = el("a", { href: `#/batches/${encodeURIComponent(batchId)}`, text: batchId });
+  return el("div", {}, el("dt", { text: "batch" }), el("dd", {}, link));
+}
 function fact(name, value) { return el("div", {}, el("dt", { text: name }), el("dd", { text: value })); }
 
 function eventList(list, events) {
@@ -189,6 +193,7 @@ async function showDetail(id) {
     facts.push(fact("time", new Date(row.created_at).toLocaleString()), fact("org", row.org),
       fact("model", row.model || "–"), fact("endpoint", row.endpoint + (row.stream ? " (stream)" : "")),
       fact("upstream", row.upstream || "–"),
+      ...(row.batch_id ? [batchFact(row.batch_id)] : []),
       fact("status", `${row.status}${row.error_code ? " " + row.error_code : ""}`),
       fact("tokens in / out", `${row.prompt_tokens} / ${row.completion_tokens}`),
       fact("cached tokens", String(row.cached_tokens)), fact("cost", usd(row.cost)),
@@ -291,15 +296,16 @@ function drawChart(name, labels, datasets) {
 async function route() {
   const hash = location.hash || "#/requests";
   const detail = hash.match(/^#\/requests\/(.+)$/);
-  const view = detail ? "detail" : ["usage", "orgs", "upstreams"].find((v) => hash.startsWith(`#/${v}`)) || "requests";
-  for (const v of ["requests", "detail", "usage", "orgs", "upstreams"]) $(`view-${v}`).hidden = v !== view;
+  const view = detail ? "detail" : ["usage", "orgs", "upstreams", "batches"].find((v) => hash.startsWith(`#/${v}`)) || "requests";
+  for (const v of ["requests", "detail", "usage", "orgs", "upstreams", "batches"]) $(`view-${v}`).hidden = v !== view;
   $("tab-requests").classList.toggle("active", view === "requests" || view === "detail");
-  for (const v of ["usage", "orgs", "upstreams"]) $(`tab-${v}`).classList.toggle("active", view === v);
+  for (const v of ["usage", "orgs", "upstreams", "batches"]) $(`tab-${v}`).classList.toggle("active", view === v);
   try {
     if (detail) await showDetail(decodeURIComponent(detail[1]));
     else if (view === "usage") await loadUsage();
     else if (view === "orgs") await showOrgs(hash);
     else if (view === "upstreams") await showUpstreams();
+    else if (view === "batches") await showBatches(hash);
   } catch (err) {
     $("detail-title").textContent = String(err.message || err);
   }

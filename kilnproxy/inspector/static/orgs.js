@@ -34,6 +34,7 @@ async function loadOrgs() {
       el("td", { class: "num held", text: money(o.held) }),
       el("td", { class: `num remaining ${o.remaining <= 0 ? "s-err" : ""}`, text: money(o.remaining) }),
       el("td", { class: "num", text: o.max_in_flight === null ? "default" : String(o.max_in_flight) }),
+      el("td", { class: "priority", text: o.priority }), el("td", { class: "num weight", text: String(o.weight) }),
       el("td", { text: o.disabled ? "disabled" : "active", class: o.disabled ? "s-err" : "s-ok" }));
     tr.addEventListener("click", () => { location.hash = `#/orgs/${encodeURIComponent(o.id)}`; });
     return tr;
@@ -66,6 +67,12 @@ function usageCell(k) {
   return td;
 }
 
+function shareCell(k) {  // the key's own priority and weight, or its org's (null)
+  const priority = k.priority === null ? "org's" : k.priority;
+  const weight = k.weight === null ? "org's" : String(k.weight);
+  return el("td", { class: "share", text: `${priority} / ${weight}` });
+}
+
 async function loadKeys() {
   const keys = (await api("/ui/api/keys", { org: orgsState.org })).data;
   $("keys-table").tBodies[0].replaceChildren(...keys.map((k) => {
@@ -80,7 +87,8 @@ async function loadKeys() {
     return el("tr", { "data-key": k.id },
       textCell(k.name), el("td", { text: k.id }), el("td", { text: k.prefix ? `${k.prefix}…` : "–" }),
       usageCell(k), el("td", { text: k.limit_reset || "never" }), el("td", { text: day(k.expires_at) }),
-      el("td", { class: "last-used", text: day(k.last_used) }), el("td", { class: `state ${cls}`, text: state }), action);
+      el("td", { class: "last-used", text: day(k.last_used) }), shareCell(k),
+      el("td", { class: `state ${cls}`, text: state }), action);
   }));
 }
 
@@ -103,6 +111,7 @@ async function createKey(event) {
   if (form.get("limit")) body.limit = Number(form.get("limit"));
   if (form.get("limit_reset")) body.limit_reset = form.get("limit_reset");
   if (form.get("expires_at").trim()) body.expires_at = form.get("expires_at").trim();
+  if (form.get("priority")) body.priority = form.get("priority");
   if (form.get("models").trim()) body.models = form.get("models").split(",").map((m) => m.trim()).filter(Boolean);
   await change(async () => {
     const made = await api("/ui/api/keys", {}, "POST", body);

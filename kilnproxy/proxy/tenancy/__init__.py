@@ -1,6 +1,8 @@
 """The tenancy: who may call the gateway, and the orgs and keys it serves.
 
 * ``auth``: ``KeyRing``, an API key (``Authorization: Bearer``, or ``x-api-key``) to its key entry;
+* ``batch_credential``: ``BatchCredential``, the credential of this process's Batch API runner, resolved
+  to the batch's key at batch priority;
 * ``key_ring``: ``Tenants``, the config's and the store's orgs and keys, merged in memory;
 * ``views``: the org and key objects of the admin API, ``GET /v1/key`` and the ``orgs`` / ``keys``
   commands;

@@ -17,6 +17,7 @@ class KeyRing:
 
     def __init__(self, keys: tuple[KeyConfig, ...]):
         self._by_digest = {k.key_sha256: k for k in keys}
+        self._by_id = {k.id: k for k in keys}
         self._by_token: dict[bytes, KeyConfig] = {}  # tokens already matched: one per key at most
 
     def authenticate(self, header: str | None) -> KeyConfig:
@@ -34,6 +35,13 @@ class KeyRing:
             self._by_token[token] = key
         if key.expires_at is not None and key.expires_at <= time.time():
             raise invalid_api_key()  # like an unknown key: no org charged, no row
+        return key
+
+    def by_id(self, key_id: str) -> KeyConfig | None:
+        """The key of id ``key_id`` (None: revoked, expired, or never known), for the Batch API's runner."""
+        key = self._by_id.get(key_id)
+        if key is None or (key.expires_at is not None and key.expires_at <= time.time()):
+            return None
         return key
 
 

@@ -6,7 +6,8 @@ by the admin API before it answers), the store's snapshot is merged with the
 config and swapped in at once (``apply``): ``gw.keys`` (config keys and
 runtime keys not revoked), ``gw.credits.granted`` (the config's ``credits``
 plus the grants), ``gw.org_limits``, ``gw.per_minute`` (the orgs' requests and tokens per
-minute) and ``gw.disabled_orgs``. Nothing is
+minute), ``gw.shares`` (the orgs' ``priority`` and ``weight``, SPEC 14) and
+``gw.disabled_orgs``. Nothing is
 awaited during the swap, so no request sees half of a change; requests already
 admitted go on.
 
@@ -21,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import datetime
-from typing import Any
+from typing import Any, Iterable
 
-from ...config import Config, KeyConfig
+from ...config import Config, KeyConfig, OrgConfig
 from ...errors import ConfigError
 from ...store.tenancy.key_usage import period_start
 from ...store.tenancy.orgs_keys import TenancySnapshot, TenancyStore
@@ -31,6 +32,13 @@ from ...store.tenancy.watch import ChangeWatch
 from .auth import KeyRing
 
 log = logging.getLogger("kilnproxy.tenancy")
+
+DEFAULT_SHARE = ("interactive", 1.0)  # an org's (priority, weight) unless it has its own
+
+
+def org_shares(orgs: Iterable[OrgConfig]) -> dict[str, tuple[str, float]]:
+    """The config's orgs' (priority, weight), those other than ``DEFAULT_SHARE`` only."""
+    return {o.id: share for o in orgs if (share := (o.priority, o.weight)) != DEFAULT_SHARE}
 
 
 class Tenants:
@@ -110,10 +118,13 @@ class Tenants:
         granted = {o.id: o.credits for o in config.orgs}
         limits = {o.id: o.max_in_flight or default for o in config.orgs}
         per_minute = {o.id: (o.requests_per_minute, o.tokens_per_minute) for o in config.orgs}
+        shares = org_shares(config.orgs)
         for org in snap.orgs.values():
             granted.setdefault(org["id"], 0.0)
             limits[org["id"]] = org["max_in_flight"] or default
             per_minute[org["id"]] = (org["requests_per_minute"], org["tokens_per_minute"])
+            if (share := (org["priority"], org["weight"])) != DEFAULT_SHARE:
+                shares[org["id"]] = share
         for org, amount in snap.granted.items():
             granted[org] = granted.get(org, 0.0) + amount
         gw = self.gw
@@ -121,6 +132,7 @@ class Tenants:
         gw.credits.granted = granted
         gw.org_limits = limits
         gw.per_minute = {org: bounds for org, bounds in per_minute.items() if bounds != (None, None)}
+        gw.shares = shares
         gw.disabled_orgs = frozenset(o["id"] for o in snap.orgs.values() if o["disabled"])
         self.runtime_keys = runtime
 
@@ -132,7 +144,8 @@ class Tenants:
                          models=None if models is None else tuple(models), disabled=row["disabled"],
                          prefix=row["prefix"], name=row["name"], source="api", expires_at=self._expiry(row),
                          limit=row["limit"], limit_reset=row["limit_reset"], created_at=row["created_at"],
-                         requests_per_minute=row["requests_per_minute"], tokens_per_minute=row["tokens_per_minute"])
+                         requests_per_minute=row["requests_per_minute"], tokens_per_minute=row["tokens_per_minute"],
+                         priority=row["priority"], weight=row["weight"])
 
     def _expiry(self, row: dict[str, Any]) -> float | None:
         """The key's ``expires_at`` as a POSIX time. A text that cannot be read (a store written by an

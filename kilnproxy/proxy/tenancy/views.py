@@ -4,10 +4,10 @@ One shape for both sources: orgs and keys of the config (``"source": "config"``)
 and those made at runtime (``"source": "api"``)::
 
     org: {"id", "granted", "spent", "held", "remaining", "max_in_flight", "disabled", "source",
-          "requests_per_minute", "tokens_per_minute"}
+          "requests_per_minute", "tokens_per_minute", "priority", "weight"}
     key: {"id", "name", "org", "prefix", "models", "disabled", "revoked", "limit", "limit_reset",
           "usage", "limit_remaining", "expires_at", "created_at", "source",
-          "requests_per_minute", "tokens_per_minute"}
+          "requests_per_minute", "tokens_per_minute", "priority", "weight"}
 
 USD amounts are rounded as the usage rows' costs are (``usage.round_usd``).
 ``granted`` is the config's ``credits`` plus the org's grants; ``remaining`` =
@@ -19,7 +19,8 @@ setting, null when it takes ``[limits] max_in_flight_per_org``. A key's
 ``limit`` − ``usage``, null without a limit. ``prefix`` is the secret's first
 8 characters, null for a config key the config gives by its hash only. A
 config key has no USD limit, no expiry and no ``created_at``; its ``name`` is its
-id. The secret is in none of them.
+id. An org's ``priority`` and ``weight`` (SPEC 14) are always given; a key's are
+null when it takes its org's. The secret is in none of them.
 
 ``org_object`` and ``key_object`` are pure functions of rows and numbers;
 ``TenancyView`` gathers the rows and numbers for them, from the config and the
@@ -38,9 +39,10 @@ from ...store.tenancy.validation import storable
 from ...usage import round_usd
 
 ORG_FIELDS = ("id", "granted", "spent", "held", "remaining", "max_in_flight", "disabled", "source",
-              "requests_per_minute", "tokens_per_minute")
+              "requests_per_minute", "tokens_per_minute", "priority", "weight")
 KEY_FIELDS = ("id", "name", "org", "prefix", "models", "disabled", "revoked", "limit", "limit_reset", "usage",
-              "limit_remaining", "expires_at", "created_at", "source", "requests_per_minute", "tokens_per_minute")
+              "limit_remaining", "expires_at", "created_at", "source", "requests_per_minute", "tokens_per_minute",
+              "priority", "weight")
 SINCE_EVER = ""  # a period start below every ISO-8601 time: a config key's usage counts every row
 
 
@@ -50,7 +52,7 @@ def config_org_row(org: OrgConfig) -> dict[str, Any]:
     """A config org in the shape of a runtime org's row."""
     return {"id": org.id, "max_in_flight": org.max_in_flight, "disabled": False,
             "requests_per_minute": org.requests_per_minute, "tokens_per_minute": org.tokens_per_minute,
-            "source": "config"}
+            "priority": org.priority, "weight": org.weight, "source": "config"}
 
 
 def config_key_row(key: KeyConfig) -> dict[str, Any]:
@@ -59,7 +61,7 @@ def config_key_row(key: KeyConfig) -> dict[str, Any]:
             "models": None if key.models is None else list(key.models), "disabled": key.disabled,
             "revoked": False, "limit": None, "limit_reset": None, "expires_at": None, "created_at": None,
             "requests_per_minute": key.requests_per_minute, "tokens_per_minute": key.tokens_per_minute,
-            "source": "config"}
+            "priority": key.priority, "weight": key.weight, "source": "config"}
 
 
 def org_object(row: Mapping[str, Any], granted: float, spent: float, held: float) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 * ``routes``: ``Route``, a model's upstreams: routing (least_busy, round_robin, cache_aware), failover and marking down, and sending a
   request on a slot;
 * ``slots``: each upstream's ``max_in_flight`` slots and the queue of requests waiting for one;
+* ``fair_queue``: that queue's order (SPEC 14): a request's ``Claim`` (org, weight, priority), weighted
+  round robin between orgs, first come, first served within one;
 * ``deadlines``: a model's ``first_byte_timeout`` (fail over) and ``request_timeout`` (give up);
 * ``client``: the gateway's HTTP/1.1 client for the model servers' POSTs;
 * ``connections``: its kept-alive connections, one pool per origin;

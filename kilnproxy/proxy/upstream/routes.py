@@ -36,6 +36,7 @@ import aiohttp
 import orjson
 
 from ...config import ModelConfig, ServerConfig
+from ...config_types import default_batch_reserve
 from ...errors import GatewayError, UpstreamFailure, no_backend_available
 from .affinity import Rendezvous, choose
 from .deadlines import first_byte_missed
@@ -44,6 +45,7 @@ from .connections import UpstreamBadResponse
 from .responses import UpstreamResponse
 from ..request_observers import RequestTrace
 from ..request_record import RequestRecord
+from .fair_queue import INTERACTIVE, Claim
 from .slots import NoUpstreamUp, SlotPool, UpstreamBusy, anyone_waiting, take_slot, upstream_busy
 
 # Statuses that say the server, not the request, is in trouble: skip to the next replica and count
@@ -130,7 +132,8 @@ class Route:
         self.endpoints = frozenset(model.endpoints)
         pools = {} if pools is None else pools
         self.upstreams = [Upstream(u, server.upstream_max_failures, server.upstream_down_seconds,
-                                   pools.setdefault(u, SlotPool(u, model.max_in_flight_of(i))))
+                                   pools.setdefault(u, SlotPool(u, model.max_in_flight_of(i),
+                                                                model.batch_reserve_of(i))))
                           for i, u in enumerate(model.upstreams)]
         self.headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if model.upstream_api_key_env:
@@ -199,7 +202,7 @@ class Route:
     async def open(self, client: UpstreamClient, endpoint: str, body: bytes, stream: bool = False,
                    queue_deadline: float | None = None, headers: Mapping[str, str] | None = None,
                    trace: RequestTrace | None = None, elsewhere: int | None = None, record: RequestRecord | None = None,
-                   key: int | None = None) -> tuple[Upstream, UpstreamResponse, bytes | None]:
+                   key: int | None = None, claim: Claim = INTERACTIVE) -> tuple[Upstream, UpstreamResponse, bytes | None]:
         """Send ``body`` (with ``headers`` besides the route's own, which win) on a slot of one of the
         upstreams; returns the upstream, its response and, when the model has a ``first_byte_timeout``
         and the answer is a stream, its first bytes (else None). The caller must release the response
@@ -208,7 +211,8 @@ class Route:
         to another upstream of the model (a Responses follow-up's 404: this one does not hold the response).
         ``record`` (a ``RequestRecord``): its ``sent`` is true while the body is with an upstream whose
         answer is awaited or returned (not one given up on). ``key``: the request's affinity key
-        (``cache_aware``), the same for each attempt, so a failed one moves on along the key's order."""
+        (``cache_aware``), the same for each attempt, so a failed one moves on along the key's order. ``claim``:
+        the request's org, weight and priority, its place in a queue for slots (``fair_queue``)."""
         tried: list[Upstream] = []
         problem: Exception | None = None
         while True:
@@ -216,11 +220,11 @@ class Route:
             if not candidates:
                 raise problem or no_backend_available(self.id)
             pool = candidates[0].slots if len(candidates) == 1 else None
-            if pool is not None and pool.refusal is None and pool.free():  # what take_slot does first, in line
+            if pool is not None and pool.refusal is None and pool.open_to(claim):  # what take_slot does first, in line
                 pool.take()
             else:
                 try:
-                    pool = await take_slot([u.slots for u in candidates], queue_deadline, self._usable)
+                    pool = await take_slot([u.slots for u in candidates], queue_deadline, self._usable, claim)
                 except UpstreamBusy:
                     raise problem or upstream_busy(self.id, self.model.queue_timeout) from None
                 except NoUpstreamUp:  # each marked down while it waited: no_backend_available, unless one is back
@@ -331,10 +335,11 @@ def routes_from(models: tuple[ModelConfig, ...], server: ServerConfig,
     upstreams answered no list."""
     routes: dict[str, Route] = {}
     pools: dict[str, SlotPool] = {}  # models listing the same upstream URL share its slots
+    reserves = {u: r for m in models for i, u in enumerate(m.upstreams) if (r := m.batch_reserve_given(i)) is not None}
     for m in models:  # the cap is the URL's, whichever model gives it (config refuses two different caps)
         for i, u in enumerate(m.upstreams):
-            if (limit := m.max_in_flight_of(i)) is not None:
-                pools.setdefault(u, SlotPool(u, limit))
+            if (limit := m.max_in_flight_of(i)) is not None:  # batch_reserve too: the one given, else the default
+                pools.setdefault(u, SlotPool(u, limit, reserves.get(u, default_batch_reserve(limit))))
     for m in models:
         if not m.discover:
             routes[m.id] = Route(m, server, pools)
@@ -358,7 +363,7 @@ def carry_over(old: dict[str, Route], new: dict[str, Route]) -> dict[str, Route]
     for route in new.values():
         for i, fresh in enumerate(route.upstreams):
             if (other := by_url.get(fresh.base_url)) is not None and fresh.slots is not other.slots:
-                other.slots.set_limit(fresh.slots.limit)
+                other.slots.set_limit(fresh.slots.limit, fresh.slots.reserve)
                 fresh.slots = other.slots
             known = by_pair.get((route.id, fresh.base_url))
             if known is not None:

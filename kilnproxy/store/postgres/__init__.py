@@ -17,7 +17,7 @@
   (``migrate``), with version 1 in full;
 * ``migrations/``: versions 2 to 10, one module each.
 
-May import: ``sqlite`` (the spool's file: its table and INSERT), ``tenancy`` (its tables, in a
-migration), the store's root modules and the kernel; not ``books`` or ``reads`` (setup.cfg's
+May import: ``sqlite`` (the spool's file: its table and INSERT), ``tenancy`` and ``batch_api`` (their
+tables, in a migration), the store's root modules and the kernel; not ``books`` or ``reads`` (setup.cfg's
 store_layers).
 """

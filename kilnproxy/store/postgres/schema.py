@@ -38,7 +38,10 @@ per-minute window's tokens as a NUMERIC, which a bound near the largest BIGINT n
 version 10 (``kilnproxy.store.postgres.migrations.v10``) has ``kiln_reap`` lock the per-minute entries it updates in
 the order of their ids as well, so that a reap never waits for an admission or a settlement on them
 while holding one they need; version 11 (``kilnproxy.store.postgres.migrations.v11``) adds the
-usage row's ``upstream``, which ``kiln_settle`` keeps.
+usage row's ``upstream``, which ``kiln_settle`` keeps; version 12
+(``kilnproxy.store.postgres.migrations.v12``) the runtime orgs' and keys' ``priority`` and ``weight``;
+version 13 (``kilnproxy.store.postgres.migrations.v13``) the Batch API's tables and the usage row's
+``batch_id``, which ``kiln_settle`` keeps.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from .migrations.v8 import V8
 from .migrations.v9 import V9
 from .migrations.v10 import V10
 from .migrations.v11 import V11
+from .migrations.v12 import V12
+from .migrations.v13 import V13
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -238,7 +243,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13)
 
 
 async def migrate(conn) -> int:

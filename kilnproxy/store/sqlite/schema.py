@@ -37,17 +37,20 @@ CREATE TABLE IF NOT EXISTS usage_events (
     finish_reason TEXT,
     disconnected INTEGER NOT NULL DEFAULT 0,
     requested_model TEXT,
-    upstream TEXT
+    upstream TEXT,
+    batch_id TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_events_org_created ON usage_events (org, created_at);
 """
 
 # Columns added since the first release: a file made before gets them when it is opened, filled in
 # from the row's other columns (``requested_model``: rows from before fallbacks existed were served by
-# the model asked for; ``upstream``: not known, NULL, which the column holds once added: no row is written).
+# the model asked for; ``upstream``: not known, NULL, which the column holds once added: no row is written;
+# ``batch_id``: NULL, no Batch API line ran before it).
 ADDED_COLUMNS = (  # (name, how it is added, what an older row holds in it)
     ("requested_model", "ALTER TABLE usage_events ADD COLUMN requested_model TEXT", "model"),
     ("upstream", "ALTER TABLE usage_events ADD COLUMN upstream TEXT", "NULL"),
+    ("batch_id", "ALTER TABLE usage_events ADD COLUMN batch_id TEXT", "NULL"),
 )
 
 # The table keeps the indexes of the gateway's own reads: the id's (a generation looked up, a row written

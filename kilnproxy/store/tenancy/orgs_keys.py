@@ -42,15 +42,15 @@ from ...usage import round_usd
 from .key_usage import usage_by_key
 from .validation import iso_utc
 
-ORG_COLUMNS = "id, max_in_flight, disabled, requests_per_minute, tokens_per_minute, created_at"
+ORG_COLUMNS = "id, max_in_flight, disabled, requests_per_minute, tokens_per_minute, priority, weight, created_at"
 KEY_COLUMNS = ('id, prefix, name, org, models, "limit", limit_reset, expires_at, disabled, revoked_at, '
-               'requests_per_minute, tokens_per_minute, created_at')
+               'requests_per_minute, tokens_per_minute, priority, weight, created_at')
 GRANT_COLUMNS = "id, org, amount, reference, created_at"
 EVENT_COLUMNS = "id, at, kind, org, subject, actor, detail"
 
-ORG_SETTABLE = ("max_in_flight", "disabled", "requests_per_minute", "tokens_per_minute")
+ORG_SETTABLE = ("max_in_flight", "disabled", "requests_per_minute", "tokens_per_minute", "priority", "weight")
 KEY_SETTABLE = ("name", "models", "limit", "limit_reset", "expires_at", "disabled",
-                "requests_per_minute", "tokens_per_minute")
+                "requests_per_minute", "tokens_per_minute", "priority", "weight")
 
 BUMP = "UPDATE kiln_version SET version = version + 1 WHERE id = 1 RETURNING version"
 INSERT_EVENT = f"INSERT INTO kiln_audit ({EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -105,17 +105,21 @@ class TenancyStore:
         return iso_utc(self.clock())
 
     async def create_org(self, id: str, max_in_flight: int | None = None, requests_per_minute: int | None = None,
-                         tokens_per_minute: int | None = None, *, actor: str | None = None) -> dict[str, Any]:
-        """A new org; 409 ``conflict`` if a runtime org has that id (the caller checks the config's)."""
+                         tokens_per_minute: int | None = None, priority: str | None = None,
+                         weight: float | None = None, *, actor: str | None = None) -> dict[str, Any]:
+        """A new org (``priority`` None: interactive; ``weight`` None: 1); 409 ``conflict`` if a runtime org
+        has that id (the caller checks the config's)."""
+        priority = priority or "interactive"
+        weight = 1.0 if weight is None else float(weight)
         values = {"max_in_flight": max_in_flight, "requests_per_minute": requests_per_minute,
-                  "tokens_per_minute": tokens_per_minute}
+                  "tokens_per_minute": tokens_per_minute, "priority": priority, "weight": weight}
         try:
             async with self.db.transaction() as tx:
                 version = await tx.fetchval(BUMP)
                 row = await tx.fetchrow(
-                    f"INSERT INTO kiln_runtime_orgs ({ORG_COLUMNS}) VALUES (?, ?, 0, ?, ?, ?) "
+                    f"INSERT INTO kiln_runtime_orgs ({ORG_COLUMNS}) VALUES (?, ?, 0, ?, ?, ?, ?, ?) "
                     f"ON CONFLICT (id) DO NOTHING RETURNING {ORG_COLUMNS}",
-                    id, max_in_flight, requests_per_minute, tokens_per_minute, self._stamp())
+                    id, max_in_flight, requests_per_minute, tokens_per_minute, priority, weight, self._stamp())
                 if row is None:
                     raise _Unchanged(None)
                 await self._event(tx, version, "org.created", id, id, values, actor)
@@ -179,22 +183,23 @@ class TenancyStore:
 
     async def create_key(self, org: str, name: str, models: list[str] | None = None, limit: float | None = None,
                          limit_reset: str | None = None, expires_at: str | None = None,
-                         requests_per_minute: int | None = None, tokens_per_minute: int | None = None, *,
+                         requests_per_minute: int | None = None, tokens_per_minute: int | None = None,
+                         priority: str | None = None, weight: float | None = None, *,
                          actor: str | None = None) -> tuple[str, dict[str, Any]]:
         """A new key of ``org``: ``(secret, key)``. The secret is in this answer only."""
         secret = new_secret()
         key_id = "key_" + secrets.token_hex(8)
         fields = {"name": name, "models": models, "limit": limit, "limit_reset": limit_reset,
                   "expires_at": expires_at, "requests_per_minute": requests_per_minute,
-                  "tokens_per_minute": tokens_per_minute}
+                  "tokens_per_minute": tokens_per_minute, "priority": priority, "weight": weight}
         async with self.db.transaction() as tx:
             version = await tx.fetchval(BUMP)
             row = await tx.fetchrow(
-                f"INSERT INTO kiln_keys (sha256, {KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?) "
+                f"INSERT INTO kiln_keys (sha256, {KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?, ?, ?) "
                 f"RETURNING {KEY_COLUMNS}",
                 sha256_hex(secret), key_id, secret[:8], name, org, _stored("models", models),
                 None if limit is None else float(limit), limit_reset, expires_at, requests_per_minute,
-                tokens_per_minute, self._stamp())
+                tokens_per_minute, priority, None if weight is None else float(weight), self._stamp())
             await self._event(tx, version, "key.created", org, key_id, {"prefix": secret[:8], **fields}, actor)
         return secret, _key(row)
 
@@ -291,13 +296,14 @@ class TenancyStore:
 
 
 def _org(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {**row, "disabled": bool(row["disabled"])}
+    return {**row, "disabled": bool(row["disabled"]), "weight": float(row["weight"])}
 
 
 def _key(row: Mapping[str, Any]) -> dict[str, Any]:
-    models = row["models"]
+    models, weight = row["models"], row["weight"]
     return {**row, "models": None if models is None else orjson.loads(models),
-            "disabled": bool(row["disabled"]), "revoked": row["revoked_at"] is not None}
+            "disabled": bool(row["disabled"]), "revoked": row["revoked_at"] is not None,
+            "weight": None if weight is None else float(weight)}
 
 
 def _stored(name: str, value: Any) -> Any:
@@ -306,6 +312,6 @@ def _stored(name: str, value: Any) -> Any:
         return int(value)
     if name == "models":
         return None if value is None else orjson.dumps(value).decode()
-    if name == "limit" and value is not None:
+    if name in ("limit", "weight") and value is not None:
         return float(value)
     return value

@@ -19,7 +19,8 @@ answer rows as plain dicts and open transactions the same way:
 The SQLite schema is versioned by the file's ``PRAGMA user_version``:
 ``SQLITE_MIGRATIONS[n]`` takes the file from version ``n`` to ``n + 1``. Its
 first entry is the tenancy tables, which the file of an existing gateway (its
-``usage_events`` only, user_version 0) takes at start-up. ``migrate_sqlite``
+``usage_events`` only, user_version 0) takes at start-up; its second, the orgs' and
+keys' ``priority`` and ``weight`` (``TENANCY_SHARES``). ``migrate_sqlite``
 takes a *synchronous* ``sqlite3`` connection: the ledger calls it from the
 thread where it prepares the file (``asyncio.to_thread``), after creating
 ``usage_events``; an aiosqlite connection is never used for it.
@@ -104,9 +105,20 @@ INSERT INTO kiln_version (id, version) VALUES (1, 0);
 CREATE INDEX usage_events_key_created ON usage_events (key_id, created_at);
 """
 
-_SQLITE_V1 = TENANCY_TABLES
+# SPEC 14: an org's and a key's ``priority`` and ``weight`` (a key's NULL: its org's), one text for both
+# stores (SQLite's second version, PostgreSQL's version 12).
+TENANCY_SHARES = """
+ALTER TABLE kiln_runtime_orgs ADD COLUMN priority TEXT NOT NULL DEFAULT 'interactive'
+    CHECK (priority IN ('interactive', 'batch'));
+ALTER TABLE kiln_runtime_orgs ADD COLUMN weight DOUBLE PRECISION NOT NULL DEFAULT 1.0 CHECK (weight > 0);
+ALTER TABLE kiln_keys ADD COLUMN priority TEXT CHECK (priority IN ('interactive', 'batch'));
+ALTER TABLE kiln_keys ADD COLUMN weight DOUBLE PRECISION CHECK (weight > 0);
+"""
 
-SQLITE_MIGRATIONS: tuple[str, ...] = (_SQLITE_V1,)
+_SQLITE_V1 = TENANCY_TABLES
+_SQLITE_V2 = TENANCY_SHARES
+
+SQLITE_MIGRATIONS: tuple[str, ...] = (_SQLITE_V1, _SQLITE_V2)
 
 
 def migrate_sqlite(conn: sqlite3.Connection) -> int:

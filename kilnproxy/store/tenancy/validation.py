@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import orjson
 
-from ...config_types import MAX_USD
+from ...config_types import MAX_USD, MAX_WEIGHT, PRIORITIES
 from ...errors import GatewayError
 
 LIMIT_RESETS = ("daily", "weekly", "monthly")
@@ -160,13 +160,42 @@ def _models(value: Any, field: str) -> list[str] | None:
     return list(dict.fromkeys(value))
 
 
+def _priority(value: Any, field: str) -> str:
+    if value not in PRIORITIES:
+        raise invalid(f"`{field}` must be one of {', '.join(PRIORITIES)}.", field)
+    return value
+
+
+def _key_priority(value: Any, field: str) -> str | None:
+    if value is not None and value not in PRIORITIES:
+        raise invalid(f"`{field}` must be one of {', '.join(PRIORITIES)}, or null for its org's.", field)
+    return value
+
+
+def _weight(value: Any, field: str) -> float:
+    if type(value) not in (int, float) or not 0 < value <= MAX_WEIGHT:  # also nan, inf and a bool
+        raise invalid(f"`{field}` must be a number above 0 and at most {MAX_WEIGHT:g}.", field)
+    return float(value)
+
+
+def _key_weight(value: Any, field: str) -> float | None:
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value <= MAX_WEIGHT:
+        raise invalid(f"`{field}` must be a number above 0 and at most {MAX_WEIGHT:g}, or null for its org's.",
+                      field)
+    return float(value)
+
+
 Check = Callable[[Any, str], Any]
 
 _ORG_LIMITS: dict[str, Check] = {
-    "max_in_flight": _in_flight, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
+    "max_in_flight": _in_flight, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int,
+    "priority": _priority, "weight": _weight}
 _KEY_FIELDS: dict[str, Check] = {
     "name": _text, "models": _models, "limit": _limit, "limit_reset": _limit_reset, "expires_at": _expires_at,
-    "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int}
+    "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int, "priority": _key_priority,
+    "weight": _key_weight}
 
 ORG_CREATE: dict[str, Check] = {"id": _org_id, **_ORG_LIMITS}
 ORG_PATCH: dict[str, Check] = {**_ORG_LIMITS, "disabled": _flag}
@@ -195,7 +224,7 @@ def _checked(body: Any, fields: dict[str, Check], required: tuple[str, ...] = ()
 
 
 def org_create(body: Any) -> dict[str, Any]:
-    """POST /admin/v1/orgs: ``id`` and the optional limits (None when not given)."""
+    """POST /admin/v1/orgs: ``id`` and the optional limits, ``priority`` and ``weight`` (None when not given)."""
     return _checked(body, ORG_CREATE, required=("id",), defaults=True)
 
 

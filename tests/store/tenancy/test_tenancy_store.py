@@ -104,7 +104,8 @@ def at(text):
 async def test_an_org_is_created_read_listed_and_patched_each_change_one_event(store):
     org = await store.create_org("acme", max_in_flight=4, actor="admin-api")
     assert org == {"id": "acme", "max_in_flight": 4, "disabled": False, "requests_per_minute": None,
-                   "tokens_per_minute": None, "created_at": org["created_at"]}
+                   "tokens_per_minute": None, "priority": "interactive", "weight": 1.0,
+                   "created_at": org["created_at"]}
     assert await store.get_org("acme") == org
     await store.create_org("globex")
     assert [o["id"] for o in await store.list_orgs()] == ["acme", "globex"]
@@ -444,14 +445,15 @@ def test_a_bad_body_is_a_400_naming_the_field(check, body, param):
 
 def test_good_bodies_come_back_normalised():
     assert bodies.org_create({"id": "acme"}) == {
-        "id": "acme", "max_in_flight": None, "requests_per_minute": None, "tokens_per_minute": None}
+        "id": "acme", "max_in_flight": None, "requests_per_minute": None, "tokens_per_minute": None,
+        "priority": None, "weight": None}
     assert bodies.org_patch({"disabled": False, "max_in_flight": None}) == {"disabled": False, "max_in_flight": None}
     assert bodies.grant_create({"amount": -3, "reference": "refund"}) == {"amount": -3.0, "reference": "refund"}
     key = bodies.key_create({"org": "acme", "name": "ci", "limit": 0, "limit_reset": None,
                              "expires_at": "2026-12-31T23:59:59Z", "models": ["a", "b", "a"]})
     assert key == {"org": "acme", "name": "ci", "models": ["a", "b"], "limit": 0.0, "limit_reset": None,
                    "expires_at": "2026-12-31T23:59:59.000+00:00", "requests_per_minute": None,
-                   "tokens_per_minute": None}
+                   "tokens_per_minute": None, "priority": None, "weight": None}
     assert bodies.key_patch({"expires_at": "2027-01-01T02:00:00+02:00"}) == {
         "expires_at": "2027-01-01T00:00:00.000+00:00"}
     assert bodies.key_patch({"expires_at": "2027-01-01"}) == {"expires_at": "2027-01-01T00:00:00.000+00:00"}

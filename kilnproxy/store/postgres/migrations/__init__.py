@@ -10,8 +10,10 @@ version before to its own (``kilnproxy.store.postgres.schema.MIGRATIONS``); neve
 * ``v8``: a settlement and an admission take per-minute entries in one order;
 * ``v9``: a per-minute window's tokens summed as a NUMERIC;
 * ``v10``: a reap takes per-minute entries in the order of their ids too;
-* ``v11``: the usage row's ``upstream`` (routing across upstreams).
+* ``v11``: the usage row's ``upstream`` (routing across upstreams);
+* ``v12``: the runtime orgs' and keys' ``priority`` and ``weight`` (fair queues);
+* ``v13``: the Batch API's tables and the usage row's ``batch_id``.
 
-May import: ``kilnproxy.store.tenancy`` (the tenancy tables ``v2`` creates) and the kernel; nothing
-else of the store.
+May import: ``kilnproxy.store.tenancy`` (the tenancy tables ``v2`` creates), ``kilnproxy.store.batch_api``
+(the Batch API's tables ``v13`` creates) and the kernel; nothing else of the store.
 """
