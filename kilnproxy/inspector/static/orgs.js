@@ -1,11 +1,9 @@
 // The "Orgs & keys" view: balances, keys, grants; create and revoke keys, grant credits.
-// Uses app.js's helpers (api, el, $); the JSON endpoints are in docs/inspector.md.
+// Uses app.js's helpers (api, el, $) and money.js's money; the JSON endpoints are in docs/inspector.md.
 "use strict";
 
 const orgsState = { org: null, timer: null };
 
-const money = (v) => (v === null || v === undefined ? "–"
-  : `${v < 0 ? "−" : ""}$${Math.abs(v).toFixed(v !== 0 && Math.abs(v) < 0.01 ? 6 : 2)}`);
 const day = (iso) => (iso ? new Date(iso).toLocaleString([], { hour12: false }) : "–");
 
 async function showOrgs(hash) {
