@@ -18,6 +18,7 @@ from . import config_env, config_ops
 from .config_reader import NUMBER, Reader
 from .config_types import (
     ENDPOINTS,
+    ROLES,
     ROUTING,
     Config,
     KeyConfig,
@@ -270,7 +271,10 @@ def _key(source: str, i: int, table: Any) -> KeyConfig:
         prefix=secret[:8] if secret is not None else None,
         requests_per_minute=_per_minute(r, "requests_per_minute"),
         tokens_per_minute=_per_minute(r, "tokens_per_minute"),
+        role=r.get("role", str, "member"),
     )
+    if key.role not in ROLES:
+        r.fail(r.key("role"), f"must be \"admin\" or \"member\", got {key.role!r}")
     r.done()
     return key
 

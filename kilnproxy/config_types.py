@@ -107,6 +107,7 @@ ROUTING = ("least_busy", "cache_aware", "round_robin")
 
 
 # The APIs a model may serve, by the names the usage rows' ``endpoint`` column uses.
+ROLES = ("admin", "member")  # a key's role: an admin key may also call the org API (/v1/org)
 ENDPOINTS = ("completions", "chat/completions", "embeddings", "responses", "messages")
 
 
@@ -140,6 +141,7 @@ class KeyConfig:
     created_at: str | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    role: str = "member"  # or "admin": the key may also call the org API (/v1/org) of its org
 
 
 @dataclass(frozen=True)

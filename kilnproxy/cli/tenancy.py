@@ -85,7 +85,8 @@ def _amount(text: str) -> float:
 
 ORG_OPTIONS = (("--max-in-flight", WHOLE), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE))
 KEY_OPTIONS = (("--name", str), ("--models", _models), ("--limit", USD), ("--limit-reset", _text_or_none),
-               ("--expires-at", _text_or_none), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE))
+               ("--expires-at", _text_or_none), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE),
+               ("--role", str))
 
 
 def add_tenancy_commands(sub: Any, config_arg: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -148,7 +149,8 @@ def body_of(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 
 
 ORG_FIELDS = ("max_in_flight", "requests_per_minute", "tokens_per_minute")
-KEY_FIELDS = ("name", "models", "limit", "limit_reset", "expires_at", "requests_per_minute", "tokens_per_minute")
+KEY_FIELDS = ("name", "models", "limit", "limit_reset", "expires_at", "requests_per_minute", "tokens_per_minute",
+              "role")
 
 
 # -- the actions: (args, changes) -> what to print ----------------------------------------------------------

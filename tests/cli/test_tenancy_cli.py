@@ -97,7 +97,8 @@ async def test_keys_commands_print_the_secret_once(config_file):
     assert made.out.count(secret) == 1
     key_id = re.search(r"^id\s+(key_\w+)$", made.out, re.M).group(1)
     shown = (await kiln(cwd, "keys", "show", key_id, "--json", *c)).json()
-    assert shown == {"id": key_id, "name": "ci", "org": "acme", "prefix": secret[:8], "models": ["m"],
+    assert shown == {"id": key_id, "name": "ci", "org": "acme", "role": "member", "prefix": secret[:8],
+                     "models": ["m"],
                      "disabled": False, "revoked": False, "limit": 5.0, "limit_reset": "weekly", "usage": 0.0,
                      "limit_remaining": 5.0, "expires_at": "2099-01-01T00:00:00.000+00:00",
                      "created_at": shown["created_at"], "source": "api", "requests_per_minute": None,
@@ -112,7 +113,7 @@ async def test_keys_commands_print_the_secret_once(config_file):
     listing = (await kiln(cwd, "keys", "list", "--org", "acme", "--json", *c)).json()
     assert [k["id"] for k in listing["data"]] == ["acme-key", key_id, by_json["data"]["id"]]
     table = await kiln(cwd, "keys", "list", *c)
-    assert re.search(rf"^{key_id}\s+ci\s+acme\s+{re.escape(secret[:8])}\s+api\s+revoked\s", table.out, re.M)
+    assert re.search(rf"^{key_id}\s+ci\s+acme\s+member\s+{re.escape(secret[:8])}\s+api\s+revoked\s", table.out, re.M)
     everything = await asyncio.gather(*(kiln(cwd, *args, *c) for args in (("keys", "list"), ("keys", "show", key_id),
                                                                         ("orgs", "list"))))
     assert not any(secret in r.out + r.err for r in everything)

@@ -29,7 +29,7 @@ def org(id, granted=0.0, spent=0.0, source="api", max_in_flight=None, disabled=F
 def key(body, **fields):
     """The key object ``body`` should be: its own id, prefix and created_at, and ``fields``."""
     assert body["id"].startswith("key_") and ISO.fullmatch(body["created_at"])
-    base = {"id": body["id"], "name": None, "org": None, "prefix": body["prefix"], "models": None,
+    base = {"id": body["id"], "name": None, "org": None, "role": "member", "prefix": body["prefix"], "models": None,
             "disabled": False, "revoked": False, "limit": None, "limit_reset": None, "usage": 0.0,
             "limit_remaining": None, "expires_at": None, "created_at": body["created_at"], "source": "api",
             "requests_per_minute": None, "tokens_per_minute": None}
@@ -140,7 +140,7 @@ async def test_a_body_after_a_byte_order_mark_is_read_as_the_model_apis_read_one
 
 async def test_get_v1_key_answers_a_config_key(gw):
     assert await api(gw)("GET", "/v1/key", headers=gw.headers(KEY)) == (200, {
-        "id": "acme-key", "name": "acme-key", "org": "acme", "prefix": KEY[:8], "models": None,
+        "id": "acme-key", "name": "acme-key", "org": "acme", "role": "member", "prefix": KEY[:8], "models": None,
         "disabled": False, "revoked": False, "limit": None, "limit_reset": None, "usage": 0.0,
         "limit_remaining": None, "expires_at": None, "created_at": None, "source": "config",
         "requests_per_minute": None, "tokens_per_minute": None})

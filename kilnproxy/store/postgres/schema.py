@@ -38,7 +38,8 @@ per-minute window's tokens as a NUMERIC, which a bound near the largest BIGINT n
 version 10 (``kilnproxy.store.postgres.migrations.v10``) has ``kiln_reap`` lock the per-minute entries it updates in
 the order of their ids as well, so that a reap never waits for an admission or a settlement on them
 while holding one they need; version 11 (``kilnproxy.store.postgres.migrations.v11``) adds the
-usage row's ``upstream``, which ``kiln_settle`` keeps.
+usage row's ``upstream``, which ``kiln_settle`` keeps; version 14
+(``kilnproxy.store.postgres.migrations.v14``) a key's ``role``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .migrations.v8 import V8
 from .migrations.v9 import V9
 from .migrations.v10 import V10
 from .migrations.v11 import V11
+from .migrations.v14 import V14
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -238,7 +240,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V14)
 
 
 async def migrate(conn) -> int:

@@ -19,7 +19,8 @@ answer rows as plain dicts and open transactions the same way:
 The SQLite schema is versioned by the file's ``PRAGMA user_version``:
 ``SQLITE_MIGRATIONS[n]`` takes the file from version ``n`` to ``n + 1``. Its
 first entry is the tenancy tables, which the file of an existing gateway (its
-``usage_events`` only, user_version 0) takes at start-up. ``migrate_sqlite``
+``usage_events`` only, user_version 0) takes at start-up; the second, a key's
+``role`` (``KEY_ROLE``, the same text as PostgreSQL's version 14). ``migrate_sqlite``
 takes a *synchronous* ``sqlite3`` connection: the ledger calls it from the
 thread where it prepares the file (``asyncio.to_thread``), after creating
 ``usage_events``; an aiosqlite connection is never used for it.
@@ -106,7 +107,13 @@ CREATE INDEX usage_events_key_created ON usage_events (key_id, created_at);
 
 _SQLITE_V1 = TENANCY_TABLES
 
-SQLITE_MIGRATIONS: tuple[str, ...] = (_SQLITE_V1,)
+# A key's role (``admin``: it may also call the org API, ``/v1/org``); PostgreSQL's ``v14``.
+KEY_ROLE = """
+ALTER TABLE kiln_keys ADD COLUMN role TEXT NOT NULL DEFAULT 'member' CHECK (role IN ('admin', 'member'));
+CREATE INDEX kiln_keys_org_role ON kiln_keys (org, role);
+"""
+
+SQLITE_MIGRATIONS: tuple[str, ...] = (_SQLITE_V1, KEY_ROLE)
 
 
 def migrate_sqlite(conn: sqlite3.Connection) -> int:

@@ -10,7 +10,8 @@ version before to its own (``kilnproxy.store.postgres.schema.MIGRATIONS``); neve
 * ``v8``: a settlement and an admission take per-minute entries in one order;
 * ``v9``: a per-minute window's tokens summed as a NUMERIC;
 * ``v10``: a reap takes per-minute entries in the order of their ids too;
-* ``v11``: the usage row's ``upstream`` (routing across upstreams).
+* ``v11``: the usage row's ``upstream`` (routing across upstreams);
+* ``v14``: a key's ``role`` (an org's own admins).
 
 May import: ``kilnproxy.store.tenancy`` (the tenancy tables ``v2`` creates) and the kernel; nothing
 else of the store.
