@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..errors import forbidden, invalid_api_key
+from ..errors import GatewayError, forbidden
 from ..proxy.endpoints.json_routes import expect_handler
 from ..proxy.endpoints.reads import json_response
 from ..proxy.gateway import GATEWAY
@@ -48,15 +48,23 @@ from . import tenancy_api
 from .tenancy_api import served
 
 
+def unknown_key() -> GatewayError:
+    return GatewayError(401, "invalid_api_key", "Invalid API key. The org API takes an admin key of the org, "
+                        "sent as 'Authorization: Bearer <key>'.", type="authentication_error")
+
+
 async def org_admin(request: web.Request) -> TenancyChanges:
     """The org API's access rule (the module's steps 1 and 2): the changes of the caller's org, by it."""
     gw = request.app[GATEWAY]
-    key = gw.keys.authenticate(request.headers.get("Authorization"))
+    try:
+        key = gw.keys.authenticate(request.headers.get("Authorization"))
+    except GatewayError:
+        raise unknown_key() from None
     check_enabled(key, gw.disabled_orgs)
     view = gateway_view(gw)
     row = await view.key_row(key.id)
     if row is None or row.get("revoked") or row["org"] != key.org:
-        raise invalid_api_key()
+        raise unknown_key()
     if row["disabled"]:
         raise key_disabled()
     if row["role"] != "admin":
