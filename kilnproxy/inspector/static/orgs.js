@@ -77,7 +77,7 @@ async function loadKeys() {
     }
     return el("tr", { "data-key": k.id },
       textCell(k.name), el("td", { text: k.id }), el("td", { text: k.prefix ? `${k.prefix}…` : "–" }),
-      usageCell(k), el("td", { text: k.limit_reset || "never" }), el("td", { text: day(k.expires_at) }),
+      el("td", { class: "role", text: k.role }), usageCell(k), el("td", { text: k.limit_reset || "never" }), el("td", { text: day(k.expires_at) }),
       el("td", { class: "last-used", text: day(k.last_used) }), el("td", { class: `state ${cls}`, text: state }), action);
   }));
 }
@@ -102,6 +102,7 @@ async function createKey(event) {
   if (form.get("limit_reset")) body.limit_reset = form.get("limit_reset");
   if (form.get("expires_at").trim()) body.expires_at = form.get("expires_at").trim();
   if (form.get("models").trim()) body.models = form.get("models").split(",").map((m) => m.trim()).filter(Boolean);
+  if (form.get("role") === "admin") body.role = "admin";
   await change(async () => {
     const made = await api("/ui/api/keys", {}, "POST", body);
     $("secret-key-id").textContent = made.data.id;
