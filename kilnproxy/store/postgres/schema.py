@@ -39,7 +39,9 @@ version 10 (``kilnproxy.store.postgres.migrations.v10``) has ``kiln_reap`` lock 
 the order of their ids as well, so that a reap never waits for an admission or a settlement on them
 while holding one they need; version 11 (``kilnproxy.store.postgres.migrations.v11``) adds the
 usage row's ``upstream``, which ``kiln_settle`` keeps; version 14
-(``kilnproxy.store.postgres.migrations.v14``) a key's ``role``.
+(``kilnproxy.store.postgres.migrations.v14``) a key's ``role``; version 15
+(``kilnproxy.store.postgres.migrations.v15``) ``usage_daily``, the spend query's rollup of the rows by
+day, org, key and model, kept in step by triggers.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from .migrations.v9 import V9
 from .migrations.v10 import V10
 from .migrations.v11 import V11
 from .migrations.v14 import V14
+from .migrations.v15 import V15
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -240,7 +243,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V14)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V14, V15)
 
 
 async def migrate(conn) -> int:

@@ -52,7 +52,7 @@ async def test_version_10_migrated_in_place_and_settlements_keep_the_upstream(pg
         before = [dict(r) for r in await conn.fetch("SELECT * FROM usage_events ORDER BY id")]
 
         assert await pg_schema.migrate(conn) == 10
-        assert await conn.fetchval("SELECT max(version) FROM kiln_schema") == len(pg_schema.MIGRATIONS) == 11
+        assert await conn.fetchval("SELECT max(version) FROM kiln_schema") == len(pg_schema.MIGRATIONS)
         after = [dict(r) for r in await conn.fetch("SELECT * FROM usage_events ORDER BY id")]
         assert [{k: v for k, v in r.items() if k != "upstream"} for r in after] == before
         assert [r["upstream"] for r in after] == [None, None]  # gen-dead (replica_lost), gen-old

@@ -11,7 +11,8 @@ version before to its own (``kilnproxy.store.postgres.schema.MIGRATIONS``); neve
 * ``v9``: a per-minute window's tokens summed as a NUMERIC;
 * ``v10``: a reap takes per-minute entries in the order of their ids too;
 * ``v11``: the usage row's ``upstream`` (routing across upstreams);
-* ``v14``: a key's ``role`` (an org's own admins).
+* ``v14``: a key's ``role`` (an org's own admins);
+* ``v15``: ``usage_daily``, the spend query's rollup, and its triggers.
 
 May import: ``kilnproxy.store.tenancy`` (the tenancy tables ``v2`` creates) and the kernel; nothing
 else of the store.
