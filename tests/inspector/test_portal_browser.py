@@ -122,6 +122,8 @@ async def test_an_admin_signs_in_makes_a_key_uses_it_and_revokes_it(harness, tmp
         await assert_spend_is_the_apis(page, h)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         await page.screenshot(path=str(ARTIFACTS / "portal.png"), full_page=True)  # docs/portal.png
+        await page.select_option("#range select[name=days]", "7")
+        await assert_spend_is_the_apis(page, h, days=7)
 
         # set a limit; then none
         await page.fill(f"{row} input.limit", "5.5")
@@ -179,26 +181,26 @@ async def test_an_admin_signs_in_makes_a_key_uses_it_and_revokes_it(harness, tmp
             assert secret[8:].encode() not in path.read_bytes(), path
 
 
-async def assert_spend_is_the_apis(page, h):
-    """The chart: a bar a day over the last 30 days (UTC), each the usage API's cost of that day (0 for a day
-    without rows); the tables by model and by key: the API's rows, in its order, money written one way."""
+async def assert_spend_is_the_apis(page, h, days=30):
+    """The chart: a bar a day over the last ``days`` days (UTC), each the usage API's cost of that day (0 for a
+    day without rows); the tables by model and by key: the API's rows, in its order, money written one way."""
     today = datetime.now(timezone.utc).date()
-    first = (today - timedelta(days=29)).isoformat()
+    first = (today - timedelta(days=days - 1)).isoformat()
     _, by_day = await org_api(h, "/v1/org/usage", **{"from": first, "group_by": "day"})
     _, by_model = await org_api(h, "/v1/org/usage", **{"from": first, "group_by": "model"})
     _, by_key = await org_api(h, "/v1/org/usage", **{"from": first, "group_by": "key"})
     _, totals = await org_api(h, "/v1/org/usage", **{"from": first})
     [total] = totals["data"]
-    expected_days = [(today - timedelta(days=29 - i)).isoformat() for i in range(30)]
+    expected_days = [(today - timedelta(days=days - 1 - i)).isoformat() for i in range(days)]
     costs = {r["day"]: r["cost"] for r in by_day["data"]}
     await page.wait_for_function(
-        "(n) => { const c = Chart.getChart('chart-spend'); return c && c.data.datasets[0].data.filter(v => v).length"
-        " === n; }", arg=len(costs))
+        "([n, days]) => { const c = Chart.getChart('chart-spend'); return c && c.data.labels.length === days"
+        " && c.data.datasets[0].data.filter(v => v).length === n; }", arg=[len(costs), days])
     chart = await page.evaluate("(() => { const c = Chart.getChart('chart-spend');"
                                 " return {labels: c.data.labels, data: c.data.datasets[0].data}; })()")
     assert chart == {"labels": expected_days, "data": [costs.get(d, 0) for d in expected_days]}
-    assert sorted(costs) == [expected_days[0], expected_days[18], expected_days[26], expected_days[29]]  # 29, 11,
-    # 3 days ago and today; not 30 days ago
+    ago = {(today - timedelta(days=n)).isoformat() for n in (29, 11, 3, 0) if n < days}  # not 30 days ago
+    assert set(costs) == ago
     await page.wait_for_function("(n) => document.querySelectorAll('#by-key tbody tr').length === n",
                                  arg=len(by_key["data"]))
     models = [await cells(page, f"#by-model tbody tr:nth-child({i + 1})") for i in range(len(by_model["data"]))]
@@ -245,3 +247,23 @@ async def test_an_admin_key_revoked_elsewhere_is_signed_out_at_its_next_read(har
         assert await page.is_hidden("#dashboard")
         assert await page.locator("#keys-table tbody tr").count() == 0
         assert "acme" not in await page.inner_text("body")
+
+
+async def test_names_others_chose_are_shown_as_text(harness):
+    """A key's name (an admin chose it) and a model's (any client may ask for any): text, never markup; the
+    page's Content-Security-Policy would refuse a script anyway (chromium_page fails on a page error)."""
+    markup = '<img src=x onerror="window.ran=1">'
+    async with harness(configure=admins) as h, chromium_page() as page:
+        async with h.session.post(f"{h.url}/v1/org/keys", json={"name": markup}, headers=h.headers()) as resp:
+            made = (await resp.json())["data"]
+        async with h.post("/v1/completions", {"model": markup, "prompt": "x"}) as resp:
+            assert resp.status == 404
+        await h.rows()
+        await sign_in(page, h, KEY)
+        await page.wait_for_selector(f'#keys-table tr[data-key="{made["id"]}"]')
+        await page.wait_for_selector("#by-model tbody tr")
+        assert (await cells(page, f'#keys-table tr[data-key="{made["id"]}"]'))[0] == markup
+        assert markup in [(await cells(page, f"#by-model tbody tr:nth-child({i + 1})"))[0]
+                          for i in range(await page.locator("#by-model tbody tr").count())]
+        assert await page.locator("main img").count() == 0
+        assert await page.evaluate("window.ran") is None
