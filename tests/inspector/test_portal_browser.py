@@ -1,5 +1,5 @@
 """The org admins' portal (/portal/, docs/portal.md) in Debian's chromium, driven by Playwright (as the
-inspector's browser tests): an admin signs in with its key, reads its org's balance and spend (the chart's
+inspector's browser tests), on both stores: an admin signs in with its key, reads its org's balance and spend (the chart's
 figures are the usage API's), makes a key and uses it with the openai SDK, limits it, revokes it and sees it
 refused; the key's secret is then in no log, row or file. A member key is told it is not an admin key. A page
 of another origin reads nothing from the org API, with or without the key, and cannot frame the portal."""
@@ -60,8 +60,8 @@ async def wait_text(page, selector, text):
                                  arg=[selector, text])
 
 
-async def test_an_admin_signs_in_makes_a_key_uses_it_and_revokes_it(harness, tmp_path, capsys, caplog):
-    async with harness(configure=admins, overrides={"log": {"access": True, "bodies": True}}) as h, \
+async def test_an_admin_signs_in_makes_a_key_uses_it_and_revokes_it(harness, store, tmp_path, capsys, caplog):
+    async with harness(configure=admins, overrides={**store, "log": {"access": True, "bodies": True}}) as h, \
             chromium_page() as page:
         page.on("dialog", lambda dialog: dialog.accept())  # the "revoke?" confirmation
         sdk = h.openai()
