@@ -77,7 +77,8 @@ async function loadKeys() {
     }
     return el("tr", { "data-key": k.id },
       textCell(k.name), el("td", { text: k.id }), el("td", { text: k.prefix ? `${k.prefix}…` : "–" }),
-      el("td", { class: "role", text: k.role }), usageCell(k), el("td", { text: k.limit_reset || "never" }), el("td", { text: day(k.expires_at) }),
+      el("td", { class: "role", text: k.role }), usageCell(k), el("td", { text: k.limit_reset || "never" }),
+      el("td", { text: day(k.expires_at) }),
       el("td", { class: "last-used", text: day(k.last_used) }), el("td", { class: `state ${cls}`, text: state }), action);
   }));
 }
