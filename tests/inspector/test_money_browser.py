@@ -1,7 +1,7 @@
 """Money written one way on every page (kilnproxy/inspector/static/money.js, docs/inspector.md): the formatter
 itself in Debian's chromium, and an embeddings row beside a completion row in the inspector's list."""
 
-from browser import chromium_page
+from browser import chromium_page, tooltip_lines
 from money_text import written
 
 from kilnproxy.testing import completion_body
@@ -52,3 +52,11 @@ async def test_an_embeddings_row_and_a_completion_row_write_their_costs_alike(ha
         facts = dict(zip(await page.locator("#detail-facts dt").all_inner_texts(),
                          await page.locator("#detail-facts dd").all_inner_texts()))
         assert facts["cost"] == written(next(iter(rows.values()))["cost"])
+
+        # the usage view's cost chart: its axis and its tooltips write money the same way
+        await page.click("#tab-usage")
+        await page.wait_for_function("() => { const c = window.Chart && Chart.getChart('chart-cost');"
+                                     " return c && c.data.datasets.length > 0; }")
+        ticks = await page.evaluate("Chart.getChart('chart-cost').scales.y.ticks.map(t => t.label)")
+        assert ticks and not [t for t in ticks if "e" in t or not t.startswith("$")]
+        assert await tooltip_lines(page, "chart-cost") == [f"{h.model}: {written(sum(r['cost'] for r in rows.values()))}"]

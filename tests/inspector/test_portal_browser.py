@@ -8,7 +8,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import openai
-from browser import ARTIFACTS, chromium_page
+from browser import ARTIFACTS, chromium_page, tooltip_lines
 from money_text import written
 
 from kilnproxy.testing import KEY, OTHER_KEY
@@ -199,6 +199,10 @@ async def assert_spend_is_the_apis(page, h, days=30):
     chart = await page.evaluate("(() => { const c = Chart.getChart('chart-spend');"
                                 " return {labels: c.data.labels, data: c.data.datasets[0].data}; })()")
     assert chart == {"labels": expected_days, "data": [costs.get(d, 0) for d in expected_days]}
+    for day, cost in costs.items():  # what the admin reads over each bar, and on the axis
+        assert await tooltip_lines(page, "chart-spend", expected_days.index(day)) == [written(cost)]
+    ticks = await page.evaluate("Chart.getChart('chart-spend').scales.y.ticks.map(t => t.label)")
+    assert ticks and not [t for t in ticks if "e" in t or not t.startswith("$")]
     ago = {(today - timedelta(days=n)).isoformat() for n in (29, 11, 3, 0) if n < days}  # not 30 days ago
     assert set(costs) == ago
     await page.wait_for_function("(n) => document.querySelectorAll('#by-key tbody tr').length === n",

@@ -281,9 +281,12 @@ function drawChart(name, labels, datasets) {
     options: { animation: false, maintainAspectRatio: false, responsive: true,
       scales: { x: { stacked: true, ticks: { maxTicksLimit: 16 } },
                 y: { stacked: true, beginAtZero: true, ticks: name === "cost" ? { callback: (v) => money(v) } : { precision: 0 } } },
-      plugins: { legend: { position: "right" } } },
+      plugins: { legend: { position: "right" }, ...(name === "cost" ? { tooltip: COST_TOOLTIP } : {}) } },
   });
 }
+
+// Chart.js writes a tooltip's figure with three decimals at most ($0.0000002 would be 0): money.js's instead.
+const COST_TOOLTIP = { callbacks: { label: (item) => `${item.dataset.label}: ${money(item.parsed.y)}` } };
 
 // -- navigation --------------------------------------------------------------------
 
