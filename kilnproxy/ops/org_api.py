@@ -45,6 +45,7 @@ from ..proxy.tenancy.auth import check_enabled, key_disabled
 from ..proxy.tenancy.changes import TenancyChanges, answer_store_trouble, query
 from ..proxy.tenancy.views import gateway_view
 from . import tenancy_api
+from .spend_api import spend_answer
 from .tenancy_api import served
 
 
@@ -78,9 +79,7 @@ async def own_org(request: web.Request, changes: TenancyChanges) -> web.Response
 
 
 async def usage(request: web.Request) -> web.Response:
-    """``GET /v1/org/usage``: the spend engineer's query (``spend_api.spend_answer``) for this org only."""
-    from .spend_api import spend_answer  # the spend query's module, shared with /admin/v1/usage
-
+    """``GET /v1/org/usage``: the operator's spend answer (``spend_api.spend_answer``), of this org only."""
     with answer_store_trouble():
         changes = await org_admin(request)
     return await spend_answer(request, request.app[GATEWAY], changes.scope)
