@@ -64,6 +64,8 @@ async def test_an_admin_signs_in_makes_a_key_uses_it_and_revokes_it(harness, sto
     async with harness(configure=admins, overrides={**store, "log": {"access": True, "bodies": True}}) as h, \
             chromium_page() as page:
         page.on("dialog", lambda dialog: dialog.accept())  # the "revoke?" confirmation
+        asked = []  # every request the page makes
+        page.on("request", lambda r: asked.append((r.method, r.url.removeprefix(h.url).split("?")[0], r.headers)))
         sdk = h.openai()
         await sdk.completions.create(model=h.model, prompt=PROMPT, max_tokens=4)
         await sdk.completions.create(model=SECOND_MODEL, prompt=PROMPT, max_tokens=6)
@@ -161,6 +163,14 @@ async def test_an_admin_signs_in_makes_a_key_uses_it_and_revokes_it(harness, sto
             assert foreign not in content, foreign
         assert await page.evaluate("[document.cookie, localStorage.length, sessionStorage.length]") == ["", 0, 0]
         assert KEY not in page.url and KEY not in content
+
+        # the page talks to its own files and the org API only, with the key as a bearer token and no cookie
+        assert {path for _, path, _ in asked} >= {"/portal/", "/v1/org", "/v1/org/keys", "/v1/org/usage",
+                                                  f"/v1/org/keys/{made['id']}"}
+        assert [path for _, path, _ in asked if not path.startswith(("/portal/", "/v1/org"))] == []
+        assert all(headers.get("authorization") == f"Bearer {KEY}" for _, path, headers in asked
+                   if path.startswith("/v1/org"))
+        assert [headers for _, _, headers in asked if "cookie" in headers] == []
 
         await page.click("#sign-out")
         assert await page.is_visible("#sign-in") and await page.is_hidden("#dashboard")
