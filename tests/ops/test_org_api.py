@@ -108,6 +108,8 @@ async def test_only_an_admin_key_of_an_enabled_org_passes_on_every_route(harness
         _, member = await a("POST", "/admin/v1/keys", {"org": "acme", "name": "member"})
         revoked, revoked_key = await admin_key(a, name="revoked")
         disabled, disabled_key = await admin_key(a, name="disabled")
+        expired = (await a("POST", "/admin/v1/keys", {"org": "acme", "name": "expired", "role": "admin",
+                                                      "expires_at": "2000-01-01T00:00:00Z"}))[1]["key"]
         await a("POST", "/admin/v1/orgs", {"id": "beta"})
         of_disabled_org, _ = await admin_key(a, org="beta")
         await a("DELETE", f"/admin/v1/keys/{revoked_key['id']}")
@@ -124,6 +126,7 @@ async def test_only_an_admin_key_of_an_enabled_org_passes_on_every_route(harness
             (as_key(h, KEY), member_only),  # a config member key
             (as_key(h, member["key"]), member_only),
             (as_key(h, revoked), UNKNOWN_KEY),
+            (as_key(h, expired), UNKNOWN_KEY),
             (as_key(h, disabled), error(403, "forbidden", "This API key is disabled.", type="permission_error")),
             (as_key(h, of_disabled_org), error(403, "forbidden", "Organization `beta` is disabled.",
                                                type="permission_error")),
