@@ -1,4 +1,4 @@
-"""The org and key objects of the admin API, ``GET /v1/key`` and the ``orgs`` / ``keys`` commands.
+"""The org and key objects of the admin API, the org API, ``GET /v1/key`` and the ``orgs`` / ``keys`` commands.
 
 One shape for both sources: orgs and keys of the config (``"source": "config"``)
 and those made at runtime (``"source": "api"``)::

@@ -1,7 +1,9 @@
 """Strict checks of the bodies that change orgs, keys and grants, as pure functions.
 
-The admin API (``/admin/v1``) and the ``orgs`` / ``keys`` commands hand
-their input here before anything touches the store. Each function takes the
+The admin API (``/admin/v1``), the org API (``/v1/org``: an org's own admin
+keys, which may set neither an org nor a key's per-minute limits), the
+inspector and the ``orgs`` / ``keys`` commands hand their input here before
+anything touches the store. Each function takes the
 parsed JSON body and returns the fields it may change, normalised (a limit
 as a float, ``expires_at`` as ISO-8601 UTC text, the same form as the usage
 rows' ``created_at``); a patch returns only the fields it was given. Any
