@@ -258,6 +258,8 @@ BAD = [  # (method, path, body or raw bytes, status, code, param)
     ("PATCH", f"/v1/org/keys/{ABSENT}", {"limit": -1}, 400, "invalid_request", "limit"),
     ("PATCH", f"/v1/org/keys/{ABSENT}", {"name": "x"}, 404, "not_found", None),
     ("DELETE", f"/v1/org/keys/{ABSENT}", NOTHING, 404, "not_found", None),
+    ("DELETE", "/v1/org/keys/a%00b", NOTHING, 404, "not_found", None),  # no store can hold a NUL
+    ("PATCH", "/v1/org/keys/" + "k" * 5000, {"name": "x"}, 404, "not_found", None),
     ("PATCH", "/v1/org/keys/acme-key", {"limit": -1}, 400, "invalid_request", "limit"),
     ("PATCH", "/v1/org/keys/acme-key", {"name": "x"}, 409, "managed_by_config", None),
     ("DELETE", "/v1/org/keys/acme-key", NOTHING, 409, "managed_by_config", None),
