@@ -204,3 +204,23 @@ async def test_rows_inserted_since_are_counted_at_once(harness, store):
         assert rollup == by_rows
         await execute(h, "DELETE FROM usage_events WHERE id = ?", [(await h.rows())[0]["id"]])
         assert (await spent(h))[0]["requests"] == 2
+
+
+async def test_an_org_admin_reads_its_own_orgs_spend_only(harness, store):
+    """``/v1/org/usage`` (the org API's route) gives ``spend_answer``'s answer for the admin key's org."""
+    async with harness(overrides=store, configure=two_models) as h:
+        rows, midnight = await ledger(h)
+        _, admin = await api(h)("POST", "/admin/v1/keys", {"org": "globex", "name": "boss", "role": "admin"})
+        globex = [r for r in rows if r["org"] == "globex"]
+        assert 0 < len(globex) < len(rows)
+        bearer = {"Authorization": f"Bearer {admin['key']}"}
+        for group_by in ("", "day,model", "key", "model,key,day"):
+            async with h.session.get(f"{h.url}/v1/org/usage", params={"group_by": group_by}, headers=bearer) as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"data": expected(globex, tuple(g for g in group_by.split(",") if g))}
+        async with h.session.get(f"{h.url}/v1/org/usage", params={"group_by": "day,key"},
+                                 headers={**bearer, "Accept": "text/csv"}) as resp:
+            assert resp.headers["Content-Type"] == "text/csv; charset=utf-8"
+            assert await resp.read() == csv_text(expected(globex, ("day", "key")), ("day", "key"))
+        assert (await usage(h, "text/csv", org="globex", group_by="day,key"))[2] == csv_text(
+            expected(globex, ("day", "key")), ("day", "key"))
