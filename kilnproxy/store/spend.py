@@ -26,7 +26,7 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any, Mapping
 
@@ -140,7 +140,10 @@ def statement(q: SpendQuery, rollup: bool = True) -> tuple[str, list[Any]]:
     token sums and ``cost_units`` (integers), the group's columns named as in ``GROUP_FIELDS``.
     ``rollup`` false: every row of the span read from ``usage_events`` (a file made before the rollup
     existed, read by a command that does not write it; the bench's baseline)."""
-    first_day = q.start.date() if _is_midnight(q.start) else q.start.date() + timedelta(days=1)
+    try:
+        first_day = q.start.date() if _is_midnight(q.start) else q.start.date() + timedelta(days=1)
+    except OverflowError:  # a time on 9999-12-31: no whole day after it
+        first_day = date.max
     end_day = q.end.date()
     parts: list[str] = []
     params: list[Any] = []

@@ -172,6 +172,9 @@ async def test_bad_input_is_400_naming_it_and_changes_nothing(harness):
             assert error["message"]
         assert (await rollup_and_rows(h), await spent(h, group_by="day,model")) == before
         assert await h.rows() == rows
+        # the ends of the calendar are valid: answered, not a 500
+        assert await spent(h, **{"from": "9999-12-31T10:00", "to": "9999-12-31T23:59:59.9999"}, group_by="day") == []
+        assert await spent(h, **{"from": "0001-01-01T00:00:00.0001"}, group_by="org") == expected(rows, ("org",))
 
 
 async def test_the_operators_access_rule(harness):
