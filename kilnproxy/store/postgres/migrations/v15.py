@@ -4,7 +4,8 @@
 One rollup row per ``(day, org, key_id, model)`` (``day``: the first 10 characters of
 ``created_at``; ``model``: "" for a row without one), as in the SQLite file
 (``kilnproxy.store.sqlite.spend_rollup``): the count of rows, the sums of their tokens, and of their
-cost in whole ten-billionths of a dollar (``round(cost * 1e10)``, exact in any order).
+cost in whole ten-billionths of a dollar (``round(cost * 1e10)``, exact in any order), keyed in the
+same order, ``(day, model, org, key_id)``.
 
 Statement-level triggers on ``usage_events`` read the statement's rows (transition tables) and add
 them up per rollup row in one upsert: a settlement of a batch (``kiln_settle``, a ``replica_lost``
@@ -28,8 +29,8 @@ _UPSERT = f"""
      GROUP BY c.day, c.org, c.key_id, c.model
     HAVING sum(c.requests) <> 0 OR sum(c.prompt_tokens) <> 0 OR sum(c.completion_tokens) <> 0
         OR sum(c.cached_tokens) <> 0 OR sum(c.cost_units) <> 0
-     ORDER BY c.day, c.org, c.key_id, c.model
-    ON CONFLICT (day, org, key_id, model) DO UPDATE SET
+     ORDER BY c.day, c.model, c.org, c.key_id
+    ON CONFLICT (day, model, org, key_id) DO UPDATE SET
         requests = d.requests + EXCLUDED.requests, prompt_tokens = d.prompt_tokens + EXCLUDED.prompt_tokens,
         completion_tokens = d.completion_tokens + EXCLUDED.completion_tokens,
         cached_tokens = d.cached_tokens + EXCLUDED.cached_tokens, cost_units = d.cost_units + EXCLUDED.cost_units;
@@ -48,7 +49,7 @@ CREATE TABLE usage_daily (
     completion_tokens BIGINT NOT NULL,
     cached_tokens BIGINT NOT NULL,
     cost_units BIGINT NOT NULL,
-    PRIMARY KEY (day, org, key_id, model)
+    PRIMARY KEY (day, model, org, key_id)
 );
 CREATE INDEX usage_daily_org_day ON usage_daily (org, day);
 
