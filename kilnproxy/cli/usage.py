@@ -154,7 +154,7 @@ def print_spend(args, db: Path, url: str | None) -> int:
         body = [[cost_text(r[f]) if f == "cost" else "" if r[f] is None else str(r[f]) for f in q.fields]
                 for r in rows]
         widths = [max(len(c) for c in col) for col in zip(q.fields, *body)]
-        groups = len(q.group_by)
-        print("\n".join("  ".join(c.ljust(w) if i < groups else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                        for line in (q.fields, *body)))
+        groups = len(q.group_by)  # the group's columns left-aligned, the figures right-aligned
+        for line in (q.fields, *body):
+            print("  ".join(c.ljust(w) if i < groups else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
     return 0

@@ -120,7 +120,8 @@ async def test_from_is_inclusive_to_exclusive_to_the_millisecond(harness, store)
             [r for r in rows if noon <= r["created_at"] < day[2]], ("day",))
         shifted = (midnight + timedelta(hours=12)).astimezone(timezone(timedelta(hours=2))).isoformat()
         assert shifted.endswith("+02:00")
-        assert await spent(h, **{"from": shifted, "to": late}, group_by="day,model") == expected(inside, ("day", "model"))
+        assert await spent(h, **{"from": shifted, "to": late}, group_by="day,model") == expected(
+            inside, ("day", "model"))
         within = [r for r in rows if stamp(midnight + timedelta(hours=1)) <= r["created_at"] < noon]
         assert await spent(h, **{"from": stamp(midnight + timedelta(hours=1)), "to": noon}) == expected(within)
         assert await spent(h, **{"from": at[4], "to": at[4]}) == expected([])

@@ -74,7 +74,8 @@ FILL = ("INSERT INTO usage_daily (day, org, key_id, model, requests, prompt_toke
 
 
 def has_rollup(db: sqlite3.Connection) -> bool:
-    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage_daily'").fetchone() is not None
+    found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'usage_daily'").fetchone()
+    return found is not None
 
 
 def add_rollup(db: sqlite3.Connection) -> None:
