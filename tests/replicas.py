@@ -102,7 +102,7 @@ class Ledger:
             " FROM usage_daily WHERE requests <> 0 ORDER BY 1, 2, 3, 4")
         rows = await self.conn.fetch(
             "SELECT substr(created_at, 1, 10), org, key_id, coalesce(model, ''), count(*), sum(prompt_tokens),"
-            " sum(completion_tokens), sum(cached_tokens), sum(round(cost * 10000000000)::BIGINT)"
+            " sum(completion_tokens), sum(cached_tokens), sum(round(cost * 10000000000)::NUMERIC)"
             " FROM usage_events GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4")
         return [tuple(r) for r in rollup] == [tuple(int(v) if i > 3 else v for i, v in enumerate(r)) for r in rows]
 

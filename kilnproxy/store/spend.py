@@ -173,9 +173,9 @@ def statement(q: SpendQuery, rollup: bool = True) -> tuple[str, list[Any]]:
                      f" WHERE {which}created_at >= ? AND created_at < ?")
         params += which_params + [stamp(start), stamp(end)]
     groups = [GROUP_FIELDS[g] for g in q.group_by]  # a column of the rollup and of the rows as read
-    sums = ("CAST(SUM(requests) AS BIGINT) AS requests, CAST(SUM(prompt_tokens) AS BIGINT) AS prompt_tokens,"
-            " CAST(SUM(completion_tokens) AS BIGINT) AS completion_tokens,"
-            " CAST(SUM(cached_tokens) AS BIGINT) AS cached_tokens, CAST(SUM(cost_units) AS BIGINT) AS cost_units")
+    sums = ("SUM(requests) AS requests, SUM(prompt_tokens) AS prompt_tokens,"  # PostgreSQL: NUMERIC, read as ints
+            " SUM(completion_tokens) AS completion_tokens, SUM(cached_tokens) AS cached_tokens,"
+            " SUM(cost_units) AS cost_units")
     group_by = f" GROUP BY {', '.join(groups)}" if q.group_by else ""
     if not parts:  # an empty span: no row
         parts = ["SELECT '' AS day, '' AS org, '' AS key_id, '' AS model, 0 AS requests, 0 AS prompt_tokens,"

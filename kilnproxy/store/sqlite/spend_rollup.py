@@ -13,6 +13,8 @@ the rows. The ledger writes a row again (the same id) as an UPSERT, whose update
 trigger: an ``INSERT OR REPLACE`` would delete the old row without firing the delete trigger
 (SQLite fires it only with ``recursive_triggers`` on).
 
+SQLite adds integers past 2**63 as floats rather than fail: no sum can make a commit fail.
+
 ``add_rollup`` creates the table, fills it from the rows already there (a ledger an older kilnproxy
 made), then creates the triggers, in one transaction; ``prepare_file`` calls it at open.
 """

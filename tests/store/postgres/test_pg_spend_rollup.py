@@ -23,7 +23,7 @@ ROLLUP = ("SELECT day, org, key_id, model, requests, prompt_tokens, completion_t
           " FROM usage_daily WHERE requests <> 0 ORDER BY 1, 2, 3, 4")
 BY_ROWS = ("SELECT substr(created_at, 1, 10) AS day, org, key_id, coalesce(model, '') AS model, count(*) AS requests,"
            " sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,"
-           " sum(cached_tokens) AS cached_tokens, sum(round(cost * 10000000000)::BIGINT) AS cost_units"
+           " sum(cached_tokens) AS cached_tokens, sum(round(cost * 10000000000)::NUMERIC) AS cost_units"
            " FROM usage_events GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4")
 
 
@@ -89,6 +89,10 @@ async def test_the_migration_builds_it_and_every_write_keeps_it_in_step(pg_url, 
         finally:
             source.close()
         assert await conn.fetchval("SELECT sum(requests) FROM usage_daily") == 261
+        await in_step(conn)
+        # counts at their cap and a cost past a BIGINT of ten-billionths: settled all the same
+        await settle(conn, "live", [row(400, prompt_tokens=2**53 - 1, completion_tokens=2**53 - 1, cost=2.7e9)])
+        assert await conn.fetchval("SELECT count(*) FROM usage_events WHERE id = 'gen-400'") == 1
         await in_step(conn)
         # a COPY, an UPDATE and a DELETE by another program
         await conn.copy_records_to_table("usage_events", columns=list(COLUMNS),

@@ -5,7 +5,8 @@ One rollup row per ``(day, org, key_id, model)`` (``day``: the first 10 characte
 ``created_at``; ``model``: "" for a row without one), as in the SQLite file
 (``kilnproxy.store.sqlite.spend_rollup``): the count of rows, the sums of their tokens, and of their
 cost in whole ten-billionths of a dollar (``round(cost * 1e10)``, exact in any order), keyed in the
-same order, ``(day, model, org, key_id)``.
+same order, ``(day, model, org, key_id)``. The figures are NUMERIC: no sum, however large (a count at its
+cap of 2**53 - 1, a cost past 2**63 units), can make a settlement fail and its rows wait in the spool.
 
 Statement-level triggers on ``usage_events`` read the statement's rows (transition tables) and add
 them up per rollup row in one upsert: a settlement of a batch (``kiln_settle``, a ``replica_lost``
@@ -20,7 +21,7 @@ _COLUMNS = "day, org, key_id, model, requests, prompt_tokens, completion_tokens,
 _ROW = ("substr({r}.created_at, 1, 10) AS day, {r}.org, {r}.key_id, coalesce({r}.model, '') AS model,"
         " {sign} AS requests, {sign} * {r}.prompt_tokens AS prompt_tokens,"
         " {sign} * {r}.completion_tokens AS completion_tokens, {sign} * {r}.cached_tokens AS cached_tokens,"
-        " {sign} * round({r}.cost * 10000000000)::BIGINT AS cost_units")
+        " {sign} * round({r}.cost * 10000000000)::NUMERIC AS cost_units")
 _UPSERT = f"""
     INSERT INTO usage_daily AS d ({_COLUMNS})
     SELECT c.day, c.org, c.key_id, c.model, sum(c.requests), sum(c.prompt_tokens), sum(c.completion_tokens),
@@ -44,18 +45,18 @@ CREATE TABLE usage_daily (
     org TEXT NOT NULL,
     key_id TEXT NOT NULL,
     model TEXT NOT NULL,
-    requests BIGINT NOT NULL,
-    prompt_tokens BIGINT NOT NULL,
-    completion_tokens BIGINT NOT NULL,
-    cached_tokens BIGINT NOT NULL,
-    cost_units BIGINT NOT NULL,
+    requests NUMERIC NOT NULL,
+    prompt_tokens NUMERIC NOT NULL,
+    completion_tokens NUMERIC NOT NULL,
+    cached_tokens NUMERIC NOT NULL,
+    cost_units NUMERIC NOT NULL,
     PRIMARY KEY (day, model, org, key_id)
 );
 CREATE INDEX usage_daily_org_day ON usage_daily (org, day);
 
 INSERT INTO usage_daily ({_COLUMNS})
 SELECT substr(u.created_at, 1, 10), u.org, u.key_id, coalesce(u.model, ''), count(*), sum(u.prompt_tokens),
-       sum(u.completion_tokens), sum(u.cached_tokens), sum(round(u.cost * 10000000000)::BIGINT)
+       sum(u.completion_tokens), sum(u.cached_tokens), sum(round(u.cost * 10000000000)::NUMERIC)
   FROM usage_events u GROUP BY 1, 2, 3, 4;
 
 CREATE FUNCTION kiln_usage_daily_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
