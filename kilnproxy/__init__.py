@@ -5,7 +5,8 @@ The package, in layers: each part imports only the parts below it (``setup.cfg``
 * ``__main__``, ``pytest_plugin``: ``python -m kilnproxy``, and the ``kilnproxy_harness`` fixture;
 * ``cli``, ``testing``: the commands; the ``Harness`` that starts a real gateway for tests;
 * ``web``: the aiohttp app (the composition root) and its servers;
-* ``ops``, ``inspector``: metrics, admin API, reload, drain, tracing; the inspector's UI and API;
+* ``ops``, ``inspector``: metrics, admin API, reload, drain, tracing; the inspector's UI and API, and the org
+  admins' portal page;
 * ``batches``: the Batch API (``/v1/files``, ``/v1/batches``) and the runner of batches' lines;
 * ``proxy``: the request's path, from the client to the upstream and back, and its usage row;
 * ``plugins``, ``store``, ``mock_servers``: the plugin manager and built-ins; the ledger (SQLite,

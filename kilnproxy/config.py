@@ -20,6 +20,7 @@ from .config_types import (
     ENDPOINTS,
     MAX_WEIGHT,
     PRIORITIES,
+    ROLES,
     ROUTING,
     BatchesConfig,
     Config,
@@ -324,7 +325,10 @@ def _key(source: str, i: int, table: Any) -> KeyConfig:
         tokens_per_minute=_per_minute(r, "tokens_per_minute"),
         priority=_priority(r, None),
         weight=_weight(r, None),
+        role=r.get("role", str, "member"),
     )
+    if key.role not in ROLES:
+        r.fail(r.key("role"), f"must be \"admin\" or \"member\", got {key.role!r}")
     r.done()
     return key
 

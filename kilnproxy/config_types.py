@@ -136,6 +136,7 @@ ROUTING = ("least_busy", "cache_aware", "round_robin")
 
 
 # The APIs a model may serve, by the names the usage rows' ``endpoint`` column uses.
+ROLES = ("admin", "member")  # a key's role: an admin key may also call the org API (/v1/org)
 ENDPOINTS = ("completions", "chat/completions", "embeddings", "responses", "messages")
 
 
@@ -182,6 +183,7 @@ class KeyConfig:
     # org's fair share (``Gateway.claim_of``).
     priority: str | None = None
     weight: float | None = None
+    role: str = "member"  # or "admin": the key may also call the org API (/v1/org) of its org
 
 
 @dataclass(frozen=True)

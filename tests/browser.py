@@ -1,6 +1,7 @@
 """Chromium for the inspector's browser tests (Debian's /usr/bin/chromium, driven by Playwright; ``make
 browser``): ``chromium_page()`` opens a page that fails the test on any page error or Content-Security-Policy
-refusal; ``stream_through(h, prompt)`` streams one request through a gateway. Screenshots go to ``ARTIFACTS``
+refusal; ``stream_through(h, prompt)`` streams one request through a gateway; ``tooltip_lines(page, chart)``, what a
+Chart.js chart's tooltip says over a bar. Screenshots go to ``ARTIFACTS``
 (tests/artifacts, or ``$KILNPROXY_ARTIFACTS``)."""
 
 import os
@@ -45,3 +46,15 @@ async def stream_through(h, prompt: str) -> str:
         assert resp.status == 200
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
         return resp.headers["X-Neocloud-Generation-Id"]
+
+
+async def tooltip_lines(page, chart: str, index: int | None = None) -> list[str]:
+    """The lines of the tooltip of the Chart.js chart on canvas ``chart`` over bar ``index`` (the first that is
+    not 0 by default) of every dataset, as the page writes them (its own callbacks, or Chart.js's)."""
+    return await page.evaluate("""([name, index]) => {
+      const c = Chart.getChart(name);
+      const at = index === null ? c.data.datasets[0].data.findIndex((v) => v > 0) : index;
+      c.tooltip.setActiveElements(c.data.datasets.map((_, d) => ({ datasetIndex: d, index: at })), { x: 0, y: 0 });
+      c.update();
+      return c.tooltip.body.flatMap((b) => b.lines);
+    }""", [chart, index])

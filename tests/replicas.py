@@ -90,9 +90,21 @@ class Ledger:
         return dict(await self.conn.fetch("SELECT org, SUM(cost) FROM usage_events GROUP BY org"))
 
     async def consistent(self) -> bool:
-        """Every org's spending equals the SUM(cost) of its rows (to the last bit of rounding)."""
+        """Every org's spending equals the SUM(cost) of its rows (to the last bit of rounding), and the
+        spend rollup (``usage_daily``) holds exactly the counts and sums of the rows."""
         spent, sums = await self.spent(), await self.sums()
-        return all(abs(spent.get(org, 0.0) - total) <= 1e-9 for org, total in sums.items())
+        return all(abs(spent.get(org, 0.0) - total) <= 1e-9 for org, total in sums.items()) and (
+            await self.rollup_in_step())
+
+    async def rollup_in_step(self) -> bool:
+        rollup = await self.conn.fetch(
+            "SELECT day, org, key_id, model, requests, prompt_tokens, completion_tokens, cached_tokens, cost_units"
+            " FROM usage_daily WHERE requests <> 0 ORDER BY 1, 2, 3, 4")
+        rows = await self.conn.fetch(
+            "SELECT substr(created_at, 1, 10), org, key_id, coalesce(model, ''), count(*), sum(prompt_tokens),"
+            " sum(completion_tokens), sum(cached_tokens), sum(round(cost * 10000000000)::NUMERIC)"
+            " FROM usage_events GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4")
+        return [tuple(r) for r in rollup] == [tuple(int(v) if i > 3 else v for i, v in enumerate(r)) for r in rows]
 
 
 async def stop_all(*processes) -> None:

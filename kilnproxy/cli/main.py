@@ -243,8 +243,9 @@ def cmd_check_config(args) -> int:
             print(f"  model    {m.id} -> {m.upstream_model} via {_upstreams_text(m, reserves)}, routing {m.routing}")
     for o in config.orgs:
         keys = sum(1 for k in config.keys if k.org == o.id)
+        admins = sum(1 for k in config.keys if k.org == o.id and k.role == "admin")
         print(f"  org      {o.id}: {o.credits} USD, {o.max_in_flight or config.limits.max_in_flight_per_org}"
-              f" in flight, {o.priority}, weight {o.weight:g}, {keys} key(s)")
+              f" in flight, {o.priority}, weight {o.weight:g}, {keys} key(s)" + (f" ({admins} admin)" if admins else ""))
     print(f"  ops      metrics {'on' if config.metrics.enabled else 'off'}, access log "
           f"{'on' if config.log.access else 'off'}{' with bodies' if config.log.bodies else ''}, health checks "
           + (f"every {config.health.interval:g} s on {config.health.path}" if config.health.interval else "off")

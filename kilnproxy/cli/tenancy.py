@@ -88,7 +88,7 @@ ORG_OPTIONS = (("--max-in-flight", WHOLE), ("--requests-per-minute", WHOLE), ("-
                ("--priority", str), ("--weight", WEIGHT))
 KEY_OPTIONS = (("--name", str), ("--models", _models), ("--limit", USD), ("--limit-reset", _text_or_none),
                ("--expires-at", _text_or_none), ("--requests-per-minute", WHOLE), ("--tokens-per-minute", WHOLE),
-               ("--priority", _text_or_none), ("--weight", WEIGHT))
+               ("--priority", _text_or_none), ("--weight", WEIGHT), ("--role", str))
 
 
 def add_tenancy_commands(sub: Any, config_arg: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -152,7 +152,7 @@ def body_of(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 
 ORG_FIELDS = ("max_in_flight", "requests_per_minute", "tokens_per_minute", "priority", "weight")
 KEY_FIELDS = ("name", "models", "limit", "limit_reset", "expires_at", "requests_per_minute", "tokens_per_minute",
-              "priority", "weight")
+              "priority", "weight", "role")
 
 
 # -- the actions: (args, changes) -> what to print ----------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 ORG_COLUMNS = (("id", "org"), ("source", "source"), ("granted", "granted"), ("spent", "spent"),
                ("held", "held"), ("remaining", "remaining"), ("max_in_flight", "in flight"),
                ("disabled", "disabled"), ("priority", "priority"), ("weight", "weight"))
-KEY_COLUMNS = (("id", "key"), ("name", "name"), ("org", "org"), ("prefix", "prefix"), ("source", "source"),
+KEY_COLUMNS = (("id", "key"), ("name", "name"), ("org", "org"), ("role", "role"), ("prefix", "prefix"), ("source", "source"),
                ("status", "status"), ("usage", "usage"), ("limit", "limit"), ("limit_reset", "reset"),
                ("expires_at", "expires"), ("priority", "priority"), ("weight", "weight"))
 

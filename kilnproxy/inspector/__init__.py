@@ -1,4 +1,5 @@
-"""The inspector: a live view of the gateway in the browser, at ``/ui``.
+"""The inspector: a live view of the gateway in the browser, at ``/ui``; and the org admins' portal,
+at ``/portal/``.
 
 * ``queries``: reads of the usage ledger (pages of requests, one request, usage buckets), on
   SQLite or on the shared PostgreSQL store: the API's parameters parsed, the SQL, the tables and the
@@ -10,11 +11,16 @@
 * ``tenancy``: the JSON side of the "Orgs & keys" page (balances, keys, grants; create, revoke, grant);
 * ``upstreams``: the JSON of the "Upstreams" page (each model's upstreams: prompt-cache hit rate and load);
 * ``batches``: the JSON side of the "Batches" page (every org's batches, their status, counts, progress);
-* ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored.
+* ``static/``: the page itself, plain HTML and JavaScript, with Chart.js vendored, and ``money.js``, the
+  one way every page writes money;
+* ``portal``: the org admins' page at ``/portal/`` (its files in ``portal_static/``, with ``money.js``
+  and Chart.js shared from ``static/``), which reads and changes one org through the org API
+  (``/v1/org``) with an admin key; it serves files only, no data.
 
-``setup_inspector(app, gateway)`` adds all of it to the gateway's app, or
-nothing when ``[inspector] enabled = false``. ``fallback_headers(path)``: the
-page's security headers, for the app's own error answers under ``/ui``.
+``setup_inspector(app, gateway)`` adds all of it to the gateway's app: the portal always (its files
+hold nothing; the org API answers for each org), the inspector unless ``[inspector] enabled = false``.
+``fallback_headers(path)``: the pages' security headers, for the app's own error answers under ``/ui``
+and ``/portal``.
 
 May import: ``batches``, ``proxy`` and everything below them; not ops, the web app or the CLI.
 """
@@ -27,6 +33,7 @@ from ..proxy.gateway import Gateway
 from .api import InspectorAPI, fallback_headers
 from .capture import CaptureRing
 from .hub import LiveHub
+from .portal import PortalPages
 from ..store.sqlite.inspector_reader import SQLiteReader
 from .queries import InspectorStore, SharedReader
 from .replica_feed import ReplicaFeed
@@ -35,6 +42,7 @@ __all__ = ["fallback_headers", "setup_inspector"]
 
 
 def setup_inspector(app: web.Application, gateway: Gateway) -> None:
+    app.router.add_routes(PortalPages().routes())
     config = gateway.config.inspector
     if not config.enabled:
         return

@@ -46,7 +46,7 @@ from .upstreams import upstreams_view
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_SECONDS = 15.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# On every answer under /ui. The page runs only its own files: no inline script or style (an injected
+# On every answer under /ui (and /portal). The page runs only its own files: no inline script or style (an injected
 # one would not run), no frame around it (it has buttons that revoke keys), nothing sniffed.
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -56,15 +56,16 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",  # the page's address may hold ?token=
 }
 NO_STORE = {"Cache-Control": "no-store"}  # the API's answers hold prompts, completions, a new key's secret
-UI = "/ui"
+PAGES = ("/ui", "/portal")  # the inspector's, the org admins' portal's (``.portal``)
 
 
 def fallback_headers(path: str) -> dict[str, str] | None:
     """The headers of an error answer the app gives outside the routes here (``secured``): a path
-    under ``/ui`` that none serves (404), a method none takes (405), a body over the limit (413), a
-    bug (500). None for a path not under ``/ui``."""
-    if path == UI or path.startswith(UI + "/"):
-        return {**SECURITY_HEADERS, **NO_STORE}
+    under ``/ui`` or ``/portal`` that none serves (404), a method none takes (405), a body over the
+    limit (413), a bug (500). None for a path under neither."""
+    for page in PAGES:
+        if path == page or path.startswith(page + "/"):
+            return {**SECURITY_HEADERS, **NO_STORE}
     return None
 
 

@@ -8,7 +8,7 @@ which only the live feed's ``EventSource`` needs), so a link cannot make one.
 * ``GET /ui/api/keys[?org=]``: ``{"data": [key]}``, each key with ``last_used``
   (the ``created_at`` of its newest usage row, null if none);
 * ``POST /ui/api/keys``: ``{"org", "name", "models"?, "limit"?, "limit_reset"?,
-  "expires_at"?}`` → 201 ``{"key": "<secret>", "data": key}``: the one answer
+  "expires_at"?, "role"?}`` → 201 ``{"key": "<secret>", "data": key}``: the one answer
   that ever holds the secret;
 * ``DELETE /ui/api/keys/{id}``: revoke → 200 key;
 * ``GET /ui/api/orgs/{id}/grants``: ``{"data": [grant]}``, oldest first;

@@ -15,7 +15,9 @@
 | GET /admin/v1/events[?org=&limit=&before=] | {"data": [event]}, newest first                      |
 
 Every route is behind the access rule of ``/admin/reload`` (``admin.check_admin``),
-checked before the body is read. The rules of a change (400, then 404, then
+checked before the body is read. The key routes and the events are also the org
+API's (``kilnproxy.ops.org_api``): the same handlers, given changes scoped to
+one org instead (``served(who, handler)``: ``who`` decides who asks). The rules of a change (400, then 404, then
 409; nothing changed by a refused request; the change in force on this
 replica before the answer) are ``kilnproxy.proxy.tenancy.changes``'; the objects
 are ``kilnproxy.proxy.tenancy.views``'. A query parameter a route does not take
@@ -43,20 +45,30 @@ ACTOR = "admin-api"
 MAX_EVENTS = 1000  # events in one page
 
 Handler = Callable[[web.Request, TenancyChanges], Awaitable[web.Response]]
+Asker = Callable[[web.Request], Awaitable[TenancyChanges]]
 
 
-def admin_route(handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The access rule, then ``handler(request, changes)`` with the store's outages answered 503."""
+def served(who: Asker, handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``who(request)`` (the access rule: refuses, or answers the changes the caller may make), then
+    ``handler(request, changes)``, the store's outages answered 503."""
 
     @functools.wraps(handler)
     async def route(request: web.Request) -> web.Response:
-        check_admin(request)
-        gw = request.app[GATEWAY]
-        changes = TenancyChanges(gateway_view(gw), ACTOR, gw.tenants.refresh)
         with answer_store_trouble():
-            return await handler(request, changes)
+            return await handler(request, await who(request))
 
     return route
+
+
+async def operator(request: web.Request) -> TenancyChanges:
+    """The operator's access rule (``check_admin``), then changes of every org, by ``admin-api``."""
+    check_admin(request)
+    gw = request.app[GATEWAY]
+    return TenancyChanges(gateway_view(gw), ACTOR, gw.tenants.refresh)
+
+
+def admin_route(handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
+    return served(operator, handler)
 
 
 def whole_number(params: dict[str, str], name: str, default: int | None, low: int, high: int) -> int | None:
@@ -115,34 +127,29 @@ async def list_grants(request: web.Request, changes: TenancyChanges) -> web.Resp
     return json_response({"data": await changes.grants(request.match_info["org_id"])})
 
 
-# -- keys -------------------------------------------------------------------------------------------
+# -- keys (the org API's too: ``changes`` may be one org's) ---------------------------------------------
 
-@admin_route
 async def create_key(request: web.Request, changes: TenancyChanges) -> web.Response:
     query(request)
     secret, key = await changes.create_key(await body(request))
     return json_response({"key": secret, "data": key}, status=201)
 
 
-@admin_route
 async def list_keys(request: web.Request, changes: TenancyChanges) -> web.Response:
-    params = query(request, "org")
+    params = query(request, *changes.filters)
     return json_response({"data": await changes.keys(params.get("org"))})
 
 
-@admin_route
 async def get_key(request: web.Request, changes: TenancyChanges) -> web.Response:
     query(request)
     return json_response(await changes.key(request.match_info["key_id"]))
 
 
-@admin_route
 async def update_key(request: web.Request, changes: TenancyChanges) -> web.Response:
     query(request)
     return json_response(await changes.update_key(request.match_info["key_id"], await body(request)))
 
 
-@admin_route
 async def revoke_key(request: web.Request, changes: TenancyChanges) -> web.Response:
     query(request)
     return json_response(await changes.revoke_key(request.match_info["key_id"]))
@@ -150,10 +157,9 @@ async def revoke_key(request: web.Request, changes: TenancyChanges) -> web.Respo
 
 # -- events -----------------------------------------------------------------------------------------
 
-@admin_route
 async def list_events(request: web.Request, changes: TenancyChanges) -> web.Response:
     """Newest first: at most ``limit`` (100), ids below ``before`` (the last id of the previous page)."""
-    params = query(request, "org", "limit", "before")
+    params = query(request, *changes.filters, "limit", "before")
     limit = whole_number(params, "limit", 100, 1, MAX_EVENTS)
     before = whole_number(params, "before", None, 1, 2**62)
     return json_response({"data": await changes.events(params.get("org"), limit=limit, before=before)})
@@ -168,10 +174,10 @@ def add_routes(app: web.Application) -> None:
             ("PATCH", "/admin/v1/orgs/{org_id}", update_org),
             ("POST", "/admin/v1/orgs/{org_id}/grants", add_grant),
             ("GET", "/admin/v1/orgs/{org_id}/grants", list_grants),
-            ("POST", "/admin/v1/keys", create_key),
-            ("GET", "/admin/v1/keys", list_keys),
-            ("GET", "/admin/v1/keys/{key_id}", get_key),
-            ("PATCH", "/admin/v1/keys/{key_id}", update_key),
-            ("DELETE", "/admin/v1/keys/{key_id}", revoke_key),
-            ("GET", "/admin/v1/events", list_events)):
+            ("POST", "/admin/v1/keys", admin_route(create_key)),
+            ("GET", "/admin/v1/keys", admin_route(list_keys)),
+            ("GET", "/admin/v1/keys/{key_id}", admin_route(get_key)),
+            ("PATCH", "/admin/v1/keys/{key_id}", admin_route(update_key)),
+            ("DELETE", "/admin/v1/keys/{key_id}", admin_route(revoke_key)),
+            ("GET", "/admin/v1/events", admin_route(list_events))):
         app.router.add_route(method, path, handler, expect_handler=expect_handler)

@@ -18,6 +18,8 @@ Modules beside them, which both stores use:
 * ``row_journal``: the row of a request served alone, appended to a file before its commit;
 * ``inspector_tables``: the inspector's tables and SQL (pages of requests, usage buckets), both stores;
 * ``reads``: the ledger as the commands read it (either store);
+* ``spend``: the spend query (usage summed by day, model, key and org), its SQL on either store, its
+  answer and CSV;
 * ``books``: each org's spending and holds as the store has them, and the store opened by a command.
 
 Inside, each imports only what is below it (setup.cfg's ``store_layers``): ``books``, then

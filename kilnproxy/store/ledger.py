@@ -45,7 +45,7 @@ committed, failed attempts, and the last commit's duration.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from ..errors import GatewayError
 
@@ -131,6 +131,10 @@ class Ledger(Protocol):
 
     async def get(self, generation_id: str) -> dict[str, Any] | None:
         """The committed row of that id, or ``None``."""
+
+    async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """The rows of a read query written with ``?`` placeholders (the same SQL on both stores), seeing
+        the row of every response this process has ended; 503 ``store_unavailable`` when out of reach."""
 
     def queue_depth(self) -> int:
         """Rows submitted and not yet being committed."""

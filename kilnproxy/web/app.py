@@ -17,7 +17,7 @@ from ..batches import install as batches
 from ..config import Config
 from ..errors import GatewayError
 from ..inspector import fallback_headers, setup_inspector
-from ..ops import admin, tenancy_api
+from ..ops import admin, org_api, spend_api, tenancy_api
 from ..plugins.manager import build_plugin_manager
 from ..proxy.endpoints import api_routes
 from ..proxy.endpoints import reads as read_endpoints
@@ -52,6 +52,8 @@ def create_app(config: Config, extra_plugins: Iterable[Any] = ()) -> web.Applica
     admin.install(app)  # /metrics, /admin/reload, access log, health checks, graceful shutdown
     tenancy_api.add_routes(app)  # /admin/v1: orgs, keys, grants and their events
     batches.install(app, expect_handler)  # /v1/files, /v1/batches and the runner of batches
+    spend_api.add_routes(app)  # /admin/v1/usage: spend by day, model, key and org
+    org_api.add_routes(app)  # /v1/org: an org's own admin keys, its keys, spend and events
     setup_inspector(app, gateway)
     add_fallback(app)  # last: JSON 404/405 for whatever no route above serves
     return app

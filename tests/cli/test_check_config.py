@@ -24,6 +24,7 @@ def test_a_valid_config_prints_what_it_would_serve(tmp_path):
                             admin={"token": "adm", "allow_loopback": False},
                             log={"access": True, "bodies": True},
                             maintenance={"enabled": True, "retry_after": "Tue, 01 Dec 2026 06:00:00 GMT"})
+    config["keys"][1]["role"] = "admin"
     path = tmp_path / "gw.toml"
     path.write_text(toml(config))
     out = check(path)
@@ -35,7 +36,7 @@ def test_a_valid_config_prints_what_it_would_serve(tmp_path):
         "  model    test-model -> org/Test-Model-7B via http://10.0.0.7:8000/v1, http://10.0.0.8:8000/v1,"
         " routing least_busy",
         "  org      acme: 100.0 USD, 200 in flight, interactive, weight 1, 1 key(s)",
-        "  org      globex: 100.0 USD, 8 in flight, interactive, weight 1, 1 key(s)",
+        "  org      globex: 100.0 USD, 8 in flight, interactive, weight 1, 1 key(s) (1 admin)",
         "  ops      metrics on, access log on with bodies, health checks every 2.5 s on /v1/models, admin token,"
         " drain 0 s, shutdown grace 12 s",
         "  maintenance on (Retry-After: Tue, 01 Dec 2026 06:00:00 GMT)",

@@ -100,22 +100,28 @@ async def test_keys_commands_print_the_secret_once(config_file):
     assert made.out.count(secret) == 1
     key_id = re.search(r"^id\s+(key_\w+)$", made.out, re.M).group(1)
     shown = (await kiln(cwd, "keys", "show", key_id, "--json", *c)).json()
-    assert shown == {"id": key_id, "name": "ci", "org": "acme", "prefix": secret[:8], "models": ["m"],
+    assert shown == {"id": key_id, "name": "ci", "org": "acme", "role": "member", "prefix": secret[:8],
+                     "models": ["m"],
                      "disabled": False, "revoked": False, "limit": 5.0, "limit_reset": "weekly", "usage": 0.0,
                      "limit_remaining": 5.0, "expires_at": "2099-01-01T00:00:00.000+00:00",
                      "created_at": shown["created_at"], "source": "api", "requests_per_minute": None,
                      "tokens_per_minute": None, "priority": None, "weight": None}
-    by_json = (await kiln(cwd, "keys", "create", "--org", "acme", "--name", "bot", "--json", *c)).json()
-    assert by_json["key"].startswith("sk-") and by_json["data"]["name"] == "bot"
+    by_json = (await kiln(cwd, "keys", "create", "--org", "acme", "--name", "bot", "--role", "admin", "--json",
+                          *c)).json()
+    assert by_json["key"].startswith("sk-") and (by_json["data"]["name"], by_json["data"]["role"]) == ("bot", "admin")
+    # the operator's commands may demote the org's last admin key (an org admin could not)
+    demoted = await kiln(cwd, "keys", "update", by_json["data"]["id"], "--role", "member", "--json", *c)
+    assert demoted.code == 0 and demoted.json()["role"] == "member"
     updated = (await kiln(cwd, "keys", "update", key_id, "--limit", "none", "--models", "all", "--disabled", "true",
-                          "--json", *c)).json()
-    assert updated == {**shown, "limit": None, "limit_remaining": None, "models": None, "disabled": True}
+                          "--role", "admin", "--json", *c)).json()
+    assert updated == {**shown, "limit": None, "limit_remaining": None, "models": None, "disabled": True,
+                       "role": "admin"}
     revoked = (await kiln(cwd, "keys", "revoke", key_id, "--json", *c)).json()
     assert revoked == {**updated, "revoked": True}
     listing = (await kiln(cwd, "keys", "list", "--org", "acme", "--json", *c)).json()
     assert [k["id"] for k in listing["data"]] == ["acme-key", key_id, by_json["data"]["id"]]
     table = await kiln(cwd, "keys", "list", *c)
-    assert re.search(rf"^{key_id}\s+ci\s+acme\s+{re.escape(secret[:8])}\s+api\s+revoked\s", table.out, re.M)
+    assert re.search(rf"^{key_id}\s+ci\s+acme\s+admin\s+{re.escape(secret[:8])}\s+api\s+revoked\s", table.out, re.M)
     everything = await asyncio.gather(*(kiln(cwd, *args, *c) for args in (("keys", "list"), ("keys", "show", key_id),
                                                                         ("orgs", "list"))))
     assert not any(secret in r.out + r.err for r in everything)
@@ -145,6 +151,7 @@ REFUSALS = [  # (arguments, what the one line says)
     (("orgs", "grant", "acme", "5"), "--reference"),
     (("orgs", "grant", "acme", "1e308", "--reference", "r"), "AMOUNT: `amount` must be at most 1,000,000,000,000 USD"),
     (("keys", "create", "--org", "nope", "--name", "n"), "No org `nope`"),
+    (("keys", "create", "--org", "acme", "--name", "n", "--role", "owner"), "--role: `role` must be admin or member."),
     (("keys", "create", "--org", "acme", "--name", "n", "--limit", "-1"), "--limit: `limit` must not be negative"),
     (("keys", "create", "--org", "acme", "--name", "n", "--limit-reset", "hourly"), "--limit-reset:"),
     (("keys", "create", "--org", "acme", "--name", "n", "--expires-at", "soon"), "--expires-at:"),

@@ -12,7 +12,8 @@ from kilnproxy.usage import round_usd
 ACME = {"id": "acme", "granted": 100.0, "spent": 0.0, "held": 0.0, "remaining": 100.0, "max_in_flight": None,
         "disabled": False, "source": "config", "requests_per_minute": None, "tokens_per_minute": None,
         "priority": "interactive", "weight": 1.0}
-CONFIG_KEY = {"id": "acme-key", "name": "acme-key", "org": "acme", "prefix": "sk-test-", "models": None,
+CONFIG_KEY = {"id": "acme-key", "name": "acme-key", "org": "acme", "role": "member", "prefix": "sk-test-",
+              "models": None,
               "disabled": False, "revoked": False, "limit": None, "limit_reset": None, "usage": 0.0,
               "limit_remaining": None, "expires_at": None, "created_at": None, "source": "config",
               "requests_per_minute": None, "tokens_per_minute": None, "priority": None, "weight": None,
@@ -54,7 +55,7 @@ async def test_a_key_is_made_used_granted_for_and_revoked(harness, store):
         secret, key = made["key"], made["data"]
         assert secret.startswith("sk-") and len(secret) > 40
         assert key["id"].startswith("key_") and key["created_at"].endswith("+00:00")
-        ci = {"id": key["id"], "name": "ci", "org": "acme", "prefix": secret[:8], "models": None,
+        ci = {"id": key["id"], "name": "ci", "org": "acme", "role": "member", "prefix": secret[:8], "models": None,
               "disabled": False, "revoked": False, "limit": 1.5, "limit_reset": "daily", "usage": 0.0,
               "limit_remaining": 1.5, "expires_at": None, "created_at": key["created_at"], "source": "api",
               "requests_per_minute": None, "tokens_per_minute": None, "priority": None, "weight": None}

@@ -41,6 +41,7 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
         await page.fill("#key-form input[name=limit]", "2")
         await page.select_option("#key-form select[name=limit_reset]", "monthly")
         await page.select_option("#key-form select[name=priority]", "batch")
+        await page.select_option("#key-form select[name=role]", "admin")
         await page.click("#key-form button[type=submit]")
         await page.wait_for_selector("#secret-box:not([hidden])")
         secret = await page.inner_text("#secret-value")
@@ -49,16 +50,17 @@ async def test_keys_and_credits_are_managed_from_the_page(harness):
         assert await page.inner_text("#secret-key-id") == key["id"]
         row = f'#keys-table tr[data-key="{key["id"]}"]'
         await page.wait_for_selector(row)
-        assert (await cells(page, row))[:9] == ["browser", key["id"], f"{secret[:8]}…", "$0.00 / $2.00", "monthly",
-                                                "–", "–", "batch / org's", "active"]
-        assert key["priority"] == "batch"
+        assert (await cells(page, row))[:10] == ["browser", key["id"], f"{secret[:8]}…", "admin", "$0.00 / $2.00",
+                                                 "monthly", "–", "–", "batch / org's", "active"]
+        assert (key["role"], key["priority"]) == ("admin", "batch")
+        assert (await cells(page, '#keys-table tr[data-key="acme-key"]'))[3] == "member"
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         await page.screenshot(path=str(ARTIFACTS / "inspector-orgs.png"), full_page=True)
 
         assert await complete(h, secret) == 200  # the new key works at once
         # the request's row comes over the live feed, and the open page refreshes the key's usage
         await page.wait_for_function(f"() => document.querySelector('{row} .last-used').textContent !== '–'")
-        assert (await cells(page, row))[3] == "$0.000002 / $2.00"
+        assert (await cells(page, row))[4] == "$0.0000017 / $2.00"  # three significant digits
 
         # shown once: gone when dismissed, and never served again
         await page.click("#secret-done")

@@ -48,7 +48,7 @@ def test_defaults_fill_every_key(tmp_path):
     assert model.upstream_model == "m" and model.reject_chat_params == ()
     assert model.pricing.cost(1_000_000, 0, 500_000) == 0  # no pricing: free
     key = config.keys[0]
-    assert key.models is None and key.disabled is False and key.id.startswith("key-")
+    assert key.models is None and key.disabled is False and key.role == "member" and key.id.startswith("key-")
     assert "sk-1" not in key.id
 
 
@@ -63,6 +63,9 @@ def test_defaults_fill_every_key(tmp_path):
     (GOOD.replace('org = "acme"', 'org = "nobody"'), "keys[0].org: org 'nobody' does not exist"),
     (GOOD + '[[keys]]\nkey = "sk-1"\norg = "acme"\n', "keys[1]: the same key is listed twice"),
     (GOOD.replace('key = "sk-1"', 'key_sha256 = "abc"'), "keys[0].key_sha256: must be 64 hex digits"),
+    (GOOD.replace('key = "sk-1"', 'key = "sk-1"\nrole = "owner"'),
+     'keys[0].role: must be "admin" or "member", got \'owner\''),
+    (GOOD.replace('key = "sk-1"', 'key = "sk-1"\nrole = true'), "keys[0].role: must be a string, got True"),
     (GOOD + "[[models]]\nid = \"m\"\nupstreams = [\"http://x/v1\"]\n", "models.id: 'm' is defined twice"),
     (GOOD + "[models.pricing]\nprompt = -1\n", "pricing.prompt: must not be negative"),
     # A finite price or credit so large that a cost or a sum with grants overflows a double to inf

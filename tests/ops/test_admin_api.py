@@ -30,7 +30,7 @@ def org(id, granted=0.0, spent=0.0, source="api", max_in_flight=None, disabled=F
 def key(body, **fields):
     """The key object ``body`` should be: its own id, prefix and created_at, and ``fields``."""
     assert body["id"].startswith("key_") and ISO.fullmatch(body["created_at"])
-    base = {"id": body["id"], "name": None, "org": None, "prefix": body["prefix"], "models": None,
+    base = {"id": body["id"], "name": None, "org": None, "role": "member", "prefix": body["prefix"], "models": None,
             "disabled": False, "revoked": False, "limit": None, "limit_reset": None, "usage": 0.0,
             "limit_remaining": None, "expires_at": None, "created_at": body["created_at"], "source": "api",
             "requests_per_minute": None, "tokens_per_minute": None, "priority": None, "weight": None}
@@ -153,7 +153,7 @@ async def test_a_body_after_a_byte_order_mark_is_read_as_the_model_apis_read_one
 
 async def test_get_v1_key_answers_a_config_key(gw):
     assert await api(gw)("GET", "/v1/key", headers=gw.headers(KEY)) == (200, {
-        "id": "acme-key", "name": "acme-key", "org": "acme", "prefix": KEY[:8], "models": None,
+        "id": "acme-key", "name": "acme-key", "org": "acme", "role": "member", "prefix": KEY[:8], "models": None,
         "disabled": False, "revoked": False, "limit": None, "limit_reset": None, "usage": 0.0,
         "limit_remaining": None, "expires_at": None, "created_at": None, "source": "config",
         "requests_per_minute": None, "tokens_per_minute": None, "priority": None, "weight": None})
@@ -242,6 +242,11 @@ BAD_BODIES = [  # (method, path, body or raw bytes, status, code, param)
     ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "models": "m"}, 400, "invalid_request", "models"),
     ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "models": []}, 400, "invalid_request", "models"),
     ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "disabled": True}, 400, "invalid_request", "disabled"),
+    ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "role": "owner"}, 400, "invalid_request", "role"),
+    ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "role": None}, 400, "invalid_request", "role"),
+    ("PATCH", "/admin/v1/keys/{key}", {"role": "Admin"}, 400, "invalid_request", "role"),
+    ("PATCH", "/admin/v1/keys/{key}", {"role": ["admin"]}, 400, "invalid_request", "role"),
+    ("PATCH", "/admin/v1/keys/acme-key", {"role": "admin"}, 409, "managed_by_config", None),
     ("POST", "/admin/v1/keys", {"org": "beta", "name": "n", "key": "sk-mine"}, 400, "invalid_request", "key"),
     ("POST", "/admin/v1/keys", {"org": "nope", "name": "n", "limit": -1}, 400, "invalid_request", "limit"),
     ("POST", "/admin/v1/keys", {"org": "nope", "name": "n"}, 404, "not_found", "org"),

@@ -64,7 +64,6 @@ const $ = (id) => document.getElementById(id);
 // whole in its tooltip, so that one long value cannot push the table's other columns off the page.
 const textCell = (text) => el("td", { class: "text", text, title: text });
 const ms = (v) => (v === null || v === undefined ? "–" : v >= 1000 ? `${(v / 1000).toFixed(2)} s` : `${Math.round(v)} ms`);
-const usd = (v) => (v ? `$${v < 0.01 ? Number(v.toPrecision(3)) : v.toFixed(4)}` : "$0");
 const localTime = (iso) => new Date(iso).toLocaleTimeString([], { hour12: false });
 function statusClass(s) { return s >= 500 ? "s-err" : s >= 400 ? (s === 429 ? "s-warn" : "s-err") : "s-ok"; }
 function pretty(text) {
@@ -83,7 +82,7 @@ function rowElement(row, fresh) {
     el("td", { class: statusClass(row.status), text: row.status + (row.error_code ? ` ${row.error_code}` : "")
                 + (row.disconnected ? " (left)" : "") }),
     el("td", { class: "num", text: `${row.prompt_tokens} / ${row.completion_tokens}` }),
-    el("td", { class: "num", text: usd(row.cost) }),
+    el("td", { class: "num", text: money(row.cost) }),
     el("td", { class: "num", text: ms(row.duration_ms) }),
     el("td", { class: "num", text: ms(row.ttft_ms) }),
     el("td", { text: row.captured ? "●" : "", title: row.captured ? "captured" : "" }));
@@ -196,7 +195,7 @@ async function showDetail(id) {
       ...(row.batch_id ? [batchFact(row.batch_id)] : []),
       fact("status", `${row.status}${row.error_code ? " " + row.error_code : ""}`),
       fact("tokens in / out", `${row.prompt_tokens} / ${row.completion_tokens}`),
-      fact("cached tokens", String(row.cached_tokens)), fact("cost", usd(row.cost)),
+      fact("cached tokens", String(row.cached_tokens)), fact("cost", money(row.cost)),
       fact("duration", ms(row.duration_ms)), fact("TTFT", ms(row.ttft_ms)),
       fact("finish", row.finish_reason || "–"), fact("client left", row.disconnected ? "yes" : "no"));
   } else facts.push(fact("state", "in flight"));
@@ -286,10 +285,13 @@ function drawChart(name, labels, datasets) {
     type: "bar", data: { labels, datasets },
     options: { animation: false, maintainAspectRatio: false, responsive: true,
       scales: { x: { stacked: true, ticks: { maxTicksLimit: 16 } },
-                y: { stacked: true, beginAtZero: true, ticks: name === "cost" ? { callback: (v) => usd(v) } : { precision: 0 } } },
-      plugins: { legend: { position: "right" } } },
+                y: { stacked: true, beginAtZero: true, ticks: name === "cost" ? { callback: (v) => money(v) } : { precision: 0 } } },
+      plugins: { legend: { position: "right" }, ...(name === "cost" ? { tooltip: COST_TOOLTIP } : {}) } },
   });
 }
+
+// Chart.js writes a tooltip's figure with three decimals at most ($0.0000002 would be 0): money.js's instead.
+const COST_TOOLTIP = { callbacks: { label: (item) => `${item.dataset.label}: ${money(item.parsed.y)}` } };
 
 // -- navigation --------------------------------------------------------------------
 

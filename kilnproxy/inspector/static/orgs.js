@@ -1,11 +1,9 @@
 // The "Orgs & keys" view: balances, keys, grants; create and revoke keys, grant credits.
-// Uses app.js's helpers (api, el, $); the JSON endpoints are in docs/inspector.md.
+// Uses app.js's helpers (api, el, $) and money.js's money; the JSON endpoints are in docs/inspector.md.
 "use strict";
 
 const orgsState = { org: null, timer: null };
 
-const money = (v) => (v === null || v === undefined ? "–"
-  : `${v < 0 ? "−" : ""}$${Math.abs(v).toFixed(v !== 0 && Math.abs(v) < 0.01 ? 6 : 2)}`);
 const day = (iso) => (iso ? new Date(iso).toLocaleString([], { hour12: false }) : "–");
 
 async function showOrgs(hash) {
@@ -86,8 +84,8 @@ async function loadKeys() {
     }
     return el("tr", { "data-key": k.id },
       textCell(k.name), el("td", { text: k.id }), el("td", { text: k.prefix ? `${k.prefix}…` : "–" }),
-      usageCell(k), el("td", { text: k.limit_reset || "never" }), el("td", { text: day(k.expires_at) }),
-      el("td", { class: "last-used", text: day(k.last_used) }), shareCell(k),
+      el("td", { class: "role", text: k.role }), usageCell(k), el("td", { text: k.limit_reset || "never" }),
+      el("td", { text: day(k.expires_at) }), el("td", { class: "last-used", text: day(k.last_used) }), shareCell(k),
       el("td", { class: `state ${cls}`, text: state }), action);
   }));
 }
@@ -113,6 +111,7 @@ async function createKey(event) {
   if (form.get("expires_at").trim()) body.expires_at = form.get("expires_at").trim();
   if (form.get("priority")) body.priority = form.get("priority");
   if (form.get("models").trim()) body.models = form.get("models").split(",").map((m) => m.trim()).filter(Boolean);
+  if (form.get("role") === "admin") body.role = "admin";
   await change(async () => {
     const made = await api("/ui/api/keys", {}, "POST", body);
     $("secret-key-id").textContent = made.data.id;

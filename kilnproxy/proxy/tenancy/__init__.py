@@ -6,8 +6,9 @@
 * ``key_ring``: ``Tenants``, the config's and the store's orgs and keys, merged in memory;
 * ``views``: the org and key objects of the admin API, ``GET /v1/key`` and the ``orgs`` / ``keys``
   commands;
-* ``changes``: the rules of changing orgs, keys and grants at runtime, shared by the admin API (ops)
-  and the commands (cli).
+* ``changes``: the rules of changing orgs, keys and grants at runtime, shared by the admin API and
+  the org API (ops: the operator's changes, or one org's by its admin keys), the inspector and the
+  commands (cli).
 
 Below the request's path (setup.cfg: the ``proxy_layers`` contract): may import only
 ``request_record`` and ``request_observers`` of proxy/ (it needs neither today), besides the kernel

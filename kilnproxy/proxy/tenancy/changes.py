@@ -11,9 +11,17 @@ order, before anything is written (so a refused change changes nothing):
    runtime) is 409 ``conflict``.
 
 Then the store makes the change and its audit event (``actor``: who made it,
-e.g. ``admin-api`` or ``cli``), ``after_change`` runs (a gateway: refresh its
-in-memory orgs and keys, so the change is in force before the answer), and the
-answer is the changed object as ``TenancyView`` shows it.
+e.g. ``admin-api``, ``cli`` or ``key:<key id>``), ``after_change`` runs (a
+gateway: refresh its in-memory orgs and keys, so the change is in force before
+the answer), and the answer is the changed object as ``TenancyView`` shows it.
+
+Scope: the operator's changes see every org (``org`` None). Those of an org's
+own admin (the org API, ``org`` its id) see that org only: a key, event or
+org of another is 404 ``not_found`` as if it did not exist (checked at step
+2, before 409); the bodies take no ``org`` and no per-minute limit (400 naming
+the field); grants and the orgs' own settings are refused (403); and a change
+that would leave the org without an active admin key is 409 ``conflict``
+(checked last, in the store's transaction: ``TenancyStore._keep_an_admin``).
 
 ``is_store_outage(exc)`` says whether an exception means the database is out
 of reach (PostgreSQL down, a statement timed out, the SQLite file locked too
@@ -29,7 +37,7 @@ import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
-from ...errors import GatewayError
+from ...errors import GatewayError, forbidden
 from ...store.tenancy import validation as bodies
 from ...store.ledger import UNREACHABLE_MESSAGE, store_unavailable
 from ...store.postgres.sqlstates import database_state
@@ -92,55 +100,80 @@ async def _nothing() -> None:
 
 
 class TenancyChanges:
-    """The changes of orgs, keys and grants, by ``actor``, on ``view``'s config and store."""
+    """The changes of orgs, keys and grants, by ``actor``, on ``view``'s config and store; of ``org``'s
+    keys only when it is given (an org's own admin)."""
 
     def __init__(self, view: TenancyView, actor: str,
-                 after_change: Callable[[], Awaitable[Any]] = _nothing):
+                 after_change: Callable[[], Awaitable[Any]] = _nothing, org: str | None = None):
         self.view = view
         self.store = view.store
         self.actor = actor
         self.after_change = after_change
+        self.scope = org
+        # the query parameters that choose an org: the operator's listings only
+        self.filters: tuple[str, ...] = ("org",) if org is None else ()
 
     # -- lookups with their 404 --
 
+    def _in_scope(self, org_id: str) -> bool:
+        return self.scope is None or org_id == self.scope
+
     async def org(self, org_id: str, param: str | None = None) -> dict[str, Any]:
         """The org object, or 404."""
-        org = await self.view.org(org_id)
+        org = await self.view.org(org_id) if self._in_scope(org_id) else None
         if org is None:
             raise not_found("org", org_id, param)
         return org
 
     async def key(self, key_id: str) -> dict[str, Any]:
-        """The key object, or 404."""
+        """The key object, or 404 (also for a key of another org than the scope's)."""
         key = await self.view.key(key_id)
-        if key is None:
+        if key is None or not self._in_scope(key["org"]):
             raise not_found("key", key_id)
         return key
 
     async def _org_row(self, org_id: str, param: str | None = None) -> dict[str, Any]:
-        row = await self.view.org_row(org_id)
+        row = await self.view.org_row(org_id) if self._in_scope(org_id) else None
         if row is None:
             raise not_found("org", org_id, param)
         return row
 
     async def _runtime_key(self, key_id: str) -> None:
-        if self.view.config_key(key_id) is not None:
-            raise managed_by_config("key", key_id)
-        if not bodies.storable(key_id) or await self.store.get_key(key_id) is None:
+        """404 for a key that exists nowhere (or in another org than the scope's), then 409 for a
+        config key."""
+        row = await self.view.key_row(key_id)
+        if row is None or not self._in_scope(row["org"]):
             raise not_found("key", key_id)
+        if row.get("source") == "config":
+            raise managed_by_config("key", key_id)
+
+    def _operator_only(self) -> None:
+        if self.scope is not None:
+            raise forbidden("Grants and an org's own settings are the operator's.")
+
+    def _admins_outside(self) -> int | None:
+        """For an org's own admin: the active admin keys of its org that the store does not hold (the
+        config's), which ``TenancyStore`` counts with its own; None for the operator (no such rule)."""
+        if self.scope is None:
+            return None
+        return sum(1 for k in self.view.config.keys if k.org == self.scope and k.role == "admin" and not k.disabled)
 
     async def grants(self, org_id: str) -> list[dict[str, Any]]:
+        self._operator_only()
         await self._org_row(org_id)
         return [grant_object(g) for g in await self.store.list_grants(org_id)]
 
     async def keys(self, org: str | None = None) -> list[dict[str, Any]]:
+        """Every key, or ``org``'s (404 naming ``org`` when it exists nowhere); the scope's only."""
+        org = self.scope or org
         if org is not None:
             await self._org_row(org, "org")
         return await self.view.keys(org)
 
     async def events(self, org: str | None = None, **page: Any) -> list[dict[str, Any]]:
-        """The audit events, newest first (``page``: the store's ``limit`` and ``before``); 404 naming
-        ``org`` when it is given and exists nowhere."""
+        """The audit events, newest first (``page``: the store's ``limit`` and ``before``), of ``org``
+        (404 naming it when it exists nowhere), or of the scope's."""
+        org = self.scope or org
         if org is not None:
             await self._org_row(org, "org")
         return await self.store.list_events(org=org, **page)
@@ -148,6 +181,7 @@ class TenancyChanges:
     # -- changes --
 
     async def create_org(self, body: Any) -> dict[str, Any]:
+        self._operator_only()
         fields = bodies.org_create(body)
         org_id = fields.pop("id")
         if self.view.config_org(org_id) is not None:
@@ -161,6 +195,7 @@ class TenancyChanges:
         return await self._changed_org(org_id)
 
     async def update_org(self, org_id: str, body: Any) -> dict[str, Any]:
+        self._operator_only()
         changes = bodies.org_patch(body)
         row = await self._org_row(org_id)
         if row.get("source") == "config":
@@ -170,6 +205,7 @@ class TenancyChanges:
 
     async def add_grant(self, org_id: str, body: Any) -> tuple[dict[str, Any], bool]:
         """``(grant, True)`` for a new grant; ``(the first grant, False)`` for a reference already used."""
+        self._operator_only()
         fields = bodies.grant_create(body)
         await self._org_row(org_id)
         grant, created = await self.store.add_grant(org_id, fields["amount"], fields["reference"],
@@ -178,24 +214,24 @@ class TenancyChanges:
         return grant_object(grant), created
 
     async def create_key(self, body: Any) -> tuple[str, dict[str, Any]]:
-        """``(secret, key)``: the secret is in this answer only."""
-        fields = bodies.key_create(body)
+        """``(secret, key)``: the secret is in this answer only. Scoped: of the scope's org."""
+        fields = bodies.key_create(body, self.scope)
         await self._org_row(fields["org"], "org")
         secret, row = await self.store.create_key(**fields, actor=self.actor)
         await self.after_change()
         return secret, await self.key(row["id"])
 
     async def update_key(self, key_id: str, body: Any) -> dict[str, Any]:
-        changes = bodies.key_patch(body)
+        changes = bodies.key_patch(body, own=self.scope is not None)
         await self._runtime_key(key_id)
-        await self.store.update_key(key_id, changes, actor=self.actor)
+        await self.store.update_key(key_id, changes, actor=self.actor, admins_outside=self._admins_outside())
         await self.after_change()
         return await self.key(key_id)
 
     async def revoke_key(self, key_id: str) -> dict[str, Any]:
         """Revoke for good (its rows stay); revoking a revoked key again changes nothing."""
         await self._runtime_key(key_id)
-        await self.store.revoke_key(key_id, actor=self.actor)
+        await self.store.revoke_key(key_id, actor=self.actor, admins_outside=self._admins_outside())
         await self.after_change()
         return await self.key(key_id)
 

@@ -145,7 +145,7 @@ class Tenants:
                          prefix=row["prefix"], name=row["name"], source="api", expires_at=self._expiry(row),
                          limit=row["limit"], limit_reset=row["limit_reset"], created_at=row["created_at"],
                          requests_per_minute=row["requests_per_minute"], tokens_per_minute=row["tokens_per_minute"],
-                         priority=row["priority"], weight=row["weight"])
+                         priority=row["priority"], weight=row["weight"], role=row["role"])
 
     def _expiry(self, row: dict[str, Any]) -> float | None:
         """The key's ``expires_at`` as a POSIX time. A text that cannot be read (a store written by an

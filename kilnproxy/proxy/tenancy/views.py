@@ -1,11 +1,11 @@
-"""The org and key objects of the admin API, ``GET /v1/key`` and the ``orgs`` / ``keys`` commands.
+"""The org and key objects of the admin API, the org API, ``GET /v1/key`` and the ``orgs`` / ``keys`` commands.
 
 One shape for both sources: orgs and keys of the config (``"source": "config"``)
 and those made at runtime (``"source": "api"``)::
 
     org: {"id", "granted", "spent", "held", "remaining", "max_in_flight", "disabled", "source",
           "requests_per_minute", "tokens_per_minute", "priority", "weight"}
-    key: {"id", "name", "org", "prefix", "models", "disabled", "revoked", "limit", "limit_reset",
+    key: {"id", "name", "org", "role", "prefix", "models", "disabled", "revoked", "limit", "limit_reset",
           "usage", "limit_remaining", "expires_at", "created_at", "source",
           "requests_per_minute", "tokens_per_minute", "priority", "weight"}
 
@@ -20,7 +20,8 @@ setting, null when it takes ``[limits] max_in_flight_per_org``. A key's
 8 characters, null for a config key the config gives by its hash only. A
 config key has no USD limit, no expiry and no ``created_at``; its ``name`` is its
 id. An org's ``priority`` and ``weight`` (SPEC 14) are always given; a key's are
-null when it takes its org's. The secret is in none of them.
+null when it takes its org's. ``role`` is ``admin`` (the key may also call the org
+API) or ``member``. The secret is in none of them.
 
 ``org_object`` and ``key_object`` are pure functions of rows and numbers;
 ``TenancyView`` gathers the rows and numbers for them, from the config and the
@@ -40,7 +41,7 @@ from ...usage import round_usd
 
 ORG_FIELDS = ("id", "granted", "spent", "held", "remaining", "max_in_flight", "disabled", "source",
               "requests_per_minute", "tokens_per_minute", "priority", "weight")
-KEY_FIELDS = ("id", "name", "org", "prefix", "models", "disabled", "revoked", "limit", "limit_reset", "usage",
+KEY_FIELDS = ("id", "name", "org", "role", "prefix", "models", "disabled", "revoked", "limit", "limit_reset", "usage",
               "limit_remaining", "expires_at", "created_at", "source", "requests_per_minute", "tokens_per_minute",
               "priority", "weight")
 SINCE_EVER = ""  # a period start below every ISO-8601 time: a config key's usage counts every row
@@ -57,7 +58,7 @@ def config_org_row(org: OrgConfig) -> dict[str, Any]:
 
 def config_key_row(key: KeyConfig) -> dict[str, Any]:
     """A config key in the shape of a runtime key's row."""
-    return {"id": key.id, "name": key.name or key.id, "org": key.org, "prefix": key.prefix,
+    return {"id": key.id, "name": key.name or key.id, "org": key.org, "role": key.role, "prefix": key.prefix,
             "models": None if key.models is None else list(key.models), "disabled": key.disabled,
             "revoked": False, "limit": None, "limit_reset": None, "expires_at": None, "created_at": None,
             "requests_per_minute": key.requests_per_minute, "tokens_per_minute": key.tokens_per_minute,

@@ -41,7 +41,10 @@ while holding one they need; version 11 (``kilnproxy.store.postgres.migrations.v
 usage row's ``upstream``, which ``kiln_settle`` keeps; version 12
 (``kilnproxy.store.postgres.migrations.v12``) the runtime orgs' and keys' ``priority`` and ``weight``;
 version 13 (``kilnproxy.store.postgres.migrations.v13``) the Batch API's tables and the usage row's
-``batch_id``, which ``kiln_settle`` keeps.
+``batch_id``, which ``kiln_settle`` keeps; version 14
+(``kilnproxy.store.postgres.migrations.v14``) a key's ``role``; version 15
+(``kilnproxy.store.postgres.migrations.v15``) ``usage_daily``, the spend query's rollup of the rows by
+day, org, key and model, kept in step by triggers.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from .migrations.v10 import V10
 from .migrations.v11 import V11
 from .migrations.v12 import V12
 from .migrations.v13 import V13
+from .migrations.v14 import V14
+from .migrations.v15 import V15
 
 MIGRATION_LOCK = 0x6B696C6E  # "kiln": the advisory lock key of schema changes
 
@@ -243,7 +248,7 @@ RETURNS TABLE (org TEXT, spent DOUBLE PRECISION, lost BIGINT) LANGUAGE sql AS $$
 $$;
 """
 
-MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13)
+MIGRATIONS: tuple[str, ...] = (_V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15)
 
 
 async def migrate(conn) -> int:

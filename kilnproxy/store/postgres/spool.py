@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any, Collection
 
 from ...usage import COLUMNS
-from ..sqlite.inserts import INSERT, values
+from ..sqlite.inserts import ADD, values
 from ..sqlite.schema import LOCK_WAIT_SECONDS, SCHEMA, add_missing_columns
 
-_ADD = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")
 
 
 class Damaged(Exception):
@@ -69,7 +68,7 @@ class Spool:
     def add(self, rows: list[dict[str, Any]]) -> None:
         with self._turn, self._db:
             self._db.execute("BEGIN")
-            self._db.executemany(_ADD, [values(r) for r in rows])
+            self._db.executemany(ADD, [values(r) for r in rows])
 
     def take(self, limit: int, skip: Collection[str] = ()) -> list[dict[str, Any]]:
         """The oldest ``limit`` rows but those of ids in ``skip``, still in the spool."""

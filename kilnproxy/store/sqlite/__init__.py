@@ -9,6 +9,8 @@
   loop commits on, read-only reads from another process (``read_rows``);
 * ``reopen``: a -wal, -shm or database file deleted under the gateway: the rows saved and the files
   opened anew, with the other connections of the process (``FileUser``);
+* ``spend_rollup``: ``usage_daily``, the rollup of the rows by day, org, key and model, and the
+  triggers that keep it in step;
 * ``checkpoint``: ``Checkpointer``, WAL checkpoints off the commit path;
 * ``inspector_reader``: ``SQLiteReader``, the inspector's own connection to the file, which fills the
   inspector's tables (``kilnproxy.store.inspector_tables``) as it reads them.

@@ -24,14 +24,20 @@ from .schema import LOCK_WAIT_SECONDS
 
 log = logging.getLogger("kilnproxy.ledger")
 
-INSERT = f"INSERT OR REPLACE INTO usage_events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-REPLAY = INSERT.replace("INSERT OR REPLACE", "INSERT OR IGNORE")  # a row the table has is left as it is
+_VALUES = f"({', '.join('?' * len(COLUMNS))})"
+ADD = f"INSERT OR IGNORE INTO usage_events ({', '.join(COLUMNS)}) VALUES {_VALUES}"  # a row there is left as it is
+REPLAY = ADD
+# A row written again (its id there) replaces the one there, as an UPDATE: its triggers keep the spend
+# rollup in step, which a REPLACE's delete would not fire (``spend_rollup``).
+_UPSERT = (f" ON CONFLICT (id) DO UPDATE SET ({', '.join(COLUMNS[1:])})"
+           f" = ({', '.join('excluded.' + c for c in COLUMNS[1:])})")
+INSERT = f"INSERT INTO usage_events ({', '.join(COLUMNS)}) VALUES {_VALUES}"
 ROWS_PER_INSERT = 64  # rows in one INSERT statement; every size up to it stays in sqlite3's statement cache
 
 
 @functools.lru_cache(maxsize=None)
 def insert_rows(n: int) -> str:
-    return INSERT + f", ({', '.join('?' * len(COLUMNS))})" * (n - 1)
+    return INSERT + f", {_VALUES}" * (n - 1) + _UPSERT
 
 
 values = itemgetter(*COLUMNS)  # row dict -> tuple in column order

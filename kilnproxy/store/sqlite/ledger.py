@@ -29,7 +29,7 @@ import logging
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import aiosqlite
 import orjson
@@ -350,3 +350,13 @@ class SQLiteLedger(Reopening, GroupCommitted):
         async with self._db.execute("SELECT * FROM usage_events WHERE id = ?", (generation_id,)) as cur:
             row = await cur.fetchone()
         return dict(row) if row is not None else None
+
+    async def fetch(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """Rows of a read query, seeing every row whose response ended (journaled rows committed first)."""
+        if self.here.journaled:
+            self.here.flush()
+            await asyncio.wait(list(self.here.journaled.values()))
+        if self._db is None:  # being opened anew
+            raise store_unavailable()
+        async with self._db.execute(sql, tuple(params)) as cur:
+            return [dict(r) for r in await cur.fetchall()]

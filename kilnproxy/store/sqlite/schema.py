@@ -1,7 +1,8 @@
 """The SQLite ledger's file: its table, made ready and proved writable, and read from another process.
 
-``prepare_file`` creates the table (and the inspector's tables, ``kilnproxy.store.inspector_tables``)
-in WAL mode and brings a file an older kilnproxy made to the current columns and indexes; the ledger
+``prepare_file`` creates the table (and the inspector's tables, ``kilnproxy.store.inspector_tables``;
+the spend rollup and its triggers, ``spend_rollup``) in WAL mode and brings a file an older kilnproxy
+made to the current columns and indexes (its rollup built from its rows); the ledger
 calls it at start-up, and so do the commands that write the file (before a gateway ever ran on it).
 ``connect_for_the_loop`` opens the connection the event loop's thread commits on (``loop_commits``);
 ``read_rows`` reads the file read-only, from another process (the ``usage`` command).
@@ -15,6 +16,7 @@ from typing import Any, Iterable
 
 from ...errors import StorageError
 from ..inspector_tables import SQLITE_TABLES as INSPECTOR_TABLES
+from .spend_rollup import add_rollup
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage_events (
@@ -93,6 +95,7 @@ def prepare_file(path: Path, inspector_tables: bool = False) -> None:
         db.executescript(SCHEMA)
         add_missing_columns(db)
         drop_old_indexes(db)
+        add_rollup(db)
         if inspector_tables:
             db.executescript(INSPECTOR_TABLES)
         db.execute("BEGIN IMMEDIATE")

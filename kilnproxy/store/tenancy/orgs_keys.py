@@ -18,6 +18,11 @@ Secrets: ``create_key`` makes the secret (``sk-`` + 32 random bytes) and
 returns it once; the store keeps its SHA-256 and its first 8 characters
 (``prefix``). No row, event or answer holds it afterwards.
 
+Roles: a key is a ``member`` or an ``admin`` (which may also call the org API).
+A change made by an org's own admin passes ``admins_outside`` and is refused
+(409 ``conflict``) when it would leave the org no active admin key; the
+operator's changes do not pass it.
+
 What the gateway needs to authenticate without a round trip, ``snapshot()``
 reads in one consistent moment: the orgs, the keys by SHA-256, the grants'
 sum per org and the version they are at.
@@ -44,16 +49,18 @@ from .validation import iso_utc
 
 ORG_COLUMNS = "id, max_in_flight, disabled, requests_per_minute, tokens_per_minute, priority, weight, created_at"
 KEY_COLUMNS = ('id, prefix, name, org, models, "limit", limit_reset, expires_at, disabled, revoked_at, '
-               'requests_per_minute, tokens_per_minute, priority, weight, created_at')
+               'requests_per_minute, tokens_per_minute, priority, weight, created_at, role')
 GRANT_COLUMNS = "id, org, amount, reference, created_at"
 EVENT_COLUMNS = "id, at, kind, org, subject, actor, detail"
 
 ORG_SETTABLE = ("max_in_flight", "disabled", "requests_per_minute", "tokens_per_minute", "priority", "weight")
 KEY_SETTABLE = ("name", "models", "limit", "limit_reset", "expires_at", "disabled",
-                "requests_per_minute", "tokens_per_minute", "priority", "weight")
+                "requests_per_minute", "tokens_per_minute", "priority", "weight", "role")
 
 BUMP = "UPDATE kiln_version SET version = version + 1 WHERE id = 1 RETURNING version"
 INSERT_EVENT = f"INSERT INTO kiln_audit ({EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+OTHER_ADMINS = ("SELECT COUNT(*) FROM kiln_keys WHERE org = ? AND id <> ? AND role = 'admin' AND disabled = 0 "
+                "AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > ?)")  # the (org, role) index
 
 
 def conflict(message: str) -> GatewayError:
@@ -62,6 +69,18 @@ def conflict(message: str) -> GatewayError:
 
 def new_secret() -> str:
     return "sk-" + secrets.token_urlsafe(32)
+
+
+def active_admin(key: Mapping[str, Any], now: str) -> bool:
+    """Whether ``key`` (a key's row, or a row with a change applied) may call the org API at ``now``
+    (ISO-8601 UTC text): an admin, not disabled, not revoked, not expired."""
+    return (key["role"] == "admin" and not key["disabled"] and key.get("revoked_at") is None
+            and (key["expires_at"] is None or key["expires_at"] > now))
+
+
+def last_admin(key_id: str) -> GatewayError:
+    return GatewayError(409, "conflict", f"The key `{key_id}` is its org's last active admin key: make another "
+                        "admin key first (the operator may change it).")
 
 
 @dataclass(frozen=True)
@@ -135,7 +154,8 @@ class TenancyStore:
                                   org_id, changes, actor)
 
     async def _update(self, table: str, columns: str, settable: tuple[str, ...], shape: Callable,
-                      kind: str, row_id: str, changes: Mapping[str, Any], actor: str | None) -> Any:
+                      kind: str, row_id: str, changes: Mapping[str, Any], actor: str | None,
+                      admins_outside: int | None = None) -> Any:
         unknown = set(changes) - set(settable)
         if unknown:
             raise ValueError(f"not fields of {table}: {sorted(unknown)}")
@@ -149,6 +169,8 @@ class TenancyStore:
                 diff = {name: value for name, value in changes.items() if before[name] != value}
                 if not diff:
                     raise _Unchanged(before)
+                if admins_outside is not None:
+                    await self._keep_an_admin(tx, old, {**old, **diff}, admins_outside)
                 sets = ", ".join(f'"{name}" = ?' for name in diff)
                 row = await tx.fetchrow(f"UPDATE {table} SET {sets} WHERE id = ? RETURNING {columns}",
                                         *(_stored(name, value) for name, value in diff.items()), row_id)
@@ -184,46 +206,66 @@ class TenancyStore:
     async def create_key(self, org: str, name: str, models: list[str] | None = None, limit: float | None = None,
                          limit_reset: str | None = None, expires_at: str | None = None,
                          requests_per_minute: int | None = None, tokens_per_minute: int | None = None,
-                         priority: str | None = None, weight: float | None = None, *,
+                         priority: str | None = None, weight: float | None = None, role: str | None = None, *,
                          actor: str | None = None) -> tuple[str, dict[str, Any]]:
-        """A new key of ``org``: ``(secret, key)``. The secret is in this answer only."""
+        """A new key of ``org`` (``role`` None: a member): ``(secret, key)``. The secret is in this
+        answer only."""
         secret = new_secret()
         key_id = "key_" + secrets.token_hex(8)
+        role = role or "member"
         fields = {"name": name, "models": models, "limit": limit, "limit_reset": limit_reset,
                   "expires_at": expires_at, "requests_per_minute": requests_per_minute,
-                  "tokens_per_minute": tokens_per_minute, "priority": priority, "weight": weight}
+                  "tokens_per_minute": tokens_per_minute, "priority": priority, "weight": weight, "role": role}
         async with self.db.transaction() as tx:
             version = await tx.fetchval(BUMP)
             row = await tx.fetchrow(
-                f"INSERT INTO kiln_keys (sha256, {KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?, ?, ?) "
-                f"RETURNING {KEY_COLUMNS}",
+                f"INSERT INTO kiln_keys (sha256, {KEY_COLUMNS}) "
+                f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?, ?, ?, ?) RETURNING {KEY_COLUMNS}",
                 sha256_hex(secret), key_id, secret[:8], name, org, _stored("models", models),
                 None if limit is None else float(limit), limit_reset, expires_at, requests_per_minute,
-                tokens_per_minute, priority, None if weight is None else float(weight), self._stamp())
+                tokens_per_minute, priority, None if weight is None else float(weight), self._stamp(), role)
             await self._event(tx, version, "key.created", org, key_id, {"prefix": secret[:8], **fields}, actor)
         return secret, _key(row)
 
-    async def update_key(self, key_id: str, changes: Mapping[str, Any], *,
-                         actor: str | None = None) -> dict[str, Any] | None:
+    async def update_key(self, key_id: str, changes: Mapping[str, Any], *, actor: str | None = None,
+                         admins_outside: int | None = None) -> dict[str, Any] | None:
         """Set the fields of ``changes`` (those of ``tenancy_validation.key_patch``); None if no such
-        runtime key. A revoked key can still be changed (it stays revoked)."""
+        runtime key. A revoked key can still be changed (it stays revoked). With ``admins_outside``
+        (a change by an org's own admin): 409 ``conflict``, nothing changed, when the change would
+        leave the key's org no active admin key (``_keep_an_admin``)."""
         return await self._update("kiln_keys", KEY_COLUMNS, KEY_SETTABLE, _key, "key.updated",
-                                  key_id, changes, actor)
+                                  key_id, changes, actor, admins_outside)
 
-    async def revoke_key(self, key_id: str, *, actor: str | None = None) -> dict[str, Any] | None:
-        """Revoke for good (its usage rows stay); None if no such key. Revoking it again changes nothing."""
+    async def revoke_key(self, key_id: str, *, actor: str | None = None,
+                         admins_outside: int | None = None) -> dict[str, Any] | None:
+        """Revoke for good (its usage rows stay); None if no such key. Revoking it again changes nothing.
+        ``admins_outside``: as ``update_key``'s."""
         try:
             async with self.db.transaction() as tx:
                 version = await tx.fetchval(BUMP)
                 row = await tx.fetchrow(f"SELECT {KEY_COLUMNS} FROM kiln_keys WHERE id = ?", key_id)
                 if row is None or row["revoked_at"] is not None:
                     raise _Unchanged(row)
+                if admins_outside is not None:
+                    await self._keep_an_admin(tx, row, {**row, "revoked_at": self._stamp()}, admins_outside)
                 row = await tx.fetchrow(f"UPDATE kiln_keys SET revoked_at = ? WHERE id = ? RETURNING {KEY_COLUMNS}",
                                         self._stamp(), key_id)
                 await self._event(tx, version, "key.revoked", row["org"], key_id, {"prefix": row["prefix"]}, actor)
         except _Unchanged as unchanged:
             return None if unchanged.row is None else _key(unchanged.row)
         return _key(row)
+
+    async def _keep_an_admin(self, tx: Any, before: Mapping[str, Any], after: Mapping[str, Any],
+                             admins_outside: int) -> None:
+        """409 ``conflict`` when the key ``before`` is an active admin, ``after`` (the same row
+        changed) is not, and its org has no other: none in the store and ``admins_outside`` (those
+        of the config) zero. Read after ``BUMP``, whose row lock orders every change of every
+        replica: two admins demoting each other at once cannot both pass."""
+        now = self._stamp()
+        if admins_outside > 0 or not active_admin(before, now) or active_admin(after, now):
+            return
+        if await tx.fetchval(OTHER_ADMINS, before["org"], before["id"], now) == 0:
+            raise last_admin(before["id"])
 
     # -- reads ------------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ The SQLite schema is versioned by the file's ``PRAGMA user_version``:
 ``SQLITE_MIGRATIONS[n]`` takes the file from version ``n`` to ``n + 1``. Its
 first entry is the tenancy tables, which the file of an existing gateway (its
 ``usage_events`` only, user_version 0) takes at start-up; its second, the orgs' and
-keys' ``priority`` and ``weight`` (``TENANCY_SHARES``). ``migrate_sqlite``
+keys' ``priority`` and ``weight`` (``TENANCY_SHARES``, PostgreSQL's version 12); its third, a key's
+``role`` (``KEY_ROLE``, the same text as PostgreSQL's version 14). ``migrate_sqlite``
 takes a *synchronous* ``sqlite3`` connection: the ledger calls it from the
 thread where it prepares the file (``asyncio.to_thread``), after creating
 ``usage_events``; an aiosqlite connection is never used for it.
@@ -116,9 +117,14 @@ ALTER TABLE kiln_keys ADD COLUMN weight DOUBLE PRECISION CHECK (weight > 0);
 """
 
 _SQLITE_V1 = TENANCY_TABLES
-_SQLITE_V2 = TENANCY_SHARES
 
-SQLITE_MIGRATIONS: tuple[str, ...] = (_SQLITE_V1, _SQLITE_V2)
+# A key's role (``admin``: it may also call the org API, ``/v1/org``); PostgreSQL's ``v14``.
+KEY_ROLE = """
+ALTER TABLE kiln_keys ADD COLUMN role TEXT NOT NULL DEFAULT 'member' CHECK (role IN ('admin', 'member'));
+CREATE INDEX kiln_keys_org_role ON kiln_keys (org, role);
+"""
+
+SQLITE_MIGRATIONS: tuple[str, ...] = (_SQLITE_V1, TENANCY_SHARES, KEY_ROLE)
 
 
 def migrate_sqlite(conn: sqlite3.Connection) -> int:

@@ -1,7 +1,9 @@
 """Strict checks of the bodies that change orgs, keys and grants, as pure functions.
 
-The admin API (``/admin/v1``) and the ``orgs`` / ``keys`` commands hand
-their input here before anything touches the store. Each function takes the
+The admin API (``/admin/v1``), the org API (``/v1/org``: an org's own admin
+keys, which may set neither an org nor a key's per-minute limits), the
+inspector and the ``orgs`` / ``keys`` commands hand their input here before
+anything touches the store. Each function takes the
 parsed JSON body and returns the fields it may change, normalised (a limit
 as a float, ``expires_at`` as ISO-8601 UTC text, the same form as the usage
 rows' ``created_at``); a patch returns only the fields it was given. Any
@@ -25,7 +27,7 @@ from typing import Any, Callable
 
 import orjson
 
-from ...config_types import MAX_USD, MAX_WEIGHT, PRIORITIES
+from ...config_types import MAX_USD, MAX_WEIGHT, PRIORITIES, ROLES
 from ...errors import GatewayError
 
 LIMIT_RESETS = ("daily", "weekly", "monthly")
@@ -152,6 +154,12 @@ def _expires_at(value: Any, field: str) -> str | None:
         raise invalid(f"`{field}` is out of range once converted to UTC (years 1 to 9999).", field) from None
 
 
+def _role(value: Any, field: str) -> str:
+    if value not in ROLES:
+        raise invalid(f"`{field}` must be admin or member.", field)
+    return value
+
+
 def _models(value: Any, field: str) -> list[str] | None:
     if value is None:
         return None
@@ -192,16 +200,22 @@ Check = Callable[[Any, str], Any]
 _ORG_LIMITS: dict[str, Check] = {
     "max_in_flight": _in_flight, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int,
     "priority": _priority, "weight": _weight}
-_KEY_FIELDS: dict[str, Check] = {
+# what an org's own admin may set on its keys (the org API); the per-minute limits, and the priority and
+# weight that make an org's share of the upstreams, stay the operator's
+_OWN_KEY_FIELDS: dict[str, Check] = {
     "name": _text, "models": _models, "limit": _limit, "limit_reset": _limit_reset, "expires_at": _expires_at,
-    "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int, "priority": _key_priority,
-    "weight": _key_weight}
+    "role": _role}
+_KEY_FIELDS: dict[str, Check] = {
+    **_OWN_KEY_FIELDS, "requests_per_minute": _positive_int, "tokens_per_minute": _positive_int,
+    "priority": _key_priority, "weight": _key_weight}
 
 ORG_CREATE: dict[str, Check] = {"id": _org_id, **_ORG_LIMITS}
 ORG_PATCH: dict[str, Check] = {**_ORG_LIMITS, "disabled": _flag}
 GRANT_CREATE: dict[str, Check] = {"amount": _usd, "reference": _text}
 KEY_CREATE: dict[str, Check] = {"org": _text, **_KEY_FIELDS}
 KEY_PATCH: dict[str, Check] = {**_KEY_FIELDS, "disabled": _flag}
+OWN_KEY_CREATE: dict[str, Check] = _OWN_KEY_FIELDS
+OWN_KEY_PATCH: dict[str, Check] = {**_OWN_KEY_FIELDS, "disabled": _flag}
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -238,12 +252,16 @@ def grant_create(body: Any) -> dict[str, Any]:
     return _checked(body, GRANT_CREATE, required=("amount", "reference"))
 
 
-def key_create(body: Any) -> dict[str, Any]:
-    """POST /admin/v1/keys: ``org``, ``name`` and the optional fields (None when not given)."""
-    return _checked(body, KEY_CREATE, required=("org", "name"), defaults=True)
+def key_create(body: Any, org: str | None = None) -> dict[str, Any]:
+    """POST /admin/v1/keys: ``org``, ``name`` and the optional fields (None when not given). With
+    ``org`` (POST /v1/org/keys, an org's own admin): the body names no org and no per-minute limit,
+    and the fields answered have ``org`` set to it."""
+    if org is None:
+        return _checked(body, KEY_CREATE, required=("org", "name"), defaults=True)
+    return {"org": org, **_checked(body, OWN_KEY_CREATE, required=("name",), defaults=True)}
 
 
-def key_patch(body: Any) -> dict[str, Any]:
-    """PATCH /admin/v1/keys/{id}: any of name, models, limit, limit_reset, expires_at, disabled
-    and the per-minute limits, as given."""
-    return _checked(body, KEY_PATCH)
+def key_patch(body: Any, own: bool = False) -> dict[str, Any]:
+    """PATCH /admin/v1/keys/{id}: any of name, models, limit, limit_reset, expires_at, disabled, role
+    and the per-minute limits, as given; ``own`` (PATCH /v1/org/keys/{id}): not the per-minute limits."""
+    return _checked(body, OWN_KEY_PATCH if own else KEY_PATCH)

@@ -453,7 +453,7 @@ def test_good_bodies_come_back_normalised():
                              "expires_at": "2026-12-31T23:59:59Z", "models": ["a", "b", "a"]})
     assert key == {"org": "acme", "name": "ci", "models": ["a", "b"], "limit": 0.0, "limit_reset": None,
                    "expires_at": "2026-12-31T23:59:59.000+00:00", "requests_per_minute": None,
-                   "tokens_per_minute": None, "priority": None, "weight": None}
+                   "tokens_per_minute": None, "priority": None, "weight": None, "role": None}
     assert bodies.key_patch({"expires_at": "2027-01-01T02:00:00+02:00"}) == {
         "expires_at": "2027-01-01T00:00:00.000+00:00"}
     assert bodies.key_patch({"expires_at": "2027-01-01"}) == {"expires_at": "2027-01-01T00:00:00.000+00:00"}

@@ -12,7 +12,9 @@ version before to its own (``kilnproxy.store.postgres.schema.MIGRATIONS``); neve
 * ``v10``: a reap takes per-minute entries in the order of their ids too;
 * ``v11``: the usage row's ``upstream`` (routing across upstreams);
 * ``v12``: the runtime orgs' and keys' ``priority`` and ``weight`` (fair queues);
-* ``v13``: the Batch API's tables and the usage row's ``batch_id``.
+* ``v13``: the Batch API's tables and the usage row's ``batch_id``;
+* ``v14``: a key's ``role`` (an org's own admins);
+* ``v15``: ``usage_daily``, the spend query's rollup, and its triggers.
 
 May import: ``kilnproxy.store.tenancy`` (the tenancy tables ``v2`` creates), ``kilnproxy.store.batch_api``
 (the Batch API's tables ``v13`` creates) and the kernel; nothing else of the store.
