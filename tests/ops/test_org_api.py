@@ -248,6 +248,11 @@ BAD = [  # (method, path, body or raw bytes, status, code, param)
     ("POST", "/v1/org/keys", {"name": "n", "models": []}, 400, "invalid_request", "models"),
     ("POST", "/v1/org/keys", {"name": "n", "disabled": True}, 400, "invalid_request", "disabled"),
     ("POST", "/v1/org/keys", {"name": "n", "requests_per_minute": 10}, 400, "invalid_request", "requests_per_minute"),
+    # an org's share of the model servers (SPEC 14) is the operator's: an admin cannot raise its own
+    ("POST", "/v1/org/keys", {"name": "n", "priority": "interactive"}, 400, "invalid_request", "priority"),
+    ("POST", "/v1/org/keys", {"name": "n", "weight": 100}, 400, "invalid_request", "weight"),
+    ("PATCH", "/v1/org/keys/{key}", {"weight": 100}, 400, "invalid_request", "weight"),
+    ("PATCH", "/v1/org/keys/{key}", {"priority": None}, 400, "invalid_request", "priority"),
     ("POST", "/v1/org/keys?org=acme", {"name": "n"}, 400, "invalid_request", "org"),
     ("PATCH", "/v1/org/keys/{key}", {"tokens_per_minute": 5}, 400, "invalid_request", "tokens_per_minute"),
     ("PATCH", "/v1/org/keys/{key}", {"revoked": False}, 400, "invalid_request", "revoked"),
